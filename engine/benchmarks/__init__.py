@@ -1,0 +1,1 @@
+"""Benchmark commands: `specserve bench offline | blocks | serve`."""

@@ -1,0 +1,41 @@
+"""`specserve bench <name>`: each benchmark prints ratios against a baseline run in the
+same invocation."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+
+from engine.cli import command
+
+# name -> (module, help). Each module has add_arguments(parser) and run(args) -> int.
+BENCHMARKS = {
+    "offline": ("engine.benchmarks.offline",
+                "engine throughput/latency vs transformers generate() and generate_batch()"),
+    "blocks": ("block_manager.bench", "block manager operations per second"),
+    "serve": ("engine.benchmarks.serve", "load-test a running server over gRPC"),
+}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="benchmark", required=True)
+    for name, (module_name, help_text) in BENCHMARKS.items():
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError:
+            continue
+        if hasattr(module, "add_arguments"):
+            module.add_arguments(p)
+        else:  # a standalone main(argv) benchmark
+            p.add_argument("argv", nargs=argparse.REMAINDER)
+
+
+def run(args: argparse.Namespace) -> int:
+    module = importlib.import_module(BENCHMARKS[args.benchmark][0])
+    if hasattr(module, "run"):
+        return module.run(args)
+    return module.main(args.argv)
+
+
+command("bench", "benchmarks: offline engine, block manager, gRPC serving")((add_arguments, run))

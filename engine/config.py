@@ -1,0 +1,91 @@
+"""Engine configuration: one frozen dataclass, validated on construction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+SPECULATIVE_METHODS = ("none", "draft", "ngram")
+ATTENTION_BACKENDS = ("auto", "torch", "xformers")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+GiB = 1 << 30
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str | None = None
+    draft_model: str | None = None
+    # None picks a default: "draft" when a draft model is given, else "ngram" on CPU.
+    speculative_method: str | None = None
+    num_speculative_tokens: int = 4
+    # Above this many running requests speculation is switched off: verification is
+    # no longer free once the batch is compute-bound.
+    speculative_disable_batch_size: int = 16
+    ngram_min: int = 1
+    ngram_max: int = 4
+    block_size: int = 16
+    num_kv_blocks: int | None = None
+    # Memory budget for all KV caches (target and draft together) when
+    # num_kv_blocks is not given.
+    kv_cache_memory_gib: float = 1.0
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None
+    max_waiting_requests: int = 1024
+    enable_prefix_caching: bool = True
+    device: str = "auto"
+    dtype: str = "auto"
+    attn_backend: str = "auto"
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        _in("speculative_method", self.speculative_method, (None, *SPECULATIVE_METHODS))
+        _in("attn_backend", self.attn_backend, ATTENTION_BACKENDS)
+        _in("dtype", self.dtype, DTYPES)
+        _range("num_speculative_tokens", self.num_speculative_tokens, 1, 16)
+        _range("speculative_disable_batch_size", self.speculative_disable_batch_size, 1, None)
+        _range("ngram_min", self.ngram_min, 1, 16)
+        _range("ngram_max", self.ngram_max, self.ngram_min, 16)
+        if self.block_size not in (8, 16, 32, 64):
+            raise ValueError(f"block_size must be one of 8, 16, 32, 64, got {self.block_size}")
+        if self.num_kv_blocks is not None:
+            _range("num_kv_blocks", self.num_kv_blocks, 2, None)
+        if not self.kv_cache_memory_gib > 0:
+            raise ValueError(f"kv_cache_memory_gib must be > 0, got {self.kv_cache_memory_gib}")
+        _range("max_num_seqs", self.max_num_seqs, 1, 4096)
+        _range("max_num_batched_tokens", self.max_num_batched_tokens, 16, None)
+        if self.max_model_len is not None:
+            _range("max_model_len", self.max_model_len, 2, None)
+        _range("max_waiting_requests", self.max_waiting_requests, 1, None)
+        _range("seed", self.seed, 0, 2**63 - 1)
+        if self.speculative_method == "draft" and not self.draft_model:
+            raise ValueError("speculative_method='draft' needs draft_model")
+        if self.draft_model and self.speculative_method in ("none", "ngram"):
+            raise ValueError(
+                f"draft_model is set but speculative_method is {self.speculative_method!r}; "
+                "use 'draft' or leave it unset"
+            )
+
+    @property
+    def resolved_speculative_method(self) -> str:
+        if self.speculative_method is not None:
+            return self.speculative_method
+        return "draft" if self.draft_model else "ngram"
+
+    @property
+    def kv_cache_memory_bytes(self) -> int:
+        return int(self.kv_cache_memory_gib * GiB)
+
+
+def _in(name: str, value: object, allowed: tuple) -> None:
+    if value not in allowed:
+        shown = ", ".join(repr(a) for a in allowed if a is not None)
+        raise ValueError(f"{name} must be one of {shown}, got {value!r}")
+
+
+def _range(name: str, value: object, lo: int, hi: int | None) -> None:
+    allowed = f"[{lo}, {hi}]" if hi is not None else f">= {lo}"
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name} must be an integer {allowed}, got {value!r}")
+    if value < lo or (hi is not None and value > hi):
+        raise ValueError(f"{name} must be {allowed}, got {value}")

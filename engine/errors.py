@@ -1,0 +1,30 @@
+"""Errors the engine raises to its callers."""
+
+from __future__ import annotations
+
+
+class EngineError(RuntimeError):
+    """Base class for errors that end a request without being the caller's fault."""
+
+
+class EngineOverloadedError(EngineError):
+    """The bounded waiting queue is full; the caller should retry later."""
+
+    def __init__(self, num_waiting: int, limit: int, retry_after_s: float = 1.0) -> None:
+        super().__init__(
+            f"engine overloaded: {num_waiting} requests waiting (limit {limit}); "
+            f"retry in about {retry_after_s:.1f}s"
+        )
+        self.retry_after_s = retry_after_s
+
+
+class EngineDeadError(EngineError):
+    """The engine loop failed; every in-flight request ends with this error."""
+
+
+class EngineShutdownError(EngineError):
+    """The engine is shutting down and accepts no new requests."""
+
+
+class ModelLoadError(RuntimeError):
+    """A model could not be found, fetched or read. The message is one line."""

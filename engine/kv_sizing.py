@@ -1,0 +1,52 @@
+"""How many KV blocks to allocate, and the context length that follows from it.
+
+The target and the draft pools hold the same number of blocks (a draft must cache
+every token the target does) and are sized together from one memory budget, so a
+draft model can never silently eat the target's blocks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engine.attention import kv_cache_bytes_per_block
+from engine.config import EngineConfig
+
+
+@dataclass(frozen=True)
+class KVCachePlan:
+    num_blocks: int  # per pool, the null block included
+    max_model_len: int
+    bytes_per_block: int  # target + draft together
+
+
+def _bytes_per_block(loaded, block_size: int) -> int:
+    arch = loaded.arch
+    return kv_cache_bytes_per_block(
+        arch.num_layers, block_size, arch.num_kv_heads, arch.head_dim, loaded.dtype
+    )
+
+
+def plan_kv_cache(config: EngineConfig, loaded, draft_loaded=None) -> KVCachePlan:
+    per_block = _bytes_per_block(loaded, config.block_size)
+    if draft_loaded is not None:
+        per_block += _bytes_per_block(draft_loaded, config.block_size)
+    if config.num_kv_blocks is not None:
+        num_blocks = config.num_kv_blocks
+    else:
+        num_blocks = config.kv_cache_memory_bytes // per_block
+        if num_blocks < 2:
+            raise ValueError(
+                f"kv_cache_memory_gib={config.kv_cache_memory_gib} holds {num_blocks} KV blocks "
+                f"of {per_block} bytes; at least 2 are needed"
+            )
+    model_max = loaded.arch.max_position_embeddings
+    max_model_len = config.max_model_len or model_max
+    if max_model_len > model_max:
+        raise ValueError(
+            f"max_model_len must be <= {model_max} (the model's max_position_embeddings), "
+            f"got {max_model_len}"
+        )
+    # One request alone must always fit, or preemption could never make room for it.
+    capacity = (num_blocks - 1) * config.block_size
+    return KVCachePlan(num_blocks, min(max_model_len, capacity), per_block)

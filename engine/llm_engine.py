@@ -1,0 +1,348 @@
+"""LLMEngine: schedule -> propose -> one packed forward -> sample/verify -> update -> emit."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from block_manager import KVCacheManager
+from engine.config import EngineConfig
+from engine.detokenizer import IncrementalDetokenizer
+from engine.kv_sizing import plan_kv_cache
+from engine.model_runner import ModelRunner, SeqInput
+from engine.outputs import RequestMetrics, RequestOutput
+from engine.sampling_params import SamplingParams
+from engine.spec_decode.proposers import build_proposer
+from engine.spec_decode.verifier import Verifier
+from engine.stats import EngineStats, StepRecord
+from scheduler.output import ModelRunnerOutput, SchedulerOutput
+from scheduler.request import Request
+from scheduler.scheduler import Scheduler, SchedulerConfig
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class _RequestState:
+    """Engine-side state of a request: what the scheduler must not see."""
+
+    request: Request
+    params: SamplingParams
+    detokenizer: IncrementalDetokenizer
+    metrics: RequestMetrics
+    generator: torch.Generator | None
+    num_emitted_tokens: int = 0
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, loaded=None, draft_loaded=None) -> None:
+        from engine.loader import load_model
+
+        self.config = config
+        self.loaded = loaded or load_model(
+            config.model, dtype=config.dtype, device=config.device, attn_backend=config.attn_backend
+        )
+        self.tokenizer = self.loaded.tokenizer
+        self.device = torch.device(self.loaded.device)
+        method = config.resolved_speculative_method
+        if method == "draft" and draft_loaded is None:
+            draft_loaded = load_model(
+                config.draft_model,
+                dtype=str(self.loaded.dtype).removeprefix("torch."),
+                device=str(self.device),
+                attn_backend=config.attn_backend,
+            )
+        plan = plan_kv_cache(config, self.loaded, draft_loaded)
+        self.max_model_len = plan.max_model_len
+        self.num_kv_blocks = plan.num_blocks
+        self.kv_manager = KVCacheManager(
+            plan.num_blocks,
+            config.block_size,
+            enable_caching=config.enable_prefix_caching,
+            cache_key=f"{self.loaded.name}:{self.loaded.dtype}",
+        )
+        self.runner = ModelRunner(self.loaded, plan.num_blocks, config.block_size)
+        self.proposer = build_proposer(method, config, self.loaded, draft_loaded, plan.num_blocks)
+        self.verifier = Verifier(self.device, config.seed)
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                max_num_seqs=config.max_num_seqs,
+                max_num_batched_tokens=config.max_num_batched_tokens,
+                max_model_len=self.max_model_len,
+                num_spec_tokens=config.num_speculative_tokens,
+                spec_enabled=self.proposer is not None,
+                spec_disable_batch_size=config.speculative_disable_batch_size,
+                draft_cost=self.proposer.draft_cost if self.proposer else 0.0,
+            ),
+            self.kv_manager,
+        )
+        self.eos_token_ids = frozenset(self.loaded.eos_token_ids)
+        self.vocab_size = self.loaded.arch.vocab_size
+        self._states: dict[str, _RequestState] = {}
+        self.stats = EngineStats()
+        self.last_step: StepRecord | None = None
+
+    # ---- requests ---------------------------------------------------------------------
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | list[int] | None,
+        params: SamplingParams | None = None,
+        *,
+        priority: int = 0,
+        messages: list[dict[str, str]] | None = None,
+        arrival_time: float | None = None,
+    ) -> None:
+        """Queue a request. Raises ValueError (naming the field) for bad input."""
+        params = params or SamplingParams()
+        prompt_ids = self._prompt_token_ids(prompt, messages)
+        self._validate(prompt_ids, params)
+        if request_id in self._states:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        stop_ids = set(params.stop_token_ids)
+        if not params.ignore_eos:
+            stop_ids |= self.eos_token_ids
+        request = Request(
+            request_id=request_id,
+            prompt_token_ids=prompt_ids,
+            max_tokens=params.max_tokens,
+            stop_token_ids=frozenset(stop_ids),
+            priority=priority,
+            arrival_time=arrival_time or time.monotonic(),
+            max_spec_tokens=params.num_speculative_tokens,
+            sampling_params=params,
+        )
+        generator = None
+        if params.seed is not None:
+            generator = torch.Generator(self.device).manual_seed(params.seed)
+        self._states[request_id] = _RequestState(
+            request=request,
+            params=params,
+            detokenizer=IncrementalDetokenizer(self.tokenizer, prompt_ids, params.stop),
+            metrics=RequestMetrics(arrival_time=request.arrival_time,
+                                   num_prompt_tokens=len(prompt_ids)),
+            generator=generator,
+        )
+        self.scheduler.add_request(request)
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        state = self._states.get(request_id)
+        if state is None:
+            return None
+        self.scheduler.abort(request_id)
+        return self._finish_output(state, [], "")
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    @property
+    def num_waiting_requests(self) -> int:
+        return self.scheduler.num_waiting
+
+    def _prompt_token_ids(
+        self, prompt: str | list[int] | None, messages: list[dict[str, str]] | None
+    ) -> list[int]:
+        if messages is not None:
+            if prompt:
+                raise ValueError("give either prompt or messages, not both")
+            if not messages:
+                raise ValueError("messages must not be empty")
+            text = self.tokenizer.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=True
+            )
+            return list(self.tokenizer.encode(text, add_special_tokens=False))
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt must not be empty")
+            return list(self.tokenizer.encode(prompt))
+        if prompt is None:
+            raise ValueError("prompt must not be empty")
+        return list(prompt)
+
+    def _validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        if not prompt_ids:
+            raise ValueError("prompt must not be empty (it encodes to 0 tokens)")
+        for i, token_id in enumerate(prompt_ids):
+            if isinstance(token_id, bool) or not isinstance(token_id, int) or not (
+                0 <= token_id < self.vocab_size
+            ):
+                raise ValueError(
+                    f"prompt_token_ids[{i}] = {token_id!r} is outside the vocabulary "
+                    f"[0, {self.vocab_size - 1}]"
+                )
+        if len(prompt_ids) >= self.max_model_len:
+            raise ValueError(
+                f"prompt has {len(prompt_ids)} tokens; the context window allows at most "
+                f"{self.max_model_len - 1} prompt tokens (max_model_len {self.max_model_len})"
+            )
+        for token_id in params.stop_token_ids:
+            if token_id >= self.vocab_size:
+                raise ValueError(
+                    f"stop_token_ids contains {token_id}, outside the vocabulary "
+                    f"[0, {self.vocab_size - 1}]"
+                )
+
+    # ---- the step ---------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        sched = self.scheduler.schedule()
+        self._release_preempted(sched)
+        if sched.is_empty:
+            return []
+        t0 = time.perf_counter()
+        draft_probs = self._propose(sched)
+        t1 = time.perf_counter()
+        seqs, sample_states, draft_counts = self._build_inputs(sched)
+        logits = self.runner.forward(seqs)  # [sum(1 + drafts) over sampling requests, vocab]
+        runner_output = self.verifier.verify(logits, sched, sample_states, draft_counts, draft_probs)
+        t2 = time.perf_counter()
+        changed = self.scheduler.update(sched, runner_output)
+        if self.proposer is not None:
+            self.proposer.on_verified(changed)
+        outputs = [self._emit(self._states[r.request_id], runner_output) for r in changed]
+        self._record_step(sched, t1 - t0, t2 - t1, runner_output)
+        return [o for o in outputs if o is not None]
+
+    def _release_preempted(self, sched: SchedulerOutput) -> None:
+        if self.proposer is not None:
+            for request_id in sched.preempted_request_ids:
+                self.proposer.free(request_id)
+
+    def _propose(self, sched: SchedulerOutput) -> torch.Tensor | None:
+        speculating = [s for s in sched.scheduled if s.num_spec_tokens > 0]
+        if not speculating or self.proposer is None:
+            return None
+        requests = [self._states[s.request_id] for s in speculating]
+        drafts, draft_probs = self.proposer.propose(speculating, requests)
+        for item, tokens in zip(speculating, drafts):
+            item.spec_token_ids = tokens
+            item.num_scheduled_tokens += len(tokens)
+        return draft_probs
+
+    def _build_inputs(self, sched: SchedulerOutput):
+        seqs: list[SeqInput] = []
+        sample_states: list[_RequestState] = []
+        draft_counts: list[int] = []
+        for item in sched.scheduled:
+            state = self._states[item.request_id]
+            request = state.request
+            if state.metrics.first_scheduled_time is None:
+                state.metrics.first_scheduled_time = request.first_scheduled_time
+            num_verified = item.num_scheduled_tokens - len(item.spec_token_ids)
+            start = item.num_computed_tokens
+            tokens = request.all_token_ids[start : start + num_verified] + item.spec_token_ids
+            num_logits = 1 + len(item.spec_token_ids) if item.needs_sample else 0
+            seqs.append(SeqInput(tokens, start, item.block_ids, num_logits))
+            if item.needs_sample:
+                sample_states.append(state)
+                draft_counts.append(len(item.spec_token_ids))
+        return seqs, sample_states, draft_counts
+
+    # ---- outputs ----------------------------------------------------------------------
+    def _emit(self, state: _RequestState, runner_output: ModelRunnerOutput) -> RequestOutput | None:
+        request = state.request
+        new_ids = request.output_token_ids[state.num_emitted_tokens :]
+        state.num_emitted_tokens = request.num_output_tokens
+        now = time.monotonic()
+        if state.metrics.first_token_time is None and new_ids:
+            state.metrics.first_token_time = now
+            self.stats.num_prompt_tokens += request.num_prompt_tokens
+        text, stop_hit = state.detokenizer.push(new_ids)
+        logprobs = runner_output.logprobs.get(request.request_id)
+        if stop_hit is not None and not request.is_finished:
+            request.stop_reason = stop_hit
+            request.finish_reason = "stop"
+            self.scheduler.finish(request, "stop")
+        if request.is_finished:
+            if stop_hit is None:
+                text += state.detokenizer.flush()
+            return self._finish_output(state, new_ids, text, logprobs)
+        if not new_ids:
+            return None
+        return self._output(state, new_ids, text, False, None, logprobs)
+
+    def _finish_output(self, state, new_ids, text, logprobs=None) -> RequestOutput:
+        request = state.request
+        if not request.is_finished:  # aborted before the scheduler saw it finish
+            request.finish_reason = request.finish_reason or "abort"
+        self._states.pop(request.request_id, None)
+        if self.proposer is not None:
+            self.proposer.free(request.request_id)
+        metrics = state.metrics
+        metrics.finished_time = time.monotonic()
+        metrics.num_cached_prompt_tokens = request.num_cached_prompt_tokens
+        metrics.num_draft_tokens = request.num_draft_tokens
+        metrics.num_accepted_tokens = request.num_accepted_tokens
+        metrics.num_preemptions = request.num_preemptions
+        self.stats.num_requests_finished[request.finish_reason] += 1
+        return self._output(state, new_ids, text, True, request.finish_reason, logprobs)
+
+    def _output(self, state, new_ids, text, finished, reason, logprobs) -> RequestOutput:
+        request = state.request
+        return RequestOutput(
+            request_id=request.request_id,
+            prompt_token_ids=request.prompt_token_ids,
+            token_ids=list(new_ids),
+            text=text,
+            finished=finished,
+            finish_reason=reason,
+            metrics=state.metrics,
+            stop_reason=request.stop_reason if finished else None,
+            logprobs=logprobs[: len(new_ids)] if logprobs else None,
+        )
+
+    def _record_step(self, sched: SchedulerOutput, draft_s: float, forward_s: float,
+                     runner_output: ModelRunnerOutput) -> None:
+        stats = self.stats
+        stats.num_steps += 1
+        stats.num_running = self.scheduler.num_running
+        stats.num_waiting = self.scheduler.num_waiting
+        stats.num_preemptions = self.scheduler.num_preemptions
+        for item in sched.scheduled:
+            stats.num_draft_tokens += len(item.spec_token_ids)
+        for tokens in runner_output.sampled_token_ids.values():
+            stats.num_generation_tokens += len(tokens)
+        stats.num_accepted_tokens += sum(runner_output.num_accepted.values())
+        self.refresh_stats()
+        accepted = [runner_output.num_accepted.get(s.request_id, 0)
+                    for s in sched.scheduled if s.spec_token_ids]
+        self.last_step = StepRecord(
+            batch_size=len(sched.scheduled),
+            num_batched_tokens=sum(s.num_scheduled_tokens for s in sched.scheduled),
+            draft_time_s=draft_s,
+            forward_time_s=forward_s,
+            accepted_per_verification=accepted,
+        )
+
+    def refresh_stats(self) -> None:
+        """Publish the KV pools' state into self.stats (also after an abort)."""
+        kv = self.kv_manager
+        pool = self.stats.target_pool
+        pool.num_blocks = kv.num_blocks
+        pool.num_free_blocks = kv.num_free_blocks
+        pool.num_blocks_in_use = kv.num_blocks - kv.num_free_blocks
+        pool.usage = kv.usage
+        pool.num_blocks_freed_by_rollback = kv.num_blocks_freed_by_rollback
+        self.stats.num_prefix_query_tokens = kv.num_prefix_query_tokens
+        self.stats.num_prefix_hit_tokens = kv.num_prefix_hit_tokens
+        if self.proposer is not None:
+            self.stats.draft_pool = self.proposer.pool_stats()
+
+    def model_info(self) -> dict:
+        return {
+            "model": self.loaded.name,
+            "draft_model": self.config.draft_model or "",
+            "speculative_method": self.config.resolved_speculative_method,
+            "num_speculative_tokens": self.config.num_speculative_tokens,
+            "block_size": self.config.block_size,
+            "max_model_len": self.max_model_len,
+            "vocab_size": self.vocab_size,
+            "max_num_seqs": self.config.max_num_seqs,
+            "max_waiting_requests": self.config.max_waiting_requests,
+            "num_kv_blocks": self.num_kv_blocks,
+            "eos_token_ids": sorted(self.eos_token_ids),
+            "device": str(self.device),
+            "dtype": str(self.loaded.dtype).removeprefix("torch."),
+        }

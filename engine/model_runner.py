@@ -1,0 +1,104 @@
+"""ModelRunner: owns the model's tensors (weights, KV cache) and runs packed forwards.
+
+It knows nothing of requests: callers hand it, per sequence, the tokens to feed, where
+they start and the block table, and get back logits for the trailing positions they
+asked for.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.attention import allocate_kv_caches
+from engine.attention.metadata import AttentionMetadata, set_attention_metadata
+
+
+@dataclass(slots=True)
+class SeqInput:
+    token_ids: list[int]  # fed this step: a prefill chunk, the last token, or last + drafts
+    start_pos: int  # position of token_ids[0] == num_computed_tokens
+    block_ids: list[int]  # block table covering start_pos + len(token_ids) slots
+    num_logits: int  # trailing positions whose logits are needed (0 for a mid-prefill chunk)
+
+
+class ModelRunner:
+    def __init__(self, loaded, num_blocks: int, block_size: int) -> None:
+        self.model = loaded.model
+        self.arch = loaded.arch
+        self.device = torch.device(loaded.device)
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.kv_caches = allocate_kv_caches(
+            self.arch.num_layers,
+            num_blocks,
+            block_size,
+            self.arch.num_kv_heads,
+            self.arch.head_dim,
+            loaded.dtype,
+            self.device,
+        )
+        self.model.bind_kv_caches(self.kv_caches)
+        self._pin = self.device.type == "cuda"
+
+    @torch.inference_mode()
+    def forward(self, seqs: list[SeqInput]) -> torch.Tensor:
+        """One packed forward. Returns logits [sum(num_logits), vocab_size] float32,
+        sequence by sequence, positions in order."""
+        input_ids, positions, metadata, logit_rows = self._prepare(seqs)
+        with set_attention_metadata(metadata):
+            hidden = self.model(input_ids, positions)  # [num_tokens, hidden_size]
+        if logit_rows is not None:
+            hidden = hidden[logit_rows]
+        return self.model.compute_logits(hidden)
+
+    def _prepare(self, seqs: list[SeqInput]):
+        bs = self.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        query_start_loc = [0]
+        seq_lens: list[int] = []
+        query_lens: list[int] = []
+        logit_rows: list[int] = []
+        max_blocks = max(len(s.block_ids) for s in seqs)
+        block_tables: list[list[int]] = []
+        for s in seqs:
+            n = len(s.token_ids)
+            end = s.start_pos + n
+            input_ids.extend(s.token_ids)
+            positions.extend(range(s.start_pos, end))
+            blocks = s.block_ids
+            slots.extend(blocks[p // bs] * bs + p % bs for p in range(s.start_pos, end))
+            offset = query_start_loc[-1]
+            logit_rows.extend(range(offset + n - s.num_logits, offset + n))
+            query_start_loc.append(offset + n)
+            seq_lens.append(end)
+            query_lens.append(n)
+            block_tables.append(blocks + [0] * (max_blocks - len(blocks)))
+        all_rows = len(logit_rows) == len(input_ids)
+        tensors = [
+            torch.tensor(input_ids, dtype=torch.long),
+            torch.tensor(positions, dtype=torch.long),
+            torch.tensor(slots, dtype=torch.long),
+            torch.tensor(query_start_loc, dtype=torch.int32),
+            torch.tensor(seq_lens, dtype=torch.int32),
+            torch.tensor(block_tables, dtype=torch.int32),
+            torch.tensor(logit_rows, dtype=torch.long),
+        ]
+        if self._pin:
+            tensors = [t.pin_memory() for t in tensors]
+        ids_t, pos_t, slots_t, qsl_t, lens_t, tables_t, rows_t = (
+            t.to(self.device, non_blocking=True) for t in tensors
+        )
+        metadata = AttentionMetadata(
+            query_start_loc=qsl_t,
+            seq_lens=lens_t,
+            block_tables=tables_t,
+            slot_mapping=slots_t,
+            query_lens_cpu=query_lens,
+            seq_lens_cpu=seq_lens,
+            block_size=bs,
+        )
+        return ids_t, pos_t, metadata, (None if all_rows else rows_t)

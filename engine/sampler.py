@@ -1,0 +1,177 @@
+"""Batched sampling on the model's device.
+
+Temperature, top-k, top-p and min-p turn a row of logits into the *processed*
+distribution that is actually sampled. Greedy rows (temperature 0) become a one-hot
+at the argmax, so the same code path serves greedy and random rows, and so the
+rejection sampler sees greedy as the exact-match special case.
+
+Random draws use the exponential race: ``argmax(probs / E)`` with ``E ~ Exp(1)`` i.i.d.
+is an exact sample from ``probs`` and needs no cumulative sums or host syncs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.sampling_params import SamplingParams
+
+
+@dataclass(slots=True)
+class SamplingBatch:
+    """Per-row sampling parameters as tensors. One row per distribution to sample."""
+
+    temperature: torch.Tensor  # [n] float32; 0 = greedy
+    top_k: torch.Tensor | None  # [n] int64; 0 = off. None when no row uses it
+    top_p: torch.Tensor | None  # [n] float32; 1 = off
+    min_p: torch.Tensor | None  # [n] float32; 0 = off
+    is_greedy: list[bool]
+    generators: list[torch.Generator | None]  # per row; None = the engine's generator
+
+    @property
+    def all_greedy(self) -> bool:
+        return all(self.is_greedy)
+
+    @classmethod
+    def build(
+        cls,
+        params: list[SamplingParams],
+        generators: list[torch.Generator | None],
+        device: torch.device,
+    ) -> SamplingBatch:
+        def column(values: list, dtype: torch.dtype, off: float) -> torch.Tensor | None:
+            if all(v == off for v in values):
+                return None
+            return torch.tensor(values, dtype=dtype, device=device)
+
+        return cls(
+            temperature=torch.tensor([p.temperature for p in params], device=device),
+            top_k=column([p.top_k for p in params], torch.int64, 0),
+            top_p=column([p.top_p for p in params], torch.float32, 1.0),
+            min_p=column([p.min_p for p in params], torch.float32, 0.0),
+            is_greedy=[p.is_greedy for p in params],
+            generators=generators,
+        )
+
+    def repeat_rows(self, counts: list[int]) -> SamplingBatch:
+        """Row i repeated counts[i] times (one row per verified position)."""
+        index = torch.repeat_interleave(
+            torch.arange(len(counts), device=self.temperature.device),
+            torch.tensor(counts, device=self.temperature.device),
+        )
+
+        def pick(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t[index]
+
+        rows = [i for i, c in enumerate(counts) for _ in range(c)]
+        return SamplingBatch(
+            temperature=self.temperature[index],
+            top_k=pick(self.top_k),
+            top_p=pick(self.top_p),
+            min_p=pick(self.min_p),
+            is_greedy=[self.is_greedy[i] for i in rows],
+            generators=[self.generators[i] for i in rows],
+        )
+
+
+def processed_probs(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """The distribution each row is sampled from.
+
+    logits: [n, vocab_size] float32. Returns [n, vocab_size] float32 rows summing to 1.
+    """
+    greedy = torch.tensor(batch.is_greedy, device=logits.device)
+    if batch.all_greedy:
+        return _one_hot_argmax(logits)
+    temperature = torch.where(greedy, torch.ones_like(batch.temperature), batch.temperature)
+    logits = logits / temperature.unsqueeze(1)
+    if batch.top_k is not None or batch.top_p is not None:
+        logits = _apply_top_k_top_p(logits, batch.top_k, batch.top_p)
+    probs = torch.softmax(logits, dim=-1)
+    if batch.min_p is not None:
+        threshold = batch.min_p.unsqueeze(1) * probs.amax(dim=-1, keepdim=True)
+        probs = torch.where(probs < threshold, torch.zeros_like(probs), probs)
+        probs = probs / probs.sum(dim=-1, keepdim=True)
+    if any(batch.is_greedy):
+        probs = torch.where(greedy.unsqueeze(1), _one_hot_argmax(logits), probs)
+    return probs
+
+
+def _one_hot_argmax(logits: torch.Tensor) -> torch.Tensor:
+    probs = torch.zeros_like(logits)
+    probs.scatter_(1, logits.argmax(dim=-1, keepdim=True), 1.0)
+    return probs
+
+
+def _apply_top_k_top_p(
+    logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None
+) -> torch.Tensor:
+    sorted_logits, sorted_idx = logits.sort(dim=-1, descending=True)  # [n, vocab_size]
+    remove = torch.zeros_like(sorted_logits, dtype=torch.bool)
+    if top_k is not None:
+        k = torch.where(top_k > 0, top_k, torch.full_like(top_k, logits.shape[-1]))
+        ranks = torch.arange(logits.shape[-1], device=logits.device).unsqueeze(0)
+        remove |= ranks >= k.unsqueeze(1)
+    if top_p is not None:
+        probs = torch.softmax(sorted_logits.masked_fill(remove, float("-inf")), dim=-1)
+        # Drop a token when the tokens strictly more likely already cover top_p.
+        mass_before = probs.cumsum(dim=-1) - probs
+        remove |= mass_before >= top_p.unsqueeze(1)
+    remove[:, 0] = False  # always keep the most likely token
+    sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
+    return torch.empty_like(logits).scatter_(1, sorted_idx, sorted_logits)
+
+
+def exponential_noise(
+    shape_per_row: tuple[int, ...],
+    generators: list[torch.Generator | None],
+    device: torch.device,
+    default: torch.Generator | None,
+) -> torch.Tensor:
+    """Exp(1) noise [n, *shape_per_row]; rows with their own generator draw from it so
+    a seeded request's samples do not depend on who else is in the batch."""
+    noise = torch.empty((len(generators), *shape_per_row), device=device)
+    noise.exponential_(generator=default)
+    for i, gen in enumerate(generators):
+        if gen is not None:
+            noise[i].exponential_(generator=gen)
+    return noise
+
+
+def uniform_noise(
+    shape_per_row: tuple[int, ...],
+    generators: list[torch.Generator | None],
+    device: torch.device,
+    default: torch.Generator | None,
+) -> torch.Tensor:
+    noise = torch.empty((len(generators), *shape_per_row), device=device)
+    noise.uniform_(generator=default)
+    for i, gen in enumerate(generators):
+        if gen is not None:
+            noise[i].uniform_(generator=gen)
+    return noise
+
+
+def sample_from_probs(
+    probs: torch.Tensor, batch: SamplingBatch, default: torch.Generator | None
+) -> torch.Tensor:
+    """One token per row. probs: [n, vocab_size]. Returns [n] int64."""
+    if batch.all_greedy:
+        return probs.argmax(dim=-1)
+    noise = exponential_noise(probs.shape[1:], batch.generators, probs.device, default)
+    return (probs / noise).argmax(dim=-1)
+
+
+def compute_logprobs(
+    logits: torch.Tensor, token_ids: torch.Tensor, num_top: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Raw model log-probabilities (before sampling filters) of the chosen tokens and the
+    top ``num_top`` alternatives. logits: [n, V]; token_ids: [n].
+    Returns (chosen [n], top_values [n, num_top], top_ids [n, num_top])."""
+    logprobs = torch.log_softmax(logits, dim=-1)
+    chosen = logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1)
+    top_values, top_ids = logprobs.topk(num_top, dim=-1) if num_top else (
+        logprobs[:, :0],
+        token_ids.new_empty((logits.shape[0], 0)),
+    )
+    return chosen, top_values, top_ids

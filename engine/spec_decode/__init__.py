@@ -1,0 +1,1 @@
+"""Speculative decoding: proposers (draft model, n-gram lookup) and the rejection sampler."""

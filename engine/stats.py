@@ -1,0 +1,49 @@
+"""Engine-wide counters and gauges, updated by the loop thread after every step.
+
+Read by the metrics exporter and the gRPC stats RPC. Counters only grow.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class PoolStats:
+    num_blocks: int = 0  # usable blocks (the null block excluded)
+    num_free_blocks: int = 0  # free, evictable cached blocks included
+    num_blocks_in_use: int = 0  # ref_cnt > 0: held by some request
+    usage: float = 0.0
+    num_blocks_freed_by_rollback: int = 0
+
+
+@dataclass(slots=True)
+class StepRecord:
+    """What one engine step did; the metrics exporter turns these into histograms."""
+
+    batch_size: int
+    num_batched_tokens: int
+    draft_time_s: float
+    forward_time_s: float
+    # accepted draft tokens per verified request this step
+    accepted_per_verification: list[int] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class EngineStats:
+    num_running: int = 0
+    num_waiting: int = 0
+    num_steps: int = 0
+    target_pool: PoolStats = field(default_factory=PoolStats)
+    draft_pool: PoolStats | None = None
+    # counters
+    num_prompt_tokens: int = 0
+    num_generation_tokens: int = 0
+    num_preemptions: int = 0
+    num_prefix_query_tokens: int = 0
+    num_prefix_hit_tokens: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_requests_finished: Counter = field(default_factory=Counter)  # by finish reason
+    mean_speculative_length: float = 0.0

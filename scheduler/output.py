@@ -1,0 +1,49 @@
+"""The one dataclass that crosses from the scheduler to the model runner, and back."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class ScheduledRequest:
+    """One request's share of a step.
+
+    The runner feeds ``all_token_ids[num_computed_tokens : num_computed_tokens + n]``
+    (n = ``num_scheduled_tokens`` minus the drafts) followed by the drafts, at positions
+    ``num_computed_tokens ...``. When the request catches up (``needs_sample``) it
+    samples one token from the last position, or verifies the drafts.
+    """
+
+    request_id: str
+    num_computed_tokens: int  # before this step
+    num_scheduled_tokens: int  # tokens fed this step, drafts included
+    block_ids: list[int]  # the whole block table
+    needs_sample: bool
+    num_spec_tokens: int  # lookahead slots granted; the proposer fills up to this many
+    spec_token_ids: list[int] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest]
+    num_batched_tokens: int
+    # Requests that left the running set since the last step, so the runner can
+    # drop their per-request state (generators, draft caches).
+    finished_request_ids: list[str] = field(default_factory=list)
+    preempted_request_ids: list[str] = field(default_factory=list)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+@dataclass(slots=True)
+class ModelRunnerOutput:
+    """Per scheduled request that sampled: the tokens to append (accepted drafts
+    followed by one recovered or bonus token) and how many drafts were accepted."""
+
+    sampled_token_ids: dict[str, list[int]]
+    num_accepted: dict[str, int] = field(default_factory=dict)
+    # Optional per-token logprobs, opaque to the scheduler.
+    logprobs: dict[str, list] = field(default_factory=dict)

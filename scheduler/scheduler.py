@@ -1,0 +1,228 @@
+"""Continuous batching with one rule.
+
+Each step every scheduled request gets enough tokens that ``num_computed_tokens``
+catches up with ``num_tokens + num_spec_tokens``. That single rule is prefill (many
+tokens), chunked prefill (a budget-limited slice), a prefix-cache hit (the cached part
+counts as computed), decode (one token) and verification (one token plus k drafts).
+"""
+
+from __future__ import annotations
+
+import bisect
+import heapq
+import itertools
+import time
+from dataclasses import dataclass
+
+from block_manager import KVCacheManager
+from scheduler.output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from scheduler.request import Request, RequestStatus
+from scheduler.spec_length import choose_num_spec_tokens
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 2048
+    # Speculation: 0 disables it. Above `spec_disable_batch_size` running requests
+    # nobody speculates. `draft_cost` is one draft token's cost in target steps.
+    num_spec_tokens: int = 0
+    spec_disable_batch_size: int = 16
+    draft_cost: float = 0.05
+    # False when the engine has no proposer: nobody speculates, whatever they ask.
+    spec_enabled: bool = False
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv_manager: KVCacheManager) -> None:
+        self.config = config
+        self.kv = kv_manager
+        self.requests: dict[str, Request] = {}
+        self.running: list[Request] = []  # kept sorted by Request.sort_key
+        self._waiting: list[tuple[int, float, int, Request]] = []  # heap
+        self._num_waiting = 0
+        self._tiebreak = itertools.count()
+        self._finished_ids: list[str] = []
+        self.num_preemptions = 0
+
+    # ---- queue management ----------------------------------------------------------
+    @property
+    def num_waiting(self) -> int:
+        return self._num_waiting
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.running) or self._num_waiting > 0
+
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request_id {request.request_id!r} is already in use")
+        self.requests[request.request_id] = request
+        self._push_waiting(request)
+
+    def abort(self, request_id: str) -> Request | None:
+        """Finish a request wherever it is; its blocks return to the pool at once."""
+        request = self.requests.get(request_id)
+        if request is None:
+            return None
+        self.finish(request, "abort")
+        return request
+
+    def finish(self, request: Request, reason: str) -> None:
+        if request.status is RequestStatus.FINISHED:
+            return
+        if request.status is RequestStatus.RUNNING:
+            self.running.remove(request)
+        else:
+            self._num_waiting -= 1  # lazily dropped from the heap when popped
+        request.status = RequestStatus.FINISHED
+        request.finish_reason = request.finish_reason or reason
+        self.kv.free(request)
+        self.requests.pop(request.request_id, None)
+        self._finished_ids.append(request.request_id)
+
+    def _push_waiting(self, request: Request) -> None:
+        heapq.heappush(
+            self._waiting, (request.priority, request.arrival_time, next(self._tiebreak), request)
+        )
+        self._num_waiting += 1
+
+    def _peek_waiting(self) -> Request | None:
+        while self._waiting and self._waiting[0][3].status is RequestStatus.FINISHED:
+            heapq.heappop(self._waiting)
+        return self._waiting[0][3] if self._waiting else None
+
+    # ---- schedule ---------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        scheduled: list[ScheduledRequest] = []
+        preempted: list[str] = []
+        speculate = (
+            self.config.spec_enabled
+            and len(self.running) <= self.config.spec_disable_batch_size
+        )
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            num_spec = self._num_spec_tokens(request) if speculate else 0
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if num_new + num_spec > budget:
+                num_spec = 0
+            if not self._allocate_or_preempt(request, num_new, num_spec, preempted):
+                break  # the request itself was preempted; everyone after it is lower priority
+            scheduled.append(self._scheduled(request, num_new, num_spec))
+            budget -= num_new + num_spec
+            i += 1
+        if not preempted:
+            budget = self._admit_waiting(budget, scheduled)
+        finished, self._finished_ids = self._finished_ids, []
+        return SchedulerOutput(
+            scheduled=scheduled,
+            num_batched_tokens=self.config.max_num_batched_tokens - budget,
+            finished_request_ids=finished,
+            preempted_request_ids=preempted,
+        )
+
+    def _num_spec_tokens(self, request: Request) -> int:
+        """k for a decoding request: its own fixed k if it asked for one, else adaptive
+        up to the engine's maximum; never past the length limits (k drafts + 1 bonus)."""
+        if request.num_computed_tokens != request.num_tokens - 1:
+            return 0  # still prefilling
+        remaining = min(
+            request.max_tokens - request.num_output_tokens,
+            self.config.max_model_len - request.num_tokens,
+        )
+        if request.max_spec_tokens is not None:
+            return max(0, min(request.max_spec_tokens, remaining - 1))
+        max_k = min(self.config.num_spec_tokens, remaining - 1)
+        return choose_num_spec_tokens(request.spec_history, max_k, self.config.draft_cost)
+
+    def _allocate_or_preempt(
+        self, request: Request, num_new: int, num_spec: int, preempted: list[str]
+    ) -> bool:
+        while self.kv.allocate_slots(request, num_new, num_spec) is None:
+            victim = self.running[-1]  # lowest priority, latest arrival
+            self._preempt(victim)
+            preempted.append(victim.request_id)
+            if victim is request:
+                return False
+        return True
+
+    def _preempt(self, request: Request) -> None:
+        """Preemption by recompute: drop the KV, keep the tokens, wait again."""
+        self.running.remove(request)
+        self.kv.free(request)
+        request.num_computed_tokens = 0
+        request.spec_token_ids = []
+        request.status = RequestStatus.PREEMPTED
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self._push_waiting(request)
+
+    def _admit_waiting(self, budget: int, scheduled: list[ScheduledRequest]) -> int:
+        while budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self._peek_waiting()
+            if request is None:
+                break
+            cached_block_ids, num_cached = self.kv.get_computed_blocks(request)
+            num_new = min(request.num_tokens - num_cached, budget)
+            if self.kv.allocate_slots(request, num_new, 0, cached_block_ids) is None:
+                break  # admission only when the pool can hold the next tokens
+            heapq.heappop(self._waiting)
+            self._num_waiting -= 1
+            if request.num_preemptions == 0:
+                request.num_cached_prompt_tokens = num_cached
+            request.num_computed_tokens = num_cached
+            request.status = RequestStatus.RUNNING
+            if request.first_scheduled_time is None:
+                request.first_scheduled_time = time.monotonic()
+            bisect.insort(self.running, request, key=lambda r: r.sort_key)
+            scheduled.append(self._scheduled(request, num_new, 0))
+            budget -= num_new
+        return budget
+
+    def _scheduled(self, request: Request, num_new: int, num_spec: int) -> ScheduledRequest:
+        request.num_spec_tokens = num_spec
+        return ScheduledRequest(
+            request_id=request.request_id,
+            num_computed_tokens=request.num_computed_tokens,
+            num_scheduled_tokens=num_new,
+            block_ids=self.kv.get_block_ids(request.request_id),
+            needs_sample=request.num_computed_tokens + num_new == request.num_tokens,
+            num_spec_tokens=num_spec,
+        )
+
+    # ---- update -----------------------------------------------------------------------
+    def update(self, output: SchedulerOutput, runner_output: ModelRunnerOutput) -> list[Request]:
+        """Apply a step's results. Returns the requests that got new tokens (finished
+        ones included, already released)."""
+        changed: list[Request] = []
+        for item in output.scheduled:
+            request = self.requests.get(item.request_id)
+            if request is None or request.status is not RequestStatus.RUNNING:
+                continue  # aborted or preempted while the step ran
+            request.num_computed_tokens = item.num_computed_tokens + item.num_scheduled_tokens
+            if not item.needs_sample:
+                continue
+            num_drafts = len(item.spec_token_ids)
+            num_accepted = runner_output.num_accepted.get(item.request_id, 0)
+            if item.num_spec_tokens:
+                # KV is valid for the last token and the accepted drafts; the rest of
+                # the lookahead slots go back to the pool now.
+                valid = item.num_computed_tokens + 1 + num_accepted
+                request.num_computed_tokens = self.kv.rollback(request, valid)
+                request.spec_history.record(num_drafts, num_accepted)
+                request.num_draft_tokens += num_drafts
+                request.num_accepted_tokens += num_accepted
+            request.spec_token_ids = []
+            request.append_output_tokens(runner_output.sampled_token_ids[item.request_id])
+            if request.finish_reason is None and request.num_tokens >= self.config.max_model_len:
+                request.finish_reason = "length"
+            if request.finish_reason is not None:
+                self.finish(request, request.finish_reason)
+            changed.append(request)
+        return changed

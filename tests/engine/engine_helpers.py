@@ -1,0 +1,88 @@
+"""Helpers for engine tests: build engines on tiny models, run them step by step with
+invariant checks, and compute transformers' greedy reference."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
+from engine.sampling_params import SamplingParams
+
+
+def make_engine(model_dir: str, **overrides) -> LLMEngine:
+    config = dict(model=model_dir, speculative_method="none", num_kv_blocks=128, device="cpu")
+    config.update(overrides)
+    return LLMEngine(EngineConfig(**config))
+
+
+def check_pools(engine: LLMEngine) -> None:
+    """Every pool is consistent, and no request holds a block beyond its KV length
+    (lookahead slots of rejected drafts are gone after each step)."""
+    engine.kv_manager.check_integrity()
+    pools = [engine.kv_manager]
+    proposer_kv = getattr(engine.proposer, "kv", None)
+    if proposer_kv is not None:
+        proposer_kv.check_integrity()
+        pools.append(proposer_kv)
+    bs = engine.config.block_size
+    for request in engine.scheduler.running:
+        held = len(engine.kv_manager.get_block_ids(request.request_id))
+        assert held == -(-request.num_computed_tokens // bs), request.request_id
+
+
+def run_to_completion(engine: LLMEngine, arrivals: dict[int, list] | None = None,
+                      max_steps: int = 10_000) -> dict[str, dict]:
+    """Step until idle; `arrivals` maps step index -> [(request_id, prompt, params)].
+    Returns request_id -> {"token_ids", "text", "finish_reason", "metrics"}."""
+    arrivals = dict(arrivals or {})
+    results: dict[str, dict] = {}
+    for step in range(max_steps):
+        for request_id, prompt, params in arrivals.pop(step, []):
+            engine.add_request(request_id, prompt, params)
+        if not engine.has_unfinished_requests() and not arrivals:
+            break
+        for out in engine.step():
+            r = results.setdefault(out.request_id, {"token_ids": [], "text": ""})
+            r["token_ids"] += out.token_ids
+            r["text"] += out.text
+            if out.finished:
+                r["finish_reason"] = out.finish_reason
+                r["metrics"] = out.metrics
+        check_pools(engine)
+    return results
+
+
+def assert_all_blocks_released(engine: LLMEngine) -> None:
+    assert not engine.has_unfinished_requests()
+    for kv in (engine.kv_manager, getattr(engine.proposer, "kv", None)):
+        if kv is not None:
+            kv.check_integrity()
+            assert kv.usage == 0.0
+            assert kv.num_free_blocks == kv.num_blocks
+
+
+@functools.lru_cache(maxsize=8)
+def _hf_model(model_dir: str):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
+def hf_greedy(model_dir: str, prompt_ids: list[int], max_tokens: int) -> list[int]:
+    model = _hf_model(model_dir)
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=max_tokens,
+                             min_new_tokens=max_tokens, do_sample=False, pad_token_id=0)
+    return out[0, len(prompt_ids):].tolist()
+
+
+def greedy(max_tokens: int, **kw) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, **kw)
+
+
+def prompts_of_lengths(lengths: list[int], vocab: int = 200, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lengths]

@@ -1,0 +1,93 @@
+from __future__ import annotations
+
+import pytest
+
+from scheduler.spec_length import AcceptanceHistory, choose_num_spec_tokens, expected_tokens_per_step
+from tests.scheduler.helpers import make_request, make_scheduler, step
+
+
+def test_lookahead_slots_are_reserved_and_rolled_back_when_every_draft_is_rejected():
+    s = make_scheduler(num_blocks=32, num_spec_tokens=4, spec_enabled=True)
+    r = make_request("a", 14, max_tokens=40, max_spec_tokens=4)
+    s.add_request(r)
+    step(s)  # prefill: 14 tokens + 1 sampled = 15 tokens, KV for 14
+    free_before = s.kv.num_free_blocks
+    for _ in range(5):
+        sched = step(s, num_accepted=0)
+        item = sched.scheduled[0]
+        assert item.num_spec_tokens == 4 and len(item.spec_token_ids) == 4
+        # after rollback: KV for the verified tokens only, so the pool is back where a
+        # plain decode step would leave it
+        assert r.num_computed_tokens == r.num_tokens - 1
+        assert len(s.kv.get_block_ids("a")) == -(-r.num_computed_tokens // 16)
+    assert s.kv.num_free_blocks >= free_before - 1
+
+
+def test_accepted_drafts_advance_by_k_plus_one():
+    s = make_scheduler(num_spec_tokens=4, spec_enabled=True)
+    r = make_request("a", 10, max_tokens=40, max_spec_tokens=3)
+    s.add_request(r)
+    step(s)
+    before = r.num_tokens
+    step(s, num_accepted=3)
+    assert r.num_tokens == before + 4
+    assert r.num_computed_tokens == r.num_tokens - 1
+    assert (r.num_draft_tokens, r.num_accepted_tokens) == (3, 3)
+
+
+def test_drafts_never_exceed_the_length_limit():
+    s = make_scheduler(num_spec_tokens=4, spec_enabled=True)
+    r = make_request("a", 10, max_tokens=3, max_spec_tokens=4)
+    s.add_request(r)
+    step(s)
+    sched = step(s, num_accepted=4)
+    assert sched.scheduled[0].num_spec_tokens == 1  # 2 tokens left: 1 draft + 1 bonus
+    assert r.num_output_tokens == 3 and r.finish_reason == "length"
+
+
+def test_speculation_switches_off_above_the_batch_size_limit():
+    s = make_scheduler(num_spec_tokens=4, spec_enabled=True, spec_disable_batch_size=2)
+    for i in range(3):
+        s.add_request(make_request(f"r{i}", 5, max_tokens=10, max_spec_tokens=4))
+    step(s)
+    sched = step(s)
+    assert all(i.num_spec_tokens == 0 for i in sched.scheduled)
+
+
+def test_request_can_opt_out_of_speculation():
+    s = make_scheduler(num_spec_tokens=4, spec_enabled=True)
+    s.add_request(make_request("a", 5, max_tokens=10, max_spec_tokens=0))
+    step(s)
+    assert step(s).scheduled[0].num_spec_tokens == 0
+
+
+@pytest.mark.parametrize("rate", [0.0, 0.3, 0.8])
+def test_expected_tokens_formula(rate):
+    k = 4
+    # sum over accepted-run lengths of P(run >= i)
+    assert expected_tokens_per_step(rate, k) == pytest.approx(sum(rate**i for i in range(k + 1)))
+
+
+def test_adaptive_k_grows_with_acceptance_and_shrinks_without():
+    high, low = AcceptanceHistory(), AcceptanceHistory()
+    for _ in range(10):
+        high.record(4, 4)
+        low.record(4, 0)
+    assert choose_num_spec_tokens(high, 8, 0.05) >= 6
+    assert choose_num_spec_tokens(low, 8, 0.05) == 0
+    # k = 0 still probes now and then so a request can win speculation back
+    ks = [choose_num_spec_tokens(low, 8, 0.05) for _ in range(20)]
+    assert 1 in ks
+
+
+def test_adaptive_k_is_used_when_the_request_does_not_fix_it():
+    s = make_scheduler(num_spec_tokens=6, spec_enabled=True, draft_cost=0.05)
+    r = make_request("a", 5, max_tokens=200)
+    s.add_request(r)
+    step(s)
+    for _ in range(10):
+        step(s, num_accepted=8)
+    assert r.num_spec_tokens == 6
+    for _ in range(15):
+        step(s, num_accepted=0)
+    assert r.num_spec_tokens <= 1
