@@ -20,8 +20,9 @@ def command(name: str, help_text: str):
     return register
 
 
-def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    """Every EngineConfig field as a flag; shared by generate, serve and bench."""
+def add_engine_args(parser: argparse.ArgumentParser, *, with_seed: bool = True) -> None:
+    """Every EngineConfig field as a flag; shared by generate, serve and bench.
+    `specserve generate` uses --seed for its request, so it leaves the engine's out."""
     g = parser.add_argument_group("engine")
     g.add_argument("--model", default=None,
                    help="HF directory, .gguf file or hub id (default: smollm2-135m-instruct)")
@@ -41,7 +42,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     g.add_argument("--dtype", choices=DTYPES, default="auto")
     g.add_argument("--attn-backend", choices=ATTENTION_BACKENDS, default="auto")
-    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--num-threads", type=int, default=None,
+                   help="torch CPU threads (default: one per core)")
+    if with_seed:
+        g.add_argument("--seed", type=int, default=0, help="engine seed for unseeded requests")
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -62,7 +66,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         device=args.device,
         dtype=args.dtype,
         attn_backend=args.attn_backend,
-        seed=args.seed,
+        seed=getattr(args, "seed", 0),
+        num_threads=args.num_threads,
     )
 
 
@@ -95,4 +100,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # Run through the imported module so subcommands register into one registry.
+    from engine.cli import main as _main
+
+    sys.exit(_main())

@@ -23,7 +23,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="HOST:PORT of a running specserve server instead of a local model")
     parser.add_argument("--api-key", default=None, help="bearer token for --server")
     parser.add_argument("--stats", action="store_true", help="print speed and speculation stats")
-    add_engine_args(parser)
+    add_engine_args(parser, with_seed=False)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -37,6 +37,9 @@ class EngineConfig:
     dtype: str = "auto"
     attn_backend: str = "auto"
     seed: int = 0
+    # CPU threads for torch (None: torch's default, one per core). Fewer threads win
+    # when other busy processes share the cores: spinning OpenMP workers then stall.
+    num_threads: int | None = None
 
     def __post_init__(self) -> None:
         _in("speculative_method", self.speculative_method, (None, *SPECULATIVE_METHODS))
@@ -58,6 +61,8 @@ class EngineConfig:
             _range("max_model_len", self.max_model_len, 2, None)
         _range("max_waiting_requests", self.max_waiting_requests, 1, None)
         _range("seed", self.seed, 0, 2**63 - 1)
+        if self.num_threads is not None:
+            _range("num_threads", self.num_threads, 1, 1024)
         if self.speculative_method == "draft" and not self.draft_model:
             raise ValueError("speculative_method='draft' needs draft_model")
         if self.draft_model and self.speculative_method in ("none", "ngram"):

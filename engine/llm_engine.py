@@ -42,6 +42,8 @@ class LLMEngine:
         from engine.loader import load_model
 
         self.config = config
+        if config.num_threads is not None:
+            torch.set_num_threads(config.num_threads)
         self.loaded = loaded or load_model(
             config.model, dtype=config.dtype, device=config.device, attn_backend=config.attn_backend
         )
@@ -306,14 +308,14 @@ class LLMEngine:
             stats.num_generation_tokens += len(tokens)
         stats.num_accepted_tokens += sum(runner_output.num_accepted.values())
         self.refresh_stats()
-        accepted = [runner_output.num_accepted.get(s.request_id, 0)
-                    for s in sched.scheduled if s.spec_token_ids]
+        verified = [s for s in sched.scheduled if s.spec_token_ids]
         self.last_step = StepRecord(
             batch_size=len(sched.scheduled),
             num_batched_tokens=sum(s.num_scheduled_tokens for s in sched.scheduled),
             draft_time_s=draft_s,
             forward_time_s=forward_s,
-            accepted_per_verification=accepted,
+            drafts_per_verification=[len(s.spec_token_ids) for s in verified],
+            accepted_per_verification=[runner_output.num_accepted[s.request_id] for s in verified],
         )
 
     def refresh_stats(self) -> None:

@@ -26,7 +26,8 @@ class StepRecord:
     num_batched_tokens: int
     draft_time_s: float
     forward_time_s: float
-    # accepted draft tokens per verified request this step
+    # per verified request this step: drafts proposed and drafts accepted
+    drafts_per_verification: list[int] = field(default_factory=list)
     accepted_per_verification: list[int] = field(default_factory=list)
 
 

@@ -1,0 +1,232 @@
+"""`specserve bench offline`: the engine against transformers on one workload.
+
+Every system gets the same prompts and the same number of output tokens (EOS is
+ignored so the work is equal); the table prints each one's throughput and latency and
+its ratio to the first specserve run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections import deque
+from dataclasses import replace
+
+from engine.benchmarks.report import RequestTiming, RunResult, format_table, summarize
+from engine.benchmarks.workloads import load_prompts
+from engine.cli import add_engine_args, engine_config_from_args
+from scheduler.spec_length import expected_tokens_per_step
+
+BASELINES = ("generate", "generate_batch", "assisted")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--workload", default="chat",
+                        help="chat, grounded, or a JSONL file with a 'prompt' field")
+    parser.add_argument("--num-prompts", type=int, default=32)
+    parser.add_argument("--output-len", type=int, default=64)
+    parser.add_argument("--concurrency", type=int, default=None,
+                        help="requests in flight at once (default: all prompts)")
+    parser.add_argument("--no-chat-template", action="store_true")
+    parser.add_argument("--spec-modes", default=None,
+                        help="comma list of none,ngram,draft: one specserve run each "
+                             "(default: none plus the configured method, if any)")
+    parser.add_argument("--baselines", default="generate,generate_batch",
+                        help=f"comma list from {','.join(BASELINES)}, or 'none'")
+    parser.add_argument("--json", default=None, help="write the results to this JSON file")
+    parser.add_argument("--no-progress", action="store_true")
+    add_engine_args(parser)
+
+
+def run(args: argparse.Namespace) -> int:
+    from engine.llm_engine import LLMEngine
+    from engine.loader import load_model
+
+    if args.num_prompts < 1 or args.output_len < 1:
+        raise ValueError("--num-prompts and --output-len must be >= 1")
+    concurrency = args.concurrency or args.num_prompts
+    base_config = engine_config_from_args(args)
+    _log(f"loading {base_config.model or 'the default model'}...")
+    loaded = load_model(base_config.model, dtype=base_config.dtype, device=base_config.device,
+                        attn_backend=base_config.attn_backend)
+    prompts = _tokenize(loaded.tokenizer, load_prompts(args.workload, args.num_prompts),
+                        not args.no_chat_template)
+    results: list[RunResult] = []
+    for mode in _spec_modes(args, base_config):
+        config = replace(base_config, speculative_method=mode,
+                         draft_model=base_config.draft_model if mode == "draft" else None)
+        engine = LLMEngine(config, loaded=loaded)
+        _run_engine(engine, prompts[:1], min(args.output_len, 8), 1, None)  # warm-up
+        bar = _bar(len(prompts), f"specserve spec={mode}", args.no_progress)
+        results.append(_run_engine(engine, prompts, args.output_len, concurrency, bar,
+                                   f"specserve (spec: {mode})"))
+        _close(bar)
+    results += _run_baselines(args, loaded, prompts, concurrency)
+    _print_report(args, concurrency, results)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(_json(args, concurrency, results), f, indent=2)
+    return 0
+
+
+def _spec_modes(args, config) -> list[str]:
+    if args.spec_modes:
+        modes = [m.strip() for m in args.spec_modes.split(",") if m.strip()]
+        bad = [m for m in modes if m not in ("none", "ngram", "draft")]
+        if bad:
+            raise ValueError(f"--spec-modes must be from none, ngram, draft; got {bad}")
+        return modes
+    method = config.speculative_method or "none"
+    return ["none"] if method == "none" else ["none", method]
+
+
+def _tokenize(tokenizer, prompts: list[str], chat: bool) -> list[list[int]]:
+    if not chat or tokenizer.chat_template is None:
+        return [list(tokenizer.encode(p)) for p in prompts]
+    out = []
+    for p in prompts:
+        text = tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
+                                             add_generation_prompt=True)
+        out.append(list(tokenizer.encode(text, add_special_tokens=False)))
+    return out
+
+
+def _run_engine(engine, prompts, output_len, concurrency, bar, name="specserve") -> RunResult:
+    from engine.sampling_params import SamplingParams
+
+    params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
+    pending = deque(enumerate(prompts))
+    timings: dict[str, RequestTiming] = {}
+    in_flight = 0
+    overhead, steps = 0.0, []
+    start = time.perf_counter()
+    while pending or engine.has_unfinished_requests():
+        while pending and in_flight < concurrency:
+            i, ids = pending.popleft()
+            timings[f"b{i}"] = RequestTiming(time.perf_counter())
+            engine.add_request(f"b{i}", ids, params)
+            in_flight += 1
+        t0 = time.perf_counter()
+        outputs = engine.step()
+        now = time.perf_counter()
+        step = engine.last_step
+        if step is not None:
+            steps.append(step)
+            overhead += (now - t0) - step.forward_time_s - step.draft_time_s
+        for out in outputs:
+            t = timings[out.request_id]
+            if out.token_ids and t.first_token is None:
+                t.first_token = now
+            t.num_tokens += len(out.token_ids)
+            if out.finished:
+                t.end = now
+                in_flight -= 1
+                if bar is not None:
+                    bar.update(1)
+    result = summarize(name, time.perf_counter() - start, list(timings.values()))
+    result.spec = _spec_stats(steps)
+    result.step_overhead_ms = 1e3 * overhead / max(len(steps), 1)
+    return result
+
+
+def _spec_stats(steps) -> dict[str, float]:
+    drafts = [d for s in steps for d in s.drafts_per_verification]
+    accepted = [a for s in steps for a in s.accepted_per_verification]
+    if not drafts:
+        return {}
+    rejections = sum(1 for d, a in zip(drafts, accepted) if a < d)
+    rate = sum(accepted) / max(sum(accepted) + rejections, 1)  # per-token acceptance a
+    return {
+        "num_verifications": len(drafts),
+        "num_draft_tokens": sum(drafts),
+        "num_accepted_tokens": sum(accepted),
+        "acceptance_rate": sum(accepted) / sum(drafts),
+        "per_token_acceptance": rate,
+        "mean_k": sum(drafts) / len(drafts),
+        "tokens_per_verification": sum(a + 1 for a in accepted) / len(accepted),
+        "expected_tokens_per_verification":
+            sum(expected_tokens_per_step(rate, d) for d in drafts) / len(drafts),
+    }
+
+
+def _run_baselines(args, loaded, prompts, concurrency) -> list[RunResult]:
+    from engine.benchmarks import hf_baselines as hf
+
+    names = [] if args.baselines == "none" else [b.strip() for b in args.baselines.split(",")]
+    bad = [b for b in names if b not in BASELINES]
+    if bad:
+        raise ValueError(f"--baselines must be from {', '.join(BASELINES)} or 'none'; got {bad}")
+    if not names:
+        return []
+    if loaded.model_dir is None:
+        raise ValueError("baselines need the model's HF directory; this model has none")
+    model = hf.load_hf_model(loaded.model_dir, str(loaded.device))
+    pad_id = loaded.tokenizer.pad_token_id or 0
+    results = []
+    for name in names:
+        bar = _bar(len(prompts), f"hf {name}", args.no_progress)
+        if name == "generate":
+            hf.run_generate(model, prompts[:1], 4, 1, pad_id)  # warm-up
+            results.append(hf.run_generate(model, prompts, args.output_len, concurrency, pad_id,
+                                           bar))
+        elif name == "generate_batch":
+            results.append(hf.run_generate_batch(model, prompts, args.output_len, bar))
+        else:
+            results.append(hf.run_generate(model, prompts, args.output_len, 1, pad_id, bar,
+                                           assistant_lookup=args.num_speculative_tokens))
+        _close(bar)
+    return results
+
+
+def _print_report(args, concurrency, results: list[RunResult]) -> None:
+    print(f"\nworkload {args.workload}: {args.num_prompts} prompts x {args.output_len} tokens, "
+          f"concurrency {concurrency}, greedy")
+    print(format_table(results, reference=results[0]))
+    specserve = [r for r in results if r.system.startswith("specserve")]
+    baselines = [r for r in results if not r.system.startswith("specserve")]
+    for r in specserve:
+        if r.spec:
+            s = r.spec
+            print(f"{r.system}: acceptance {s['acceptance_rate']:.2f} (per token "
+                  f"{s['per_token_acceptance']:.2f}), mean k {s['mean_k']:.2f}, tokens/verification "
+                  f"{s['tokens_per_verification']:.2f} (expected "
+                  f"{s['expected_tokens_per_verification']:.2f})")
+        print(f"{r.system}: engine overhead per step {r.step_overhead_ms:.2f} ms")
+    if specserve and baselines:
+        best = max(baselines, key=lambda r: r.output_tokens_per_s)
+        for r in specserve:
+            print(f"{r.system} vs best baseline ({best.system}): "
+                  f"{r.output_tokens_per_s / best.output_tokens_per_s:.2f}x")
+    if len(specserve) > 1:
+        for r in specserve[1:]:
+            print(f"{r.system} vs {specserve[0].system}: "
+                  f"{r.output_tokens_per_s / specserve[0].output_tokens_per_s:.2f}x")
+
+
+def _json(args, concurrency, results) -> dict:
+    return {
+        "workload": args.workload,
+        "num_prompts": args.num_prompts,
+        "output_len": args.output_len,
+        "concurrency": concurrency,
+        "results": [r.to_dict() for r in results],
+    }
+
+
+def _bar(total: int, desc: str, disabled: bool):
+    if disabled:
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, unit="req", file=sys.stderr, leave=False)
+
+
+def _close(bar) -> None:
+    if bar is not None:
+        bar.close()
+
+
+def _log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)

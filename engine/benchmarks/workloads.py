@@ -1,0 +1,72 @@
+"""Prompt sets for benchmarks: built-in chat and input-grounded workloads, or JSONL."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+CHAT_PROMPTS = [
+    "What are three tips for staying productive when working from home?",
+    "Write a short poem about the sea at night.",
+    "Explain how a rainbow forms, in simple words.",
+    "What should I pack for a weekend hiking trip?",
+    "Give me an idea for a birthday party for a ten year old.",
+    "Why do cats purr?",
+    "Describe a perfect Sunday morning.",
+    "What is the difference between weather and climate?",
+    "Suggest a name for a small coffee shop and explain why.",
+    "How do I make a simple tomato pasta sauce?",
+    "What are the benefits of learning a second language?",
+    "Tell me a short story about a robot who learns to paint.",
+    "How can I improve my sleep?",
+    "What is photosynthesis?",
+    "Write a friendly email inviting a colleague to lunch.",
+    "What are some good habits for saving money?",
+]
+
+_PASSAGES = [
+    "The city council met on Tuesday to discuss the new bicycle lanes on Main Street. "
+    "Council members approved a budget of 2.4 million dollars for the project, which "
+    "will add protected lanes along 3 miles of road. Construction starts in April and "
+    "should finish by October. Local shop owners worried about parking, so the plan "
+    "keeps 80 percent of the existing parking spaces.",
+    "Maria Lopez joined Northwind Traders in 2019 as a junior analyst. In 2021 she was "
+    "promoted to senior analyst, and in 2023 she became head of the data team, which "
+    "now has 12 people. She holds a degree in statistics from the University of Leeds "
+    "and speaks English, Spanish and Portuguese.",
+    "To reset the router, unplug the power cable and wait 30 seconds. Plug the cable "
+    "back in and wait until the status light turns solid green, which takes about two "
+    "minutes. If the light blinks orange, press the reset button on the back for 10 "
+    "seconds. Then connect to the network named HomeNet with the password on the label.",
+    "The museum is open from 9 am to 5 pm on weekdays and from 10 am to 6 pm on "
+    "weekends. Tickets cost 15 dollars for adults, 8 dollars for students and are free "
+    "for children under 12. The museum is closed on Mondays and on public holidays. "
+    "Guided tours start every hour from the main hall.",
+]
+
+_TASKS = [
+    "Summarize the following text in two sentences.",
+    "Rewrite the following text in plain words, keeping every number.",
+    "List every number in the following text with what it refers to.",
+    "Extract the key facts from the following text as a bulleted list.",
+]
+
+GROUNDED_PROMPTS = [f"{task}\n\n{passage}" for passage in _PASSAGES for task in _TASKS]
+
+BUILTIN = {"chat": CHAT_PROMPTS, "grounded": GROUNDED_PROMPTS}
+
+
+def load_prompts(workload: str, num_prompts: int) -> list[str]:
+    """`workload` is a built-in name or a JSONL file with a "prompt" field per line."""
+    if workload in BUILTIN:
+        base = BUILTIN[workload]
+    else:
+        path = Path(workload)
+        if not path.is_file():
+            raise ValueError(
+                f"workload must be one of {', '.join(BUILTIN)} or a JSONL file, got {workload!r}"
+            )
+        base = [json.loads(line)["prompt"] for line in path.read_text().splitlines() if line]
+        if not base:
+            raise ValueError(f"{workload}: no prompts found")
+    return [base[i % len(base)] for i in range(num_prompts)]
