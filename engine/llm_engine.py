@@ -247,6 +247,7 @@ class LLMEngine:
         request = state.request
         new_ids = request.output_token_ids[state.num_emitted_tokens :]
         state.num_emitted_tokens = request.num_output_tokens
+        self.stats.num_generation_tokens += len(new_ids)
         now = time.monotonic()
         if state.metrics.first_token_time is None and new_ids:
             state.metrics.first_token_time = now
@@ -299,16 +300,15 @@ class LLMEngine:
                      runner_output: ModelRunnerOutput) -> None:
         stats = self.stats
         stats.num_steps += 1
-        stats.num_running = self.scheduler.num_running
-        stats.num_waiting = self.scheduler.num_waiting
         stats.num_preemptions = self.scheduler.num_preemptions
         for item in sched.scheduled:
             stats.num_draft_tokens += len(item.spec_token_ids)
-        for tokens in runner_output.sampled_token_ids.values():
-            stats.num_generation_tokens += len(tokens)
         stats.num_accepted_tokens += sum(runner_output.num_accepted.values())
         self.refresh_stats()
         verified = [s for s in sched.scheduled if s.spec_token_ids]
+        stats.mean_speculative_length = (
+            sum(len(s.spec_token_ids) for s in verified) / len(verified) if verified else 0.0
+        )
         self.last_step = StepRecord(
             batch_size=len(sched.scheduled),
             num_batched_tokens=sum(s.num_scheduled_tokens for s in sched.scheduled),
@@ -319,7 +319,9 @@ class LLMEngine:
         )
 
     def refresh_stats(self) -> None:
-        """Publish the KV pools' state into self.stats (also after an abort)."""
+        """Publish queue and KV pool state into self.stats (also after an abort)."""
+        self.stats.num_running = self.scheduler.num_running
+        self.stats.num_waiting = self.scheduler.num_waiting
         kv = self.kv_manager
         pool = self.stats.target_pool
         pool.num_blocks = kv.num_blocks

@@ -78,15 +78,32 @@ def test_abort_mid_prefill_and_mid_decode_frees_everything(tiny_model_dir):
     assert_all_blocks_released(engine)
 
 
+def _stop_string_across_two_tokens(tokenizer, token_ids):
+    """A substring of the decoded text made of the tail of one token's text and the head
+    of the next one's, occurring nowhere earlier."""
+    ends = [len(tokenizer.decode(token_ids[:k], skip_special_tokens=True))
+            for k in range(len(token_ids) + 1)]
+    text = tokenizer.decode(token_ids, skip_special_tokens=True)
+    for j in range(1, len(token_ids) - 1):
+        a, b, c = ends[j], ends[j + 1], ends[j + 2]
+        start, end = a + (b - a) // 2, b + (c - b + 1) // 2
+        stop = text[start:end]
+        clean = b > a and c > b and "\ufffd" not in text[a:c] and stop.strip()
+        if clean and text.find(stop) == start:
+            return stop
+    return None
+
+
 def test_stop_string_spanning_two_tokens(tiny_model_dir):
     engine = make_engine(tiny_model_dir)
-    prompt = prompts_of_lengths([8], seed=4)[0]
-    free = run_to_completion(engine, {0: [("free", prompt, greedy(12))]})["free"]
-    words = engine.tokenizer.decode(free["token_ids"][2:4], skip_special_tokens=True)
-    assert len(words) > 2
-    # A stop string that starts inside token 3 and ends inside token 4.
-    stop = words[1:-1]
-    stopped = run_to_completion(engine, {0: [("s", prompt, greedy(12, stop=[stop]))]})["s"]
+    for seed in range(4, 40):
+        prompt = prompts_of_lengths([8], seed=seed)[0]
+        free = run_to_completion(engine, {0: [("free", prompt, greedy(16))]})["free"]
+        stop = _stop_string_across_two_tokens(engine.tokenizer, free["token_ids"])
+        if stop is not None:
+            break
+    assert stop is not None, "no prompt produced two printable tokens in a row"
+    stopped = run_to_completion(engine, {0: [("s", prompt, greedy(16, stop=[stop]))]})["s"]
     assert stopped["finish_reason"] == "stop"
     assert stop not in stopped["text"]
     assert free["text"].startswith(stopped["text"])

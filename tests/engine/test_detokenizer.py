@@ -1,0 +1,60 @@
+from __future__ import annotations
+
+import pytest
+
+from engine.detokenizer import IncrementalDetokenizer
+from tests.tiny_models import make_tokenizer
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return make_tokenizer()
+
+
+def _stream(tokenizer, text: str, stop: list[str]):
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    detok = IncrementalDetokenizer(tokenizer, [5, 6], stop)
+    deltas = []
+    for token_id in ids:
+        delta, hit = detok.push([token_id])
+        deltas.append(delta)
+        if hit is not None:
+            return deltas, hit
+    deltas.append(detok.flush())
+    return deltas, None
+
+
+def test_multibyte_characters_are_never_split(tokenizer):
+    text = "héllo wörld 😀 ok"
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    assert len(ids) > len(text)  # some characters take several byte tokens
+    deltas, hit = _stream(tokenizer, text, [])
+    assert hit is None
+    assert "".join(deltas) == text
+    assert all("\ufffd" not in d for d in deltas)
+
+
+def test_partial_stop_string_is_held_back_then_released(tokenizer):
+    deltas, hit = _stream(tokenizer, "abc STx and more", ["STOP"])
+    assert hit is None
+    assert "".join(deltas) == "abc STx and more"
+    # "S" and "ST" could start "STOP": they come out only once "x" rules it out
+    assert deltas[4:7] == ["", "", "STx"]
+
+
+def test_stop_string_ends_the_text_before_it(tokenizer):
+    deltas, hit = _stream(tokenizer, "one two STOP three", ["STOP", "zzz"])
+    assert hit == "STOP"
+    assert "".join(deltas) == "one two "
+
+
+def test_earliest_stop_string_wins(tokenizer):
+    deltas, hit = _stream(tokenizer, "xx END yy HALT", ["HALT", "END"])
+    assert hit == "END" and "".join(deltas) == "xx "
+
+
+def test_several_tokens_at_once(tokenizer):
+    ids = tokenizer.encode("spec tokens arrive in runs", add_special_tokens=False)
+    detok = IncrementalDetokenizer(tokenizer, [], [])
+    text = "".join(detok.push(ids[i : i + 3])[0] for i in range(0, len(ids), 3))
+    assert text + detok.flush() == "spec tokens arrive in runs"
