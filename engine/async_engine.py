@@ -8,6 +8,7 @@ abort) and per-request output queues filled with ``call_soon_threadsafe``.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
 import itertools
 import logging
@@ -60,10 +61,9 @@ class _RequestStream:
         self.finished = False
 
     def put_threadsafe(self, item: RequestOutput | BaseException) -> None:
-        try:
+        # A closed event loop raises RuntimeError: nobody is listening any more.
+        with contextlib.suppress(RuntimeError):
             self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
-        except RuntimeError:  # the event loop is closed: nobody is listening any more
-            pass
 
 
 class AsyncEngine:
@@ -88,9 +88,7 @@ class AsyncEngine:
         # exporter and request logging hang here.
         self.step_observers = list(step_observers or [])
         self._engine: Any = None
-        self._commands: queue.SimpleQueue[_AddCommand | _AbortCommand | None] = (
-            queue.SimpleQueue()
-        )
+        self._commands: queue.SimpleQueue[_AddCommand | _AbortCommand | None] = queue.SimpleQueue()
         self._streams: dict[str, _RequestStream] = {}
         self._streams_lock = threading.Lock()
         self._thread: threading.Thread | None = None
@@ -162,9 +160,7 @@ class AsyncEngine:
         """
         request_id = request_id or f"req-{uuid.uuid4().hex[:16]}"
         stream = self._admit(request_id)
-        self._commands.put(
-            _AddCommand(request_id, prompt, messages, params, priority, stream)
-        )
+        self._commands.put(_AddCommand(request_id, prompt, messages, params, priority, stream))
         try:
             while True:
                 item = await stream.queue.get()
@@ -244,8 +240,10 @@ class AsyncEngine:
         """Apply queued commands. Returns False when asked to stop."""
         while True:
             try:
-                command = self._commands.get(timeout=_IDLE_WAIT_S) if block else (
-                    self._commands.get_nowait()
+                command = (
+                    self._commands.get(timeout=_IDLE_WAIT_S)
+                    if block
+                    else (self._commands.get_nowait())
                 )
             except queue.Empty:
                 return True

@@ -24,11 +24,18 @@ def add_engine_args(parser: argparse.ArgumentParser, *, with_seed: bool = True) 
     """Every EngineConfig field as a flag; shared by generate, serve and bench.
     `specserve generate` uses --seed for its request, so it leaves the engine's out."""
     g = parser.add_argument_group("engine")
-    g.add_argument("--model", default=None,
-                   help="HF directory, .gguf file or hub id (default: smollm2-135m-instruct)")
+    g.add_argument(
+        "--model",
+        default=None,
+        help="HF directory, .gguf file or hub id (default: smollm2-135m-instruct)",
+    )
     g.add_argument("--draft-model", default=None, help="small draft model sharing the tokenizer")
-    g.add_argument("--speculative-method", choices=SPECULATIVE_METHODS, default=None,
-                   help="default: draft if --draft-model is given, else ngram")
+    g.add_argument(
+        "--speculative-method",
+        choices=SPECULATIVE_METHODS,
+        default=None,
+        help="default: draft if --draft-model is given, else ngram",
+    )
     g.add_argument("--num-speculative-tokens", type=int, default=4)
     g.add_argument("--speculative-disable-batch-size", type=int, default=16)
     g.add_argument("--block-size", type=int, default=16)
@@ -42,8 +49,9 @@ def add_engine_args(parser: argparse.ArgumentParser, *, with_seed: bool = True) 
     g.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     g.add_argument("--dtype", choices=DTYPES, default="auto")
     g.add_argument("--attn-backend", choices=ATTENTION_BACKENDS, default="auto")
-    g.add_argument("--num-threads", type=int, default=None,
-                   help="torch CPU threads (default: one per core)")
+    g.add_argument(
+        "--num-threads", type=int, default=None, help="torch CPU threads (default: one per core)"
+    )
     if with_seed:
         g.add_argument("--seed", type=int, default=0, help="engine seed for unseeded requests")
 

@@ -15,12 +15,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--top-k", type=int, default=0)
-    parser.add_argument("--seed", dest="request_seed", type=int, default=None,
-                        help="sampling seed for this request")
-    parser.add_argument("--chat", action="store_true",
-                        help="wrap the prompt as a user message in the model's chat template")
-    parser.add_argument("--server", default=None,
-                        help="HOST:PORT of a running specserve server instead of a local model")
+    parser.add_argument(
+        "--seed", dest="request_seed", type=int, default=None, help="sampling seed for this request"
+    )
+    parser.add_argument(
+        "--chat",
+        action="store_true",
+        help="wrap the prompt as a user message in the model's chat template",
+    )
+    parser.add_argument(
+        "--server",
+        default=None,
+        help="HOST:PORT of a running specserve server instead of a local model",
+    )
     parser.add_argument("--api-key", default=None, help="bearer token for --server")
     parser.add_argument("--stats", action="store_true", help="print speed and speculation stats")
     add_engine_args(parser, with_seed=False)
@@ -30,13 +37,25 @@ def run(args: argparse.Namespace) -> int:
     if args.server:
         from engine.client import stream_generate_cli
 
-        return stream_generate_cli(args.server, args.prompt, args.max_tokens, args.temperature,
-                                   args.request_seed, args.chat, args.api_key)
+        return stream_generate_cli(
+            args.server,
+            args.prompt,
+            args.max_tokens,
+            args.temperature,
+            args.request_seed,
+            args.chat,
+            args.api_key,
+        )
     from engine.llm_engine import LLMEngine
     from engine.sampling_params import SamplingParams
 
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
-                            top_p=args.top_p, top_k=args.top_k, seed=args.request_seed)
+    params = SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.request_seed,
+    )
     config = engine_config_from_args(args)
     print("loading model...", file=sys.stderr, flush=True)
     engine = LLMEngine(config)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import contextlib
 
-import engine.cmd_generate  # noqa: F401
 import engine.benchmarks.cli  # noqa: F401
+import engine.cmd_generate  # noqa: F401
 
 # The gRPC server registers `serve` once it is importable.
 with contextlib.suppress(ImportError):

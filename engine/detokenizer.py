@@ -28,7 +28,9 @@ class IncrementalDetokenizer:
         After a stop string is hit the request is over; the emitted text excludes it."""
         self._ids.extend(token_ids)
         decode = self._tokenizer.decode
-        prefix = decode(self._ids[self._prefix_offset : self._read_offset], skip_special_tokens=True)
+        prefix = decode(
+            self._ids[self._prefix_offset : self._read_offset], skip_special_tokens=True
+        )
         full = decode(self._ids[self._prefix_offset :], skip_special_tokens=True)
         if len(full) <= len(prefix) or full.endswith("\ufffd"):
             return "", None

@@ -11,6 +11,7 @@ import torch
 from block_manager import KVCacheManager
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
+from engine.input_processor import InputProcessor
 from engine.kv_sizing import plan_kv_cache
 from engine.model_runner import ModelRunner, SeqInput
 from engine.outputs import RequestMetrics, RequestOutput
@@ -83,6 +84,7 @@ class LLMEngine:
         )
         self.eos_token_ids = frozenset(self.loaded.eos_token_ids)
         self.vocab_size = self.loaded.arch.vocab_size
+        self.input_processor = InputProcessor(self.tokenizer, self.vocab_size, self.max_model_len)
         self._states: dict[str, _RequestState] = {}
         self.stats = EngineStats()
         self.last_step: StepRecord | None = None
@@ -100,8 +102,7 @@ class LLMEngine:
     ) -> None:
         """Queue a request. Raises ValueError (naming the field) for bad input."""
         params = params or SamplingParams()
-        prompt_ids = self._prompt_token_ids(prompt, messages)
-        self._validate(prompt_ids, params)
+        prompt_ids = self.input_processor.prompt_token_ids(prompt, messages, params)
         if request_id in self._states:
             raise ValueError(f"request_id {request_id!r} is already in use")
         stop_ids = set(params.stop_token_ids)
@@ -124,8 +125,9 @@ class LLMEngine:
             request=request,
             params=params,
             detokenizer=IncrementalDetokenizer(self.tokenizer, prompt_ids, params.stop),
-            metrics=RequestMetrics(arrival_time=request.arrival_time,
-                                   num_prompt_tokens=len(prompt_ids)),
+            metrics=RequestMetrics(
+                arrival_time=request.arrival_time, num_prompt_tokens=len(prompt_ids)
+            ),
             generator=generator,
         )
         self.scheduler.add_request(request)
@@ -144,49 +146,6 @@ class LLMEngine:
     def num_waiting_requests(self) -> int:
         return self.scheduler.num_waiting
 
-    def _prompt_token_ids(
-        self, prompt: str | list[int] | None, messages: list[dict[str, str]] | None
-    ) -> list[int]:
-        if messages is not None:
-            if prompt:
-                raise ValueError("give either prompt or messages, not both")
-            if not messages:
-                raise ValueError("messages must not be empty")
-            text = self.tokenizer.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=True
-            )
-            return list(self.tokenizer.encode(text, add_special_tokens=False))
-        if isinstance(prompt, str):
-            if not prompt:
-                raise ValueError("prompt must not be empty")
-            return list(self.tokenizer.encode(prompt))
-        if prompt is None:
-            raise ValueError("prompt must not be empty")
-        return list(prompt)
-
-    def _validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
-        if not prompt_ids:
-            raise ValueError("prompt must not be empty (it encodes to 0 tokens)")
-        for i, token_id in enumerate(prompt_ids):
-            if isinstance(token_id, bool) or not isinstance(token_id, int) or not (
-                0 <= token_id < self.vocab_size
-            ):
-                raise ValueError(
-                    f"prompt_token_ids[{i}] = {token_id!r} is outside the vocabulary "
-                    f"[0, {self.vocab_size - 1}]"
-                )
-        if len(prompt_ids) >= self.max_model_len:
-            raise ValueError(
-                f"prompt has {len(prompt_ids)} tokens; the context window allows at most "
-                f"{self.max_model_len - 1} prompt tokens (max_model_len {self.max_model_len})"
-            )
-        for token_id in params.stop_token_ids:
-            if token_id >= self.vocab_size:
-                raise ValueError(
-                    f"stop_token_ids contains {token_id}, outside the vocabulary "
-                    f"[0, {self.vocab_size - 1}]"
-                )
-
     # ---- the step ---------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         sched = self.scheduler.schedule()
@@ -198,7 +157,9 @@ class LLMEngine:
         t1 = time.perf_counter()
         seqs, sample_states, draft_counts = self._build_inputs(sched)
         logits = self.runner.forward(seqs)  # [sum(1 + drafts) over sampling requests, vocab]
-        runner_output = self.verifier.verify(logits, sched, sample_states, draft_counts, draft_probs)
+        runner_output = self.verifier.verify(
+            logits, sched, sample_states, draft_counts, draft_probs
+        )
         t2 = time.perf_counter()
         changed = self.scheduler.update(sched, runner_output)
         if self.proposer is not None:
@@ -296,8 +257,13 @@ class LLMEngine:
             logprobs=logprobs[: len(new_ids)] if logprobs else None,
         )
 
-    def _record_step(self, sched: SchedulerOutput, draft_s: float, forward_s: float,
-                     runner_output: ModelRunnerOutput) -> None:
+    def _record_step(
+        self,
+        sched: SchedulerOutput,
+        draft_s: float,
+        forward_s: float,
+        runner_output: ModelRunnerOutput,
+    ) -> None:
         stats = self.stats
         stats.num_steps += 1
         stats.num_preemptions = self.scheduler.num_preemptions

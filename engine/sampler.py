@@ -170,8 +170,12 @@ def compute_logprobs(
     Returns (chosen [n], top_values [n, num_top], top_ids [n, num_top])."""
     logprobs = torch.log_softmax(logits, dim=-1)
     chosen = logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1)
-    top_values, top_ids = logprobs.topk(num_top, dim=-1) if num_top else (
-        logprobs[:, :0],
-        token_ids.new_empty((logits.shape[0], 0)),
+    top_values, top_ids = (
+        logprobs.topk(num_top, dim=-1)
+        if num_top
+        else (
+            logprobs[:, :0],
+            token_ids.new_empty((logits.shape[0], 0)),
+        )
     )
     return chosen, top_values, top_ids

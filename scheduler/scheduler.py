@@ -102,8 +102,7 @@ class Scheduler:
         scheduled: list[ScheduledRequest] = []
         preempted: list[str] = []
         speculate = (
-            self.config.spec_enabled
-            and len(self.running) <= self.config.spec_disable_batch_size
+            self.config.spec_enabled and len(self.running) <= self.config.spec_disable_batch_size
         )
         i = 0
         while i < len(self.running) and budget > 0:

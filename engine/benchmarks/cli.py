@@ -10,8 +10,10 @@ from engine.cli import command
 
 # name -> (module, help). Each module has add_arguments(parser) and run(args) -> int.
 BENCHMARKS = {
-    "offline": ("engine.benchmarks.offline",
-                "engine throughput/latency vs transformers generate() and generate_batch()"),
+    "offline": (
+        "engine.benchmarks.offline",
+        "engine throughput/latency vs transformers generate() and generate_batch()",
+    ),
     "blocks": ("block_manager.bench", "block manager operations per second"),
     "serve": ("engine.benchmarks.serve", "load-test a running server over gRPC"),
 }

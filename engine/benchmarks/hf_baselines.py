@@ -30,8 +30,15 @@ def load_hf_model(model_dir, device: str):
 
 
 @torch.inference_mode()
-def run_generate(model, prompts: list[list[int]], output_len: int, batch_size: int,
-                 pad_id: int, progress=None, assistant_lookup: int | None = None) -> RunResult:
+def run_generate(
+    model,
+    prompts: list[list[int]],
+    output_len: int,
+    batch_size: int,
+    pad_id: int,
+    progress=None,
+    assistant_lookup: int | None = None,
+) -> RunResult:
     from transformers import LogitsProcessorList
 
     timings: list[RequestTiming] = []
@@ -47,15 +54,21 @@ def run_generate(model, prompts: list[list[int]], output_len: int, batch_size: i
         if assistant_lookup:
             extra["prompt_lookup_num_tokens"] = assistant_lookup
         out = model.generate(
-            ids.to(model.device), attention_mask=mask.to(model.device),
-            max_new_tokens=output_len, min_new_tokens=output_len, do_sample=False,
-            pad_token_id=pad_id, logits_processor=LogitsProcessorList([clock]), **extra,
+            ids.to(model.device),
+            attention_mask=mask.to(model.device),
+            max_new_tokens=output_len,
+            min_new_tokens=output_len,
+            do_sample=False,
+            pad_token_id=pad_id,
+            logits_processor=LogitsProcessorList([clock]),
+            **extra,
         )
         end = time.perf_counter()
         num_new = out.shape[1] - width
         for _ in batch:
-            timings.append(RequestTiming(start, clock.times[0] if clock.times else end, end,
-                                         num_new))
+            timings.append(
+                RequestTiming(start, clock.times[0] if clock.times else end, end, num_new)
+            )
         if progress is not None:
             progress.update(len(batch))
     name = "hf assisted (prompt lookup)" if assistant_lookup else "hf generate()"
@@ -63,15 +76,21 @@ def run_generate(model, prompts: list[list[int]], output_len: int, batch_size: i
 
 
 @torch.inference_mode()
-def run_generate_batch(model, prompts: list[list[int]], output_len: int, progress=None
-                       ) -> RunResult:
+def run_generate_batch(
+    model, prompts: list[list[int]], output_len: int, progress=None
+) -> RunResult:
     from transformers import GenerationConfig
 
-    config = GenerationConfig(max_new_tokens=output_len, do_sample=False,
-                              eos_token_id=-1, pad_token_id=0)
+    config = GenerationConfig(
+        max_new_tokens=output_len, do_sample=False, eos_token_id=-1, pad_token_id=0
+    )
     start = time.perf_counter()
-    outputs = model.generate_batch(inputs=prompts, generation_config=config,
-                                   record_timestamps=True, progress_bar=progress is not None)
+    outputs = model.generate_batch(
+        inputs=prompts,
+        generation_config=config,
+        record_timestamps=True,
+        progress_bar=progress is not None,
+    )
     duration = time.perf_counter() - start
     timings = []
     for out in outputs.values():

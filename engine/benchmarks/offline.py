@@ -23,18 +23,29 @@ BASELINES = ("generate", "generate_batch", "assisted")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--workload", default="chat",
-                        help="chat, grounded, or a JSONL file with a 'prompt' field")
+    parser.add_argument(
+        "--workload", default="chat", help="chat, grounded, or a JSONL file with a 'prompt' field"
+    )
     parser.add_argument("--num-prompts", type=int, default=32)
     parser.add_argument("--output-len", type=int, default=64)
-    parser.add_argument("--concurrency", type=int, default=None,
-                        help="requests in flight at once (default: all prompts)")
+    parser.add_argument(
+        "--concurrency",
+        type=int,
+        default=None,
+        help="requests in flight at once (default: all prompts)",
+    )
     parser.add_argument("--no-chat-template", action="store_true")
-    parser.add_argument("--spec-modes", default=None,
-                        help="comma list of none,ngram,draft: one specserve run each "
-                             "(default: none plus the configured method, if any)")
-    parser.add_argument("--baselines", default="generate,generate_batch",
-                        help=f"comma list from {','.join(BASELINES)}, or 'none'")
+    parser.add_argument(
+        "--spec-modes",
+        default=None,
+        help="comma list of none,ngram,draft: one specserve run each "
+        "(default: none plus the configured method, if any)",
+    )
+    parser.add_argument(
+        "--baselines",
+        default="generate,generate_batch",
+        help=f"comma list from {','.join(BASELINES)}, or 'none'",
+    )
     parser.add_argument("--json", default=None, help="write the results to this JSON file")
     parser.add_argument("--no-progress", action="store_true")
     add_engine_args(parser)
@@ -49,19 +60,30 @@ def run(args: argparse.Namespace) -> int:
     concurrency = args.concurrency or args.num_prompts
     base_config = engine_config_from_args(args)
     _log(f"loading {base_config.model or 'the default model'}...")
-    loaded = load_model(base_config.model, dtype=base_config.dtype, device=base_config.device,
-                        attn_backend=base_config.attn_backend)
-    prompts = _tokenize(loaded.tokenizer, load_prompts(args.workload, args.num_prompts),
-                        not args.no_chat_template)
+    loaded = load_model(
+        base_config.model,
+        dtype=base_config.dtype,
+        device=base_config.device,
+        attn_backend=base_config.attn_backend,
+    )
+    prompts = _tokenize(
+        loaded.tokenizer, load_prompts(args.workload, args.num_prompts), not args.no_chat_template
+    )
     results: list[RunResult] = []
     for mode in _spec_modes(args, base_config):
-        config = replace(base_config, speculative_method=mode,
-                         draft_model=base_config.draft_model if mode == "draft" else None)
+        config = replace(
+            base_config,
+            speculative_method=mode,
+            draft_model=base_config.draft_model if mode == "draft" else None,
+        )
         engine = LLMEngine(config, loaded=loaded)
         _run_engine(engine, prompts[:1], min(args.output_len, 8), 1, None)  # warm-up
         bar = _bar(len(prompts), f"specserve spec={mode}", args.no_progress)
-        results.append(_run_engine(engine, prompts, args.output_len, concurrency, bar,
-                                   f"specserve (spec: {mode})"))
+        results.append(
+            _run_engine(
+                engine, prompts, args.output_len, concurrency, bar, f"specserve (spec: {mode})"
+            )
+        )
         _close(bar)
     results += _run_baselines(args, loaded, prompts, concurrency)
     _print_report(args, concurrency, results)
@@ -87,8 +109,9 @@ def _tokenize(tokenizer, prompts: list[str], chat: bool) -> list[list[int]]:
         return [list(tokenizer.encode(p)) for p in prompts]
     out = []
     for p in prompts:
-        text = tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
-                                             add_generation_prompt=True)
+        text = tokenizer.apply_chat_template(
+            [{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True
+        )
         out.append(list(tokenizer.encode(text, add_special_tokens=False)))
     return out
 
@@ -146,8 +169,8 @@ def _spec_stats(steps) -> dict[str, float]:
         "per_token_acceptance": rate,
         "mean_k": sum(drafts) / len(drafts),
         "tokens_per_verification": sum(a + 1 for a in accepted) / len(accepted),
-        "expected_tokens_per_verification":
-            sum(expected_tokens_per_step(rate, d) for d in drafts) / len(drafts),
+        "expected_tokens_per_verification": sum(expected_tokens_per_step(rate, d) for d in drafts)
+        / len(drafts),
     }
 
 
@@ -169,40 +192,58 @@ def _run_baselines(args, loaded, prompts, concurrency) -> list[RunResult]:
         bar = _bar(len(prompts), f"hf {name}", args.no_progress)
         if name == "generate":
             hf.run_generate(model, prompts[:1], 4, 1, pad_id)  # warm-up
-            results.append(hf.run_generate(model, prompts, args.output_len, concurrency, pad_id,
-                                           bar))
+            results.append(
+                hf.run_generate(model, prompts, args.output_len, concurrency, pad_id, bar)
+            )
         elif name == "generate_batch":
             results.append(hf.run_generate_batch(model, prompts, args.output_len, bar))
         else:
-            results.append(hf.run_generate(model, prompts, args.output_len, 1, pad_id, bar,
-                                           assistant_lookup=args.num_speculative_tokens))
+            results.append(
+                hf.run_generate(
+                    model,
+                    prompts,
+                    args.output_len,
+                    1,
+                    pad_id,
+                    bar,
+                    assistant_lookup=args.num_speculative_tokens,
+                )
+            )
         _close(bar)
     return results
 
 
 def _print_report(args, concurrency, results: list[RunResult]) -> None:
-    print(f"\nworkload {args.workload}: {args.num_prompts} prompts x {args.output_len} tokens, "
-          f"concurrency {concurrency}, greedy")
+    print(
+        f"\nworkload {args.workload}: {args.num_prompts} prompts x {args.output_len} tokens, "
+        f"concurrency {concurrency}, greedy"
+    )
     print(format_table(results, reference=results[0]))
     specserve = [r for r in results if r.system.startswith("specserve")]
     baselines = [r for r in results if not r.system.startswith("specserve")]
     for r in specserve:
         if r.spec:
             s = r.spec
-            print(f"{r.system}: acceptance {s['acceptance_rate']:.2f} (per token "
-                  f"{s['per_token_acceptance']:.2f}), mean k {s['mean_k']:.2f}, tokens/verification "
-                  f"{s['tokens_per_verification']:.2f} (expected "
-                  f"{s['expected_tokens_per_verification']:.2f})")
+            print(
+                f"{r.system}: acceptance {s['acceptance_rate']:.2f} (per token "
+                f"{s['per_token_acceptance']:.2f}), mean k {s['mean_k']:.2f}, tokens/verification "
+                f"{s['tokens_per_verification']:.2f} (expected "
+                f"{s['expected_tokens_per_verification']:.2f})"
+            )
         print(f"{r.system}: engine overhead per step {r.step_overhead_ms:.2f} ms")
     if specserve and baselines:
         best = max(baselines, key=lambda r: r.output_tokens_per_s)
         for r in specserve:
-            print(f"{r.system} vs best baseline ({best.system}): "
-                  f"{r.output_tokens_per_s / best.output_tokens_per_s:.2f}x")
+            print(
+                f"{r.system} vs best baseline ({best.system}): "
+                f"{r.output_tokens_per_s / best.output_tokens_per_s:.2f}x"
+            )
     if len(specserve) > 1:
         for r in specserve[1:]:
-            print(f"{r.system} vs {specserve[0].system}: "
-                  f"{r.output_tokens_per_s / specserve[0].output_tokens_per_s:.2f}x")
+            print(
+                f"{r.system} vs {specserve[0].system}: "
+                f"{r.output_tokens_per_s / specserve[0].output_tokens_per_s:.2f}x"
+            )
 
 
 def _json(args, concurrency, results) -> dict:

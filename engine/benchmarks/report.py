@@ -91,11 +91,19 @@ def _fmt(d: dict[str, float]) -> str:
 
 
 def format_table(results: list[RunResult], reference: RunResult | None = None) -> str:
-    head = (f"{'system':<34}{'tok/s':>9}{'req/s':>8}{'TTFT ms mean/p50/p99':>23}"
-            f"{'TPOT ms mean/p50/p99':>23}{'ratio':>8}")
+    head = (
+        f"{'system':<34}{'tok/s':>9}{'req/s':>8}{'TTFT ms mean/p50/p99':>23}"
+        f"{'TPOT ms mean/p50/p99':>23}{'ratio':>8}"
+    )
     lines = [head, "-" * len(head)]
     for r in results:
-        ratio = "" if reference is None else f"{r.output_tokens_per_s / reference.output_tokens_per_s:.2f}x"
-        lines.append(f"{r.system:<34}{r.output_tokens_per_s:>9.1f}{r.requests_per_s:>8.2f}"
-                     f"{_fmt(r.ttft_ms):>23}{_fmt(r.tpot_ms):>23}{ratio:>8}")
+        ratio = (
+            ""
+            if reference is None
+            else f"{r.output_tokens_per_s / reference.output_tokens_per_s:.2f}x"
+        )
+        lines.append(
+            f"{r.system:<34}{r.output_tokens_per_s:>9.1f}{r.requests_per_s:>8.2f}"
+            f"{_fmt(r.ttft_ms):>23}{_fmt(r.tpot_ms):>23}{ratio:>8}"
+        )
     return "\n".join(lines)

@@ -45,8 +45,9 @@ class Verifier:
             out_tokens = [[t] for t in tokens]
             num_accepted = [0] * len(items)
         else:
-            out_tokens, num_accepted = self._rejection(logits, items, batch, draft_counts,
-                                                       draft_probs)
+            out_tokens, num_accepted = self._rejection(
+                logits, items, batch, draft_counts, draft_probs
+            )
         result = ModelRunnerOutput(
             sampled_token_ids={s.request_id: t for s, t in zip(items, out_tokens)},
             num_accepted={s.request_id: n for s, n in zip(items, num_accepted)},
@@ -65,19 +66,25 @@ class Verifier:
         # [n, k_max + 1] row of probs_flat for each (request, position); clamped padding
         index = [[s + min(j, c - 1) for j in range(k_max + 1)] for s, c in zip(starts, counts)]
         target_probs = probs_flat[torch.tensor(index, device=self.device)]
-        drafts = [items[i].spec_token_ids + [0] * (k_max - len(items[i].spec_token_ids))
-                  for i in range(n)]
+        drafts = [
+            items[i].spec_token_ids + [0] * (k_max - len(items[i].spec_token_ids)) for i in range(n)
+        ]
         draft_ids = torch.tensor(drafts, dtype=torch.long, device=self.device)
         q = self._padded_draft_probs(items, draft_probs, k_max, logits.shape[-1])
         uniforms = uniform_noise((k_max,), batch.generators, self.device, self.generator)
         noise = None
         if not batch.all_greedy:
-            noise = exponential_noise((logits.shape[-1],), batch.generators, self.device,
-                                      self.generator)
+            noise = exponential_noise(
+                (logits.shape[-1],), batch.generators, self.device, self.generator
+            )
             noise[torch.tensor(batch.is_greedy, device=self.device)] = 1.0
         output, num_accepted = rejection_sample(
-            target_probs, draft_ids, q,
-            torch.tensor(draft_counts, device=self.device), uniforms, noise,
+            target_probs,
+            draft_ids,
+            q,
+            torch.tensor(draft_counts, device=self.device),
+            uniforms,
+            noise,
         )
         packed = torch.cat([output, num_accepted.unsqueeze(1)], dim=1).tolist()  # one sync
         out_tokens = [row[: row[-1] + 1] for row in packed]

@@ -33,8 +33,9 @@ def check_pools(engine: LLMEngine) -> None:
         assert held == -(-request.num_computed_tokens // bs), request.request_id
 
 
-def run_to_completion(engine: LLMEngine, arrivals: dict[int, list] | None = None,
-                      max_steps: int = 10_000) -> dict[str, dict]:
+def run_to_completion(
+    engine: LLMEngine, arrivals: dict[int, list] | None = None, max_steps: int = 10_000
+) -> dict[str, dict]:
     """Step until idle; `arrivals` maps step index -> [(request_id, prompt, params)].
     Returns request_id -> {"token_ids", "text", "finish_reason", "metrics"}."""
     arrivals = dict(arrivals or {})
@@ -74,9 +75,14 @@ def _hf_model(model_dir: str):
 def hf_greedy(model_dir: str, prompt_ids: list[int], max_tokens: int) -> list[int]:
     model = _hf_model(model_dir)
     with torch.no_grad():
-        out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=max_tokens,
-                             min_new_tokens=max_tokens, do_sample=False, pad_token_id=0)
-    return out[0, len(prompt_ids):].tolist()
+        out = model.generate(
+            torch.tensor([prompt_ids]),
+            max_new_tokens=max_tokens,
+            min_new_tokens=max_tokens,
+            do_sample=False,
+            pad_token_id=0,
+        )
+    return out[0, len(prompt_ids) :].tolist()
 
 
 def greedy(max_tokens: int, **kw) -> SamplingParams:

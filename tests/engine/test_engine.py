@@ -81,8 +81,10 @@ def test_abort_mid_prefill_and_mid_decode_frees_everything(tiny_model_dir):
 def _stop_string_across_two_tokens(tokenizer, token_ids):
     """A substring of the decoded text made of the tail of one token's text and the head
     of the next one's, occurring nowhere earlier."""
-    ends = [len(tokenizer.decode(token_ids[:k], skip_special_tokens=True))
-            for k in range(len(token_ids) + 1)]
+    ends = [
+        len(tokenizer.decode(token_ids[:k], skip_special_tokens=True))
+        for k in range(len(token_ids) + 1)
+    ]
     text = tokenizer.decode(token_ids, skip_special_tokens=True)
     for j in range(1, len(token_ids) - 1):
         a, b, c = ends[j], ends[j + 1], ends[j + 2]
@@ -117,9 +119,7 @@ def test_stop_token_and_eos(tiny_model_dir):
     free = run_to_completion(engine, {0: [("f", prompt, greedy(10))]})["f"]["token_ids"]
     stop_at = free[3]
     first = free.index(stop_at)
-    out = run_to_completion(
-        engine, {0: [("s", prompt, greedy(10, stop_token_ids=[stop_at]))]}
-    )["s"]
+    out = run_to_completion(engine, {0: [("s", prompt, greedy(10, stop_token_ids=[stop_at]))]})["s"]
     assert out["token_ids"] == free[: first + 1] and out["finish_reason"] == "stop"
 
 
@@ -127,10 +127,13 @@ def test_seeded_sampling_does_not_depend_on_the_batch(tiny_model_dir):
     params = SamplingParams(max_tokens=10, temperature=0.9, top_p=0.9, seed=123, ignore_eos=True)
     prompt = prompts_of_lengths([12], seed=6)[0]
     alone = run_to_completion(make_engine(tiny_model_dir), {0: [("x", prompt, params)]})
-    others = [(f"o{i}", p, SamplingParams(max_tokens=10, temperature=1.0))
-              for i, p in enumerate(prompts_of_lengths([5, 9, 30], seed=7))]
-    crowd = run_to_completion(make_engine(tiny_model_dir),
-                              {0: others[:2], 1: [("x", prompt, params)], 3: others[2:]})
+    others = [
+        (f"o{i}", p, SamplingParams(max_tokens=10, temperature=1.0))
+        for i, p in enumerate(prompts_of_lengths([5, 9, 30], seed=7))
+    ]
+    crowd = run_to_completion(
+        make_engine(tiny_model_dir), {0: others[:2], 1: [("x", prompt, params)], 3: others[2:]}
+    )
     assert crowd["x"]["token_ids"] == alone["x"]["token_ids"]
 
 
@@ -195,8 +198,9 @@ def test_failing_forward_is_an_error_on_every_in_flight_request(tiny_model_dir):
         return engine
 
     async def main():
-        config = EngineConfig(model=tiny_model_dir, speculative_method="none",
-                              num_kv_blocks=64, device="cpu")
+        config = EngineConfig(
+            model=tiny_model_dir, speculative_method="none", num_kv_blocks=64, device="cpu"
+        )
         aengine = AsyncEngine(config, engine_factory=factory)
         aengine.start()
         await aengine.wait_ready(60)
@@ -226,8 +230,9 @@ def test_async_engine_streams_and_aborts_on_early_exit(tiny_model_dir):
     from engine.config import EngineConfig
 
     async def main():
-        config = EngineConfig(model=tiny_model_dir, speculative_method="none",
-                              num_kv_blocks=64, device="cpu")
+        config = EngineConfig(
+            model=tiny_model_dir, speculative_method="none", num_kv_blocks=64, device="cpu"
+        )
         aengine = AsyncEngine(config)
         aengine.start()
         await aengine.wait_ready(60)
@@ -255,8 +260,14 @@ def test_engine_overloaded_when_the_waiting_queue_is_full(tiny_model_dir):
     from engine.errors import EngineOverloadedError
 
     async def main():
-        config = EngineConfig(model=tiny_model_dir, speculative_method="none", num_kv_blocks=64,
-                              device="cpu", max_num_seqs=1, max_waiting_requests=2)
+        config = EngineConfig(
+            model=tiny_model_dir,
+            speculative_method="none",
+            num_kv_blocks=64,
+            device="cpu",
+            max_num_seqs=1,
+            max_waiting_requests=2,
+        )
         aengine = AsyncEngine(config)
         aengine.start()
         await aengine.wait_ready(60)
@@ -286,8 +297,9 @@ def test_logprobs_are_the_models_log_softmax(tiny_model_dir):
     from tests.engine.engine_helpers import _hf_model
 
     with torch.no_grad():
-        ref = torch.log_softmax(_hf_model(tiny_model_dir)(torch.tensor([[5, 6, 7]])).logits[0, -1],
-                                -1)
+        ref = torch.log_softmax(
+            _hf_model(tiny_model_dir)(torch.tensor([[5, 6, 7]])).logits[0, -1], -1
+        )
     first = logprobs[0]
     assert first.top[0][0] == first.token_id == int(ref.argmax())
     assert first.logprob == pytest.approx(float(ref.max()), abs=1e-4)

@@ -60,8 +60,9 @@ def _speculative_samples(target, draft, start, sampler, seed: int) -> torch.Tens
     target_probs = target[context]  # [n, K + 1, V]: p at each verified position
     uniforms = torch.rand((n, K), generator=g)
     noise = torch.empty((n, V)).exponential_(generator=g)
-    out, num_acc = sampler(target_probs, draft_ids, draft_probs, torch.full((n,), K),
-                           uniforms, noise)
+    out, num_acc = sampler(
+        target_probs, draft_ids, draft_probs, torch.full((n,), K), uniforms, noise
+    )
     # Finish short sequences with plain target sampling (what later steps would do).
     seqs = out.clone()
     for pos in range(1, SEQ_LEN):
@@ -93,8 +94,7 @@ def test_speculative_sampling_matches_the_target_distribution():
 
 def _skip_residual(target_probs, draft_ids, draft_probs, num_drafts, uniforms, noise):
     # Bug: after a rejection, sample the recovered token from p instead of max(0, p - q).
-    out, n_acc = rejection_sample(target_probs, draft_ids, draft_probs, num_drafts, uniforms,
-                                  noise)
+    out, n_acc = rejection_sample(target_probs, draft_ids, draft_probs, num_drafts, uniforms, noise)
     rows = torch.arange(len(out))
     rejected = n_acc < num_drafts
     p_at = target_probs[rows, n_acc]
@@ -106,8 +106,7 @@ def _skip_residual(target_probs, draft_ids, draft_probs, num_drafts, uniforms, n
 def _skip_bonus(target_probs, draft_ids, draft_probs, num_drafts, uniforms, noise):
     # Bug: when every draft is accepted, take the extra token from the draft model
     # instead of sampling the bonus from the target's last position.
-    out, n_acc = rejection_sample(target_probs, draft_ids, draft_probs, num_drafts, uniforms,
-                                  noise)
+    out, n_acc = rejection_sample(target_probs, draft_ids, draft_probs, num_drafts, uniforms, noise)
     rows = torch.arange(len(out))
     all_acc = n_acc == num_drafts
     last_q = draft_probs[rows, -1]
@@ -136,8 +135,9 @@ def test_greedy_is_exact_match():
 def test_all_accepted_gets_the_bonus_token():
     p = torch.zeros(1, 3, 6)
     p[0, torch.arange(3), torch.tensor([2, 2, 5])] = 1.0
-    out, n = rejection_sample(p, torch.tensor([[2, 2]]), None, torch.tensor([2]),
-                              torch.rand(1, 2), None)
+    out, n = rejection_sample(
+        p, torch.tensor([[2, 2]]), None, torch.tensor([2]), torch.rand(1, 2), None
+    )
     assert n.tolist() == [2] and out.tolist() == [[2, 2, 5]]
 
 
@@ -145,8 +145,9 @@ def test_rows_without_drafts_are_plain_samples():
     p = torch.zeros(2, 2, 5)
     p[0, 0, 4] = p[1, 0, 1] = p[1, 1, 3] = 1.0
     p[0, 1, 0] = 1.0
-    out, n = rejection_sample(p, torch.tensor([[0], [1]]), None, torch.tensor([0, 1]),
-                              torch.rand(2, 1), None)
+    out, n = rejection_sample(
+        p, torch.tensor([[0], [1]]), None, torch.tensor([0, 1]), torch.rand(2, 1), None
+    )
     assert out.tolist() == [[4, -1], [1, 3]] and n.tolist() == [0, 1]
 
 
@@ -158,8 +159,13 @@ def test_tokens_per_step_follows_the_leviathan_expectation():
     a = float(torch.minimum(p, q).sum())
     n, k = 20000, 4
     drafts = torch.multinomial(q.expand(n, V), k, replacement=True, generator=g)
-    out, num_acc = rejection_sample(p.expand(n, k + 1, V), drafts, q.expand(n, k, V),
-                                    torch.full((n,), k), torch.rand((n, k), generator=g),
-                                    torch.empty((n, V)).exponential_(generator=g))
+    out, num_acc = rejection_sample(
+        p.expand(n, k + 1, V),
+        drafts,
+        q.expand(n, k, V),
+        torch.full((n,), k),
+        torch.rand((n, k), generator=g),
+        torch.empty((n, V)).exponential_(generator=g),
+    )
     mean_tokens = float((num_acc + 1).float().mean())
     assert mean_tokens == pytest.approx(expected_tokens_per_step(a, k), rel=0.03)

@@ -25,9 +25,7 @@ def _workload(k: int | None):
     prompts = prompts_of_lengths(LENGTHS, seed=11)
     shared = prompts_of_lengths([36], seed=12)[0]
     prompts += [shared + [7, 8], shared + [9], (prompts[2][:5] * 6)]
-    return {
-        i: [(f"r{i}", p, greedy(20, num_speculative_tokens=k))] for i, p in enumerate(prompts)
-    }
+    return {i: [(f"r{i}", p, greedy(20, num_speculative_tokens=k))] for i, p in enumerate(prompts)}
 
 
 def _greedy_reference(model_dir):
@@ -83,8 +81,12 @@ def test_adaptive_speculation_is_lossless_too(tiny_model_dir, tiny_draft_model_d
 def test_rejected_drafts_give_their_blocks_back_every_step(tiny_model_dir, tiny_draft_model_dir):
     """check_pools() (run after every step) asserts each request holds exactly
     ceil(num_computed / block_size) blocks; here most drafts are rejected."""
-    engine = make_engine(tiny_model_dir, speculative_method="draft",
-                         draft_model=tiny_draft_model_dir, num_speculative_tokens=8)
+    engine = make_engine(
+        tiny_model_dir,
+        speculative_method="draft",
+        draft_model=tiny_draft_model_dir,
+        num_speculative_tokens=8,
+    )
     prompt = prompts_of_lengths([14], seed=13)[0]
     engine.add_request("a", prompt, greedy(40, num_speculative_tokens=8))
     baseline = None
@@ -137,13 +139,26 @@ def _exact_distribution(model_dir, prompt):
 
 
 def _sample_sequences(model_dir, draft_dir, prompt, monkeypatch=None, broken=None):
-    engine = make_engine(model_dir, speculative_method="draft", draft_model=draft_dir,
-                         speculative_disable_batch_size=4096, num_kv_blocks=1200, seed=5)
+    engine = make_engine(
+        model_dir,
+        speculative_method="draft",
+        draft_model=draft_dir,
+        speculative_disable_batch_size=4096,
+        num_kv_blocks=1200,
+        seed=5,
+    )
     if broken is not None:
         monkeypatch.setattr("engine.spec_decode.verifier.rejection_sample", broken)
-    params = [SamplingParams(max_tokens=NUM_TOKENS, temperature=1.0, top_k=TOP_K,
-                             ignore_eos=True, num_speculative_tokens=2)
-              for _ in range(NUM_SAMPLES)]
+    params = [
+        SamplingParams(
+            max_tokens=NUM_TOKENS,
+            temperature=1.0,
+            top_k=TOP_K,
+            ignore_eos=True,
+            num_speculative_tokens=2,
+        )
+        for _ in range(NUM_SAMPLES)
+    ]
     results = run_to_completion(engine, {0: [(f"s{i}", prompt, p) for i, p in enumerate(params)]})
     assert engine.stats.num_draft_tokens >= 2 * NUM_SAMPLES
     assert 0 < engine.stats.num_accepted_tokens < engine.stats.num_draft_tokens
@@ -179,6 +194,7 @@ def test_the_engine_level_check_catches_a_sampler_that_skips_the_residual(
 
     prompt = [5, 9, 14, 3]
     exact = _exact_distribution(tiny_model_dir, prompt)
-    samples = _sample_sequences(tiny_model_dir, tiny_draft_model_dir, prompt, monkeypatch,
-                                _skip_residual)
+    samples = _sample_sequences(
+        tiny_model_dir, tiny_draft_model_dir, prompt, monkeypatch, _skip_residual
+    )
     assert _tv(samples, exact) > ENGINE_TV_BOUND

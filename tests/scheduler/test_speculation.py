@@ -2,7 +2,11 @@ from __future__ import annotations
 
 import pytest
 
-from scheduler.spec_length import AcceptanceHistory, choose_num_spec_tokens, expected_tokens_per_step
+from scheduler.spec_length import (
+    AcceptanceHistory,
+    choose_num_spec_tokens,
+    expected_tokens_per_step,
+)
 from tests.scheduler.helpers import make_request, make_scheduler, step
 
 

