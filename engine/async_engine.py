@@ -280,6 +280,14 @@ class AsyncEngine:
         except ValueError as exc:
             self._num_waiting = max(0, self._num_waiting - 1)
             command.stream.put_threadsafe(exc)
+        except Exception as exc:  # noqa: BLE001 - one bad prompt must not stop the loop
+            logger.warning(
+                "request %s rejected: %s: %s", command.request_id, type(exc).__name__, exc
+            )
+            self._num_waiting = max(0, self._num_waiting - 1)
+            command.stream.put_threadsafe(
+                ValueError(f"prompt could not be processed: {type(exc).__name__}: {exc}")
+            )
 
     def _deliver(self, output: RequestOutput) -> None:
         with self._streams_lock:

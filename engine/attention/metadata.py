@@ -68,7 +68,9 @@ def set_attention_metadata(metadata: AttentionMetadata) -> Iterator[AttentionMet
 
 def get_attention_metadata() -> AttentionMetadata:
     if _current is None:
-        raise RuntimeError("no attention metadata set: call the model inside set_attention_metadata()")
+        raise RuntimeError(
+            "no attention metadata set: call the model inside set_attention_metadata()"
+        )
     return _current
 
 
@@ -91,7 +93,7 @@ def build_attention_metadata(
             f"({len(block_tables)}) must have one entry per sequence"
         )
     slots: list[int] = []
-    for q_len, s_len, table in zip(query_lens, seq_lens, block_tables):
+    for q_len, s_len, table in zip(query_lens, seq_lens, block_tables, strict=True):
         if not 0 < q_len <= s_len <= len(table) * block_size:
             raise ValueError(
                 f"need 0 < query_len ({q_len}) <= seq_len ({s_len}) <= "

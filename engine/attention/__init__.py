@@ -1,0 +1,84 @@
+"""Paged KV cache allocation and attention backend selection.
+
+KV cache layout per layer: ``[2, num_blocks, block_size, num_kv_heads, head_dim]``,
+index 0 = K, 1 = V. Block 0 is the null block that pads block tables.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.attention.metadata import (
+    AttentionMetadata,
+    build_attention_metadata,
+    get_attention_metadata,
+    set_attention_metadata,
+)
+
+ATTENTION_BACKENDS = ("torch", "xformers")
+
+__all__ = [
+    "ATTENTION_BACKENDS",
+    "AttentionMetadata",
+    "allocate_kv_caches",
+    "build_attention_metadata",
+    "get_attention_backend",
+    "get_attention_metadata",
+    "kv_cache_bytes_per_block",
+    "set_attention_metadata",
+]
+
+
+def kv_cache_bytes_per_block(
+    num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
+) -> int:
+    """Bytes one block costs across all layers (K and V)."""
+    element_size = torch.empty((), dtype=dtype).element_size()
+    return num_layers * 2 * block_size * num_kv_heads * head_dim * element_size
+
+
+def allocate_kv_caches(
+    num_layers: int,
+    num_blocks: int,
+    block_size: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    device: torch.device | str,
+) -> list[torch.Tensor]:
+    """One zeroed allocation for every layer; returns per-layer views.
+
+    Zeroed so the null block and unwritten slots hold finite values: masked keys still
+    enter SDPA's matmul, and 0 * NaN would poison the output.
+    """
+    if num_blocks < 2:
+        raise ValueError(f"num_blocks must be >= 2 (block 0 is the null block), got {num_blocks}")
+    if block_size <= 0:
+        raise ValueError(f"block_size must be > 0, got {block_size}")
+    shape = (num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim)
+    pool = torch.zeros(shape, dtype=dtype, device=device)
+    return list(pool.unbind(0))
+
+
+def get_attention_backend(name: str, device: torch.device | str):
+    """Instantiate backend ``name`` ("torch" or "xformers") for ``device``."""
+    if name == "torch":
+        from engine.attention.torch_backend import TorchAttentionBackend
+
+        return TorchAttentionBackend(torch.device(device))
+    if name == "xformers":
+        from engine.attention.xformers_backend import XFormersAttentionBackend
+
+        return XFormersAttentionBackend(torch.device(device))
+    raise ValueError(f"unknown attention backend {name!r}; choose one of {ATTENTION_BACKENDS}")
+
+
+def xformers_available(device: torch.device | str) -> bool:
+    """True when the xformers backend can run on ``device``."""
+    if torch.device(device).type != "cuda" or not torch.cuda.is_available():
+        return False
+    try:
+        import xformers.ops  # noqa: F401
+    except ImportError:
+        return False
+    return True

@@ -1,0 +1,137 @@
+"""Llama-family decoder (Llama, Mistral, Qwen2, SmolLM) over a paged KV cache.
+
+q/k/v and gate/up projections are fused into single matmuls (fewer, larger GEMMs matter
+on CPU); ``load_weights`` splits HF checkpoints' separate tensors into the fused ones.
+The batch layout comes from ``get_attention_metadata()``; ``forward`` only sees a packed
+``[num_tokens]`` stream of token ids and their positions.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.model_config import ModelArchConfig
+from engine.models.layers import RMSNorm, RotaryEmbedding, apply_rope
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: ModelArchConfig, attn_backend) -> None:
+        super().__init__()
+        self.num_heads = config.num_heads
+        self.num_kv_heads = config.num_kv_heads
+        self.head_dim = config.head_dim
+        self.q_size = config.num_heads * config.head_dim
+        self.kv_size = config.num_kv_heads * config.head_dim
+        self.scale = config.head_dim**-0.5
+        self.qkv_proj = nn.Linear(
+            config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias
+        )
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
+        self.attn_backend = attn_backend
+        self.kv_cache: torch.Tensor | None = None  # set by bind_kv_caches
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,  # [num_tokens, hidden_size]
+        cos: torch.Tensor,  # [num_tokens, 1, head_dim // 2]
+        sin: torch.Tensor,  # [num_tokens, 1, head_dim // 2]
+    ) -> torch.Tensor:  # [num_tokens, hidden_size]
+        num_tokens = hidden_states.shape[0]
+        qkv = self.qkv_proj(hidden_states)  # [num_tokens, q_size + 2 * kv_size]
+        # Rotate q and k together: they are adjacent in the fused output.
+        qk = qkv[:, : self.q_size + self.kv_size].view(num_tokens, -1, self.head_dim)
+        qk = apply_rope(qk, cos, sin)  # [num_tokens, heads + kv_heads, head_dim]
+        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+        v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, self.num_kv_heads, -1)
+        if self.kv_cache is None:
+            raise RuntimeError("KV caches are not bound: call model.bind_kv_caches() first")
+        out = self.attn_backend.forward(q, k, v, self.kv_cache, self.scale)
+        return self.o_proj(out)
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config: ModelArchConfig) -> None:
+        super().__init__()
+        self.intermediate_size = config.intermediate_size
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [num_tokens, hidden_size]
+        gate_up = self.gate_up_proj(x)  # [num_tokens, 2 * intermediate_size]
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: ModelArchConfig, attn_backend) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(config, attn_backend)
+        self.mlp = LlamaMLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, hidden_states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        hidden_states = hidden_states + self.self_attn(
+            self.input_layernorm(hidden_states), cos, sin
+        )
+        return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: ModelArchConfig, attn_backend) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, attn_backend) for _ in range(config.num_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary = RotaryEmbedding(
+            config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling
+        )
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        hidden_states = self.embed_tokens(input_ids)  # [num_tokens, hidden_size]
+        cos, sin = self.rotary.cos_sin(positions, hidden_states.dtype)  # shared by all layers
+        for layer in self.layers:
+            hidden_states = layer(hidden_states, cos, sin)
+        return self.norm(hidden_states)
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, config: ModelArchConfig, attn_backend) -> None:
+        super().__init__()
+        self.config = config
+        self.model = LlamaModel(config, attn_backend)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [num_tokens] int64
+        positions: torch.Tensor,  # [num_tokens] int64
+    ) -> torch.Tensor:  # [num_tokens, hidden_size]
+        """Run one packed step; the batch layout is read from get_attention_metadata()."""
+        return self.model(input_ids, positions)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """[n, hidden_size] -> [n, vocab_size] float32."""
+        return self.lm_head(hidden_states).float()
+
+    def bind_kv_caches(self, kv_caches: list[torch.Tensor]) -> None:
+        """Give layer i its cache ``[2, num_blocks, block_size, num_kv_heads, head_dim]``."""
+        if len(kv_caches) != len(self.model.layers):
+            raise ValueError(f"got {len(kv_caches)} KV caches for {len(self.model.layers)} layers")
+        for layer, cache in zip(self.model.layers, kv_caches, strict=True):
+            layer.self_attn.kv_cache = cache
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy HF-named tensors in, fusing q/k/v and gate/up; raises on anything missing."""
+        from engine.models.weights import load_hf_weights
+
+        load_hf_weights(self, weights)

@@ -1,0 +1,62 @@
+"""``specserve serve``: run the server until SIGTERM/SIGINT, then drain and exit 0."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from collections.abc import Callable
+
+from engine.async_engine import AsyncEngine
+from engine.config import EngineConfig
+from engine.errors import EngineDeadError
+from engine.server.app import ServerOptions, SpecserveServer
+
+logger = logging.getLogger("specserve.server")
+
+
+def serve(
+    config: EngineConfig,
+    options: ServerOptions,
+    setup: Callable[[SpecserveServer], None] | None = None,
+) -> int:
+    """Blocking entry point; returns the process exit code.
+
+    ``setup`` runs once the server object exists and before it starts: the place to
+    attach step observers and RPC hooks (metrics, request logs).
+    """
+    return asyncio.run(_serve(config, options, setup))
+
+
+async def _serve(
+    config: EngineConfig,
+    options: ServerOptions,
+    setup: Callable[[SpecserveServer], None] | None,
+) -> int:
+    server = SpecserveServer(AsyncEngine(config), options)
+    if setup is not None:
+        setup(server)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    port = await server.start()
+    ready = asyncio.create_task(server.wait_ready())
+    stopping = asyncio.create_task(stop.wait())
+    await asyncio.wait({ready, stopping}, return_when=asyncio.FIRST_COMPLETED)
+    exit_code = 0
+    if ready.done():
+        try:
+            ready.result()
+            model = server.engine.model_info.get("model") or config.model
+            logger.info("serving %s on %s:%d", model, options.host, port)
+        except (EngineDeadError, TimeoutError) as exc:
+            logger.error("model failed to load: %s", exc)
+            exit_code = 1
+            stop.set()
+    await stopping
+    ready.cancel()
+    logger.info("shutting down: draining for up to %.0fs", options.shutdown_grace_s)
+    await server.shutdown()
+    logger.info("stopped")
+    return exit_code

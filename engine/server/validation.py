@@ -1,0 +1,239 @@
+"""Proto request -> engine arguments, validated at the edge.
+
+Every check raises ``InvalidArgument`` whose message names the proto field and the
+allowed range; nothing that fails here reaches the engine. SamplingParams keeps the
+ranges it owns; we translate its field names into the proto's.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from engine.rpc import generation_pb2 as pb
+from engine.sampling_params import SamplingParams
+
+MAX_REQUEST_ID_LEN = 128
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_LEN = 256
+MAX_STOP_TOKEN_IDS = 64
+MAX_CHAT_MESSAGES = 1024
+MAX_NUM_SPECULATIVE_TOKENS = 64
+PRIORITY_RANGE = (-1000, 1000)
+# Text longer than this many characters per context token cannot fit the context window
+# with any real tokenizer; refusing it up front keeps huge prompts off the tokenizer.
+MAX_CHARS_PER_TOKEN = 64
+CHAT_ROLES = ("system", "user", "assistant", "tool")
+_REQUEST_ID_RE = re.compile(r"[\x21-\x7e]+")
+
+# SamplingParams field -> proto field path, for its ValueError messages.
+_PARAM_PATHS = {
+    "max_tokens": "sampling.max_tokens",
+    "temperature": "sampling.temperature",
+    "top_k": "sampling.top_k",
+    "top_p": "sampling.top_p",
+    "min_p": "sampling.min_p",
+    "seed": "sampling.seed",
+    "stop_token_ids": "sampling.stop_token_ids",
+    "stop": "sampling.stop",
+    "logprobs": "sampling.top_logprobs",
+    "num_speculative_tokens": "speculation.num_speculative_tokens",
+}
+
+
+class InvalidArgument(ValueError):
+    """A request field is out of range; the message names the field."""
+
+
+@dataclass(slots=True)
+class ModelLimits:
+    """What validation needs to know about the loaded model."""
+
+    vocab_size: int
+    max_model_len: int
+
+    @classmethod
+    def from_model_info(cls, info: dict[str, Any]) -> ModelLimits:
+        return cls(vocab_size=int(info["vocab_size"]), max_model_len=int(info["max_model_len"]))
+
+
+@dataclass(slots=True)
+class EngineRequest:
+    """Everything AsyncEngine.generate() takes, already validated."""
+
+    request_id: str | None
+    prompt: str | list[int] | None
+    messages: list[dict[str, str]] | None
+    params: SamplingParams
+    priority: int
+
+
+def to_engine_request(request: pb.GenerateRequest, limits: ModelLimits) -> EngineRequest:
+    prompt, messages = _prompt(request, limits)
+    priority = request.priority
+    if not PRIORITY_RANGE[0] <= priority <= PRIORITY_RANGE[1]:
+        raise InvalidArgument(f"priority must be in [-1000, 1000], got {priority}")
+    return EngineRequest(
+        request_id=_request_id(request),
+        prompt=prompt,
+        messages=messages,
+        params=to_sampling_params(request, limits),
+        priority=priority,
+    )
+
+
+def to_sampling_params(request: pb.GenerateRequest, limits: ModelLimits) -> SamplingParams:
+    s = request.sampling
+    kwargs: dict[str, Any] = {}
+    if s.HasField("max_tokens"):
+        if not 1 <= s.max_tokens <= limits.max_model_len:
+            raise InvalidArgument(
+                f"sampling.max_tokens must be in [1, {limits.max_model_len}] "
+                f"(max_model_len), got {s.max_tokens}"
+            )
+        kwargs["max_tokens"] = s.max_tokens
+    if s.HasField("temperature"):
+        if not math.isfinite(s.temperature):
+            raise InvalidArgument(
+                f"sampling.temperature must be a finite number >= 0, got {s.temperature}"
+            )
+        kwargs["temperature"] = s.temperature
+    if s.HasField("top_k"):
+        # top_k >= vocab_size keeps every token: the same as switching the filter off.
+        kwargs["top_k"] = 0 if s.top_k >= limits.vocab_size else s.top_k
+    for name in ("top_p", "min_p", "seed"):
+        if s.HasField(name):
+            kwargs[name] = getattr(s, name)
+    if s.HasField("top_logprobs"):
+        kwargs["logprobs"] = s.top_logprobs
+    kwargs["stop"] = _stop_strings(s)
+    kwargs["stop_token_ids"] = _token_ids("sampling.stop_token_ids", s.stop_token_ids, limits)
+    if len(s.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+        raise InvalidArgument(
+            f"sampling.stop_token_ids must have at most {MAX_STOP_TOKEN_IDS} ids, "
+            f"got {len(s.stop_token_ids)}"
+        )
+    kwargs["ignore_eos"] = s.ignore_eos
+    kwargs["num_speculative_tokens"] = _speculation(request)
+    try:
+        return SamplingParams(**kwargs)
+    except ValueError as exc:
+        raise InvalidArgument(_proto_path_message(str(exc))) from None
+
+
+def to_chat_messages(chat: pb.ChatMessages, field: str = "chat") -> list[dict[str, str]]:
+    if not chat.messages:
+        raise InvalidArgument(f"{field}.messages must have at least one message")
+    if len(chat.messages) > MAX_CHAT_MESSAGES:
+        raise InvalidArgument(
+            f"{field}.messages must have at most {MAX_CHAT_MESSAGES} messages, "
+            f"got {len(chat.messages)}"
+        )
+    for i, message in enumerate(chat.messages):
+        if message.role not in CHAT_ROLES:
+            raise InvalidArgument(
+                f"{field}.messages[{i}].role must be one of {', '.join(CHAT_ROLES)}, "
+                f"got {message.role[:32]!r}"
+            )
+    return [{"role": m.role, "content": m.content} for m in chat.messages]
+
+
+def _prompt(
+    request: pb.GenerateRequest, limits: ModelLimits
+) -> tuple[str | list[int] | None, list[dict[str, str]] | None]:
+    kind = request.WhichOneof("prompt")
+    if kind is None:
+        raise InvalidArgument("prompt must be set: one of text, token_ids, chat")
+    if kind == "text":
+        if not request.text:
+            raise InvalidArgument("text must be a non-empty string")
+        check_text_length("text", len(request.text), limits)
+        return request.text, None
+    if kind == "token_ids":
+        ids = request.token_ids.ids
+        if not 1 <= len(ids) < limits.max_model_len:
+            raise InvalidArgument(
+                f"token_ids.ids must have between 1 and {limits.max_model_len - 1} ids "
+                f"(max_model_len - 1), got {len(ids)}"
+            )
+        return _token_ids("token_ids.ids", ids, limits), None
+    messages = to_chat_messages(request.chat)
+    check_text_length("chat", sum(len(m["content"]) for m in messages), limits)
+    return None, messages
+
+
+def check_text_length(field: str, num_chars: int, limits: ModelLimits) -> None:
+    max_chars = limits.max_model_len * MAX_CHARS_PER_TOKEN
+    if num_chars > max_chars:
+        raise InvalidArgument(
+            f"{field} must have at most {max_chars} characters "
+            f"(max_model_len * {MAX_CHARS_PER_TOKEN}), got {num_chars}"
+        )
+
+
+def _token_ids(field: str, ids: Any, limits: ModelLimits) -> list[int]:
+    for token_id in ids:
+        if token_id >= limits.vocab_size:
+            raise InvalidArgument(
+                f"{field} must be in [0, {limits.vocab_size - 1}] (vocab_size - 1), got {token_id}"
+            )
+    return list(ids)
+
+
+def _stop_strings(s: pb.SamplingOptions) -> list[str]:
+    if len(s.stop) > MAX_STOP_STRINGS:
+        raise InvalidArgument(
+            f"sampling.stop must have at most {MAX_STOP_STRINGS} strings, got {len(s.stop)}"
+        )
+    for stop in s.stop:
+        if not 1 <= len(stop) <= MAX_STOP_STRING_LEN:
+            raise InvalidArgument(
+                f"sampling.stop strings must have 1 to {MAX_STOP_STRING_LEN} characters, "
+                f"got {len(stop)}"
+            )
+    return list(s.stop)
+
+
+def _speculation(request: pb.GenerateRequest) -> int | None:
+    if not request.HasField("speculation"):
+        return None
+    spec = request.speculation
+    k = spec.num_speculative_tokens
+    if spec.mode == pb.SpeculationOptions.MODE_FIXED:
+        if not 1 <= k <= MAX_NUM_SPECULATIVE_TOKENS:
+            raise InvalidArgument(
+                f"speculation.num_speculative_tokens must be in [1, "
+                f"{MAX_NUM_SPECULATIVE_TOKENS}] with MODE_FIXED, got {k}"
+            )
+        return k
+    if spec.mode not in (pb.SpeculationOptions.MODE_UNSPECIFIED, pb.SpeculationOptions.MODE_OFF):
+        raise InvalidArgument(
+            "speculation.mode must be one of MODE_UNSPECIFIED, MODE_OFF, MODE_FIXED, "
+            f"got {spec.mode}"
+        )
+    if k != 0:
+        raise InvalidArgument(
+            f"speculation.num_speculative_tokens must be 0 unless mode is MODE_FIXED, got {k}"
+        )
+    return 0 if spec.mode == pb.SpeculationOptions.MODE_OFF else None
+
+
+def _request_id(request: pb.GenerateRequest) -> str | None:
+    if not request.HasField("request_id"):
+        return None
+    request_id = request.request_id
+    if len(request_id) > MAX_REQUEST_ID_LEN or not _REQUEST_ID_RE.fullmatch(request_id):
+        raise InvalidArgument(
+            f"request_id must be 1 to {MAX_REQUEST_ID_LEN} printable ASCII characters "
+            "without spaces"
+        )
+    return request_id
+
+
+def _proto_path_message(message: str) -> str:
+    for name, path in _PARAM_PATHS.items():
+        if message.startswith(name + " "):
+            return path + message[len(name) :]
+    return message

@@ -1,0 +1,44 @@
+"""Shared fixtures: tiny random HF checkpoints built once per session.
+
+    def test_x(tiny_model_dir): ...                     # GQA Llama, 2 layers, untied
+    def test_y(tiny_model_factory):
+        path = tiny_model_factory(arch="qwen2", tie_word_embeddings=True)
+
+The factory caches by arguments, so equal requests share one directory.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.tiny_models import make_tiny_model, make_truncated_draft
+
+torch.set_num_threads(2)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_factory(tmp_path_factory):
+    built: dict[tuple, str] = {}
+
+    def factory(arch: str = "llama", **overrides) -> str:
+        key = (arch, tuple(sorted((k, repr(v)) for k, v in overrides.items())))
+        if key not in built:
+            path = tmp_path_factory.mktemp(f"tiny-{arch}")
+            built[key] = make_tiny_model(path, arch=arch, **overrides)
+        return built[key]
+
+    return factory
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tiny_model_factory) -> str:
+    """A GQA Llama (4 heads, 2 KV heads, head_dim 16, 2 layers, vocab 259), untied."""
+    return tiny_model_factory()
+
+
+@pytest.fixture(scope="session")
+def tiny_draft_model_dir(tiny_model_dir, tmp_path_factory) -> str:
+    """A draft for tiny_model_dir: the target cut down to its first layer. Same
+    tokenizer, correlated predictions, so some drafts are accepted and some are not."""
+    return make_truncated_draft(tiny_model_dir, tmp_path_factory.mktemp("tiny-draft"))

@@ -1,0 +1,110 @@
+"""Attention backends and KV cache helpers against a naive per-sequence reference."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from engine.attention import (
+    allocate_kv_caches,
+    build_attention_metadata,
+    get_attention_backend,
+    kv_cache_bytes_per_block,
+    set_attention_metadata,
+)
+
+NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, NUM_BLOCKS = 4, 2, 8, 4, 64
+
+
+def _naive_attention(q, k, v, scale):
+    """q [q_len, heads, hd], k/v [s_len, kv_heads, hd]: causal with offset, GQA by repeat."""
+    q_len, s_len = q.shape[0], k.shape[0]
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    scores = torch.einsum("qhd,khd->hqk", q, k) * scale
+    query_pos = torch.arange(s_len - q_len, s_len)[:, None]
+    scores = scores.masked_fill(torch.arange(s_len)[None, :] > query_pos, float("-inf"))
+    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).reshape(q_len, -1)
+
+
+def _run_step(backend, cache, q_lens, s_lens, tables, history):
+    """One packed step; history[i] holds sequence i's full (k, v) so far for the reference."""
+    n = sum(q_lens)
+    q = torch.randn(n, NUM_HEADS, HEAD_DIM)
+    k, v = torch.randn(n, NUM_KV_HEADS, HEAD_DIM), torch.randn(n, NUM_KV_HEADS, HEAD_DIM)
+    metadata = build_attention_metadata(q_lens, s_lens, tables, BLOCK_SIZE)
+    with set_attention_metadata(metadata):
+        out = backend.forward(q, k, v, cache, 0.3)
+    start = 0
+    for i, q_len in enumerate(q_lens):
+        sl = slice(start, start + q_len)
+        hk, hv = history[i]
+        history[i] = (torch.cat([hk, k[sl]]), torch.cat([hv, v[sl]]))
+        expected = _naive_attention(q[sl], *history[i], 0.3)
+        torch.testing.assert_close(out[sl], expected, atol=1e-5, rtol=1e-5)
+        start += q_len
+
+
+@pytest.mark.parametrize(
+    "steps",
+    [
+        [[7], [1], [1]],  # one sequence: prefill then decodes
+        [[5, 9, 3], [1, 1, 1], [1, 1, 1]],  # batched decode, ragged contexts
+        [[6, 2, 13], [4, 1, 3], [1, 5, 1]],  # mixed prefill chunks, decodes, 1+k queries
+        [[16], [3], [1]],  # exact block boundary, then a partial chunk
+    ],
+)
+def test_torch_backend_matches_naive(steps):
+    torch.manual_seed(0)
+    backend = get_attention_backend("torch", "cpu")
+    cache = allocate_kv_caches(
+        1, NUM_BLOCKS, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, torch.float32, "cpu"
+    )[0]
+    free = list(range(1, NUM_BLOCKS))
+    random.Random(0).shuffle(free)
+    num_seqs = len(steps[0])
+    tables, s_lens = [[] for _ in range(num_seqs)], [0] * num_seqs
+    history = [(torch.empty(0, NUM_KV_HEADS, HEAD_DIM),) * 2 for _ in range(num_seqs)]
+    for q_lens in steps:
+        for i, q_len in enumerate(q_lens):
+            s_lens[i] += q_len
+            while len(tables[i]) * BLOCK_SIZE < s_lens[i]:
+                tables[i].append(free.pop())
+        _run_step(backend, cache, q_lens, list(s_lens), [list(t) for t in tables], history)
+
+
+def test_padding_slots_are_never_written():
+    backend = get_attention_backend("torch", "cpu")
+    cache = allocate_kv_caches(1, 4, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, torch.float32, "cpu")[0]
+    metadata = build_attention_metadata([2], [2], [[3]], BLOCK_SIZE)
+    metadata.slot_mapping[1] = -1
+    q, k = torch.randn(2, NUM_HEADS, HEAD_DIM), torch.ones(2, NUM_KV_HEADS, HEAD_DIM)
+    with set_attention_metadata(metadata):
+        backend.forward(q, k, k, cache, 1.0)
+    assert cache[:, 3, 0].eq(1).all()
+    assert cache[:, 3, 1:].eq(0).all() and cache[:, :3].eq(0).all()
+
+
+def test_kv_cache_allocation_and_size():
+    caches = allocate_kv_caches(3, 5, 16, 2, 8, torch.float32, "cpu")
+    assert len(caches) == 3 and caches[0].shape == (2, 5, 16, 2, 8)
+    assert caches[1].data_ptr() - caches[0].data_ptr() == 2 * 5 * 16 * 2 * 8 * 4
+    assert kv_cache_bytes_per_block(3, 16, 2, 8, torch.bfloat16) == 3 * 2 * 16 * 2 * 8 * 2
+    with pytest.raises(ValueError, match="num_blocks"):
+        allocate_kv_caches(1, 1, 16, 2, 8, torch.float32, "cpu")
+
+
+def test_metadata_rejects_inconsistent_lengths():
+    with pytest.raises(ValueError, match="query_len"):
+        build_attention_metadata([5], [3], [[1]], 4)
+    with pytest.raises(ValueError, match="block_size"):
+        build_attention_metadata([3], [9], [[1, 2]], 4)
+
+
+def test_xformers_backend_refused_on_cpu():
+    with pytest.raises(RuntimeError, match=r"needs a CUDA GPU and the xformers package"):
+        get_attention_backend("xformers", "cpu")
+    with pytest.raises(ValueError, match="unknown attention backend"):
+        get_attention_backend("flash", "cpu")

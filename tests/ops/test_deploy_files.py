@@ -1,0 +1,148 @@
+"""Dockerfiles, compose file and dashboard: parsed offline (no docker engine here)."""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+
+import pytest
+from dockerfile_parse import DockerfileParser
+
+from engine.metrics import EngineMetrics
+from engine.server.health import SERVICE_NAME
+from tests.ops.deploy_files import DEPLOY, REPO_ROOT, load_yaml
+from tests.ops.test_manifests import parse_serve, serve_defaults
+
+DOCKERFILES = ["Dockerfile.cpu", "Dockerfile.cuda"]
+DASHBOARD = DEPLOY / "grafana" / "specserve.json"
+_METRIC = re.compile(r"\bspecserve_[a-z0-9_]+")
+_SUFFIXES = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count"),
+             "gauge": ("",), "info": ("_info",)}  # fmt: skip
+
+
+def exported_sample_names() -> set[str]:
+    """Every series name the exporter can produce (label sets aside)."""
+    families = EngineMetrics().registry.collect()
+    return {
+        f.name + suffix
+        for f in families
+        if f.name.startswith("specserve_")
+        for suffix in _SUFFIXES[f.type]
+    }
+
+
+def instructions(name: str) -> list[dict]:
+    with open(DEPLOY / "docker" / name, "rb") as f:
+        return DockerfileParser(fileobj=f).structure
+
+
+def last(structure: list[dict], instruction: str) -> str:
+    found = [i["value"] for i in structure if i["instruction"] == instruction]
+    assert found, f"no {instruction}"
+    return found[-1]
+
+
+def stages(structure: list[dict]) -> list[list[dict]]:
+    out: list[list[dict]] = []
+    for item in structure:
+        if item["instruction"] == "FROM":
+            out.append([])
+        if out:
+            out[-1].append(item)
+    return out
+
+
+@pytest.mark.parametrize("name", DOCKERFILES)
+def test_dockerfile_shape(name: str) -> None:
+    structure = instructions(name)
+    parts = stages(structure)
+    assert len(parts) >= 2, "multi-stage: build and runtime"
+    runtime = parts[-1]
+    user = last(runtime, "USER").split(":")[0]
+    assert user not in ("root", "0") and user
+    assert json.loads(last(runtime, "ENTRYPOINT")) == ["specserve", "serve"]
+    healthcheck = last(runtime, "HEALTHCHECK")
+    assert "healthcheck.py" in healthcheck and "--start-period" in healthcheck
+    env = " ".join(i["value"] for i in runtime if i["instruction"] == "ENV")
+    assert "SPECSERVE_CACHE_DIR=/opt/specserve/cache" in env
+    build_runs = " ".join(i["value"] for i in parts[0] if i["instruction"] == "RUN")
+    assert "load_model(None)" in build_runs, "the default model is baked in at build time"
+    copies = [i["value"] for i in runtime if i["instruction"] == "COPY"]
+    assert any("/opt/specserve/cache" in c and "--from=" in c for c in copies)
+    assert any("deploy/docker/healthcheck.py" in c for c in copies)
+    ports = last(runtime, "EXPOSE").split()
+    defaults = serve_defaults()
+    assert ports == [str(defaults.port), str(defaults.metrics_port)]
+
+
+@pytest.mark.parametrize("name", DOCKERFILES)
+def test_dockerfile_cmd_flags_are_real(name: str) -> None:
+    parse_serve(json.loads(last(instructions(name), "CMD")))
+
+
+@pytest.mark.parametrize("name", DOCKERFILES)
+def test_dockerfile_copies_exist(name: str) -> None:
+    for item in instructions(name):
+        if item["instruction"] == "COPY" and "--from=" not in item["value"]:
+            *sources, _dest = shlex.split(item["value"])
+            for source in sources:
+                assert (REPO_ROOT / source).exists() or source == "README.md", source
+
+
+def test_healthcheck_defaults_match_the_server() -> None:
+    text = (DEPLOY / "docker" / "healthcheck.py").read_text()
+    assert f'SERVICE = "{SERVICE_NAME}"' in text
+    assert f"default={serve_defaults().port}" in text
+
+
+def test_compose_wires_specserve_prometheus_grafana() -> None:
+    compose = load_yaml(DEPLOY / "docker-compose.yml")
+    services = compose["services"]
+    assert {"specserve", "prometheus", "grafana"} <= services.keys()
+    args = parse_serve(services["specserve"]["command"])
+    assert f"{args.metrics_port}:{args.metrics_port}" in services["specserve"]["ports"]
+    assert (REPO_ROOT / services["specserve"]["build"]["dockerfile"]).exists()
+    for service in services.values():
+        for volume in service.get("volumes", []):
+            source = volume.split(":")[0]
+            assert (DEPLOY / source).exists(), source
+    prometheus = load_yaml(DEPLOY / "prometheus" / "prometheus.yml")
+    (job,) = prometheus["scrape_configs"]
+    assert job["static_configs"][0]["targets"] == [f"specserve:{args.metrics_port}"]
+
+
+def dashboard_queries() -> list[str]:
+    dashboard = json.loads(DASHBOARD.read_text())
+    exprs = [t["expr"] for p in dashboard["panels"] for t in p.get("targets", [])]
+    for variable in dashboard["templating"]["list"]:
+        query = variable.get("query")
+        if isinstance(query, dict):
+            exprs.append(query["query"])
+    return exprs
+
+
+def test_dashboard_only_queries_exported_metrics() -> None:
+    exported = exported_sample_names()
+    queries = dashboard_queries()
+    assert len(queries) >= 20
+    for expr in queries:
+        names = set(_METRIC.findall(expr))
+        assert names, f"query uses no specserve metric: {expr}"
+        assert names <= exported, f"{expr}: {sorted(names - exported)} not exported"
+
+
+def test_dashboard_covers_the_issue() -> None:
+    text = " ".join(dashboard_queries())
+    for needle in (
+        "histogram_quantile(0.99, sum by (le) (rate(specserve_time_to_first_token_seconds",
+        "specserve_inter_token_latency_seconds_bucket",
+        "rate(specserve_generation_tokens_total",
+        "specserve_spec_decode_num_accepted_tokens_total",
+        "specserve_kv_cache_usage_perc",
+        "specserve_num_requests_waiting",
+        "specserve_grpc_errors_total",
+    ):
+        assert needle in text, needle
+    titles = {p["title"] for p in json.loads(DASHBOARD.read_text())["panels"]}
+    assert "Acceptance rate" in titles

@@ -1,0 +1,130 @@
+"""Test harness: an in-process server on a background event loop, and a server process."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from engine.async_engine import AsyncEngine
+from engine.client import SpecserveClient
+from engine.config import EngineConfig
+from engine.server.app import ServerOptions, SpecserveServer
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_until(predicate: Callable[[], bool], timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
+        time.sleep(0.05)
+
+
+def wait_no_blocks_in_use(client: SpecserveClient, timeout_s: float = 10.0) -> None:
+    """Poll the stats RPC until no KV block is held (a bounded wait, not a sleep)."""
+
+    def idle() -> bool:
+        stats = client.server_stats(timeout=5)
+        return stats.target_pool.num_blocks_in_use == 0 and stats.num_in_flight == 0
+
+    wait_until(idle, timeout_s, "KV blocks in use to return to 0")
+
+
+class InProcessServer:
+    """A SpecserveServer running on its own event loop in a daemon thread."""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        options: ServerOptions | None = None,
+        engine_factory: Callable[[EngineConfig], Any] | None = None,
+    ) -> None:
+        self.engine = AsyncEngine(config, engine_factory=engine_factory)
+        self.options = options or ServerOptions(host="127.0.0.1", port=0)
+        self.server = SpecserveServer(self.engine, self.options)
+        self.errors: list[str] = []
+        self.server.on_rpc_error = self.errors.append
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
+
+    def start(self, wait_ready: bool = True) -> InProcessServer:
+        self._thread.start()
+        self.call(self.server.start())
+        if wait_ready:
+            self.call(self.server.wait_ready(60))
+        return self
+
+    @property
+    def target(self) -> str:
+        return f"127.0.0.1:{self.server.port}"
+
+    def call(self, coro, timeout: float = 120):
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
+
+    def stop(self, grace_s: float = 1.0) -> None:
+        self.call(self.server.shutdown(grace_s))
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(10)
+
+    def __enter__(self) -> InProcessServer:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+class ServerProcess:
+    """``python -m engine.cli serve ...`` (that is, ``specserve serve``) on a free port."""
+
+    def __init__(self, model_dir: Path, *extra: str) -> None:
+        self.port = free_port()
+        self.metrics_port = free_port()
+        self.args = [
+            sys.executable, "-m", "engine.cli", "serve",
+            "--model", str(model_dir), "--host", "127.0.0.1", "--port", str(self.port),
+            "--metrics-port", str(self.metrics_port),
+            "--device", "cpu", "--num-kv-blocks", "512", *extra,
+        ]  # fmt: skip
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def target(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def start(self) -> ServerProcess:
+        env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "PYTHONUNBUFFERED": "1"}
+        self.proc = subprocess.Popen(
+            self.args, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT, text=True,
+        )  # fmt: skip
+        return self
+
+    def sigterm(self) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGTERM)
+
+    def wait(self, timeout_s: float = 60) -> tuple[int, str]:
+        assert self.proc is not None
+        output, _ = self.proc.communicate(timeout=timeout_s)
+        return self.proc.returncode, output
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.communicate(timeout=10)

@@ -1,0 +1,98 @@
+"""Edge validation: every bad field is InvalidArgument naming the field and its range."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.client import build_request
+from engine.rpc import generation_pb2 as pb
+from engine.server.validation import InvalidArgument, ModelLimits, to_engine_request
+
+LIMITS = ModelLimits(vocab_size=320, max_model_len=512)
+
+
+def check(request: pb.GenerateRequest):
+    return to_engine_request(request, LIMITS)
+
+
+def test_defaults_and_fields_pass_through():
+    req = check(
+        build_request(
+            "hi", max_tokens=5, temperature=0.0, top_k=10, top_p=0.5, min_p=0.1, seed=7,
+            stop=["x"], stop_token_ids=[3], ignore_eos=True, top_logprobs=2,
+            num_speculative_tokens=3, priority=-4, request_id="abc-1",
+        )
+    )  # fmt: skip
+    p = req.params
+    assert (req.prompt, req.messages, req.priority, req.request_id) == ("hi", None, -4, "abc-1")
+    assert (p.max_tokens, p.temperature, p.top_k, p.seed, p.stop, p.stop_token_ids) == (
+        5, 0.0, 10, 7, ["x"], [3],
+    )  # fmt: skip
+    assert p.top_p == pytest.approx(0.5) and p.min_p == pytest.approx(0.1)
+    assert (p.ignore_eos, p.logprobs, p.num_speculative_tokens) == (True, 2, 3)
+    default = check(build_request([1, 2, 3]))
+    assert default.prompt == [1, 2, 3] and default.params.max_tokens == 16
+    assert default.params.num_speculative_tokens is None and default.request_id is None
+
+
+def test_speculation_off_and_top_k_clamped_to_off():
+    req = check(build_request("hi", num_speculative_tokens=0, top_k=10_000))
+    assert req.params.num_speculative_tokens == 0
+    assert req.params.top_k == 0  # >= vocab_size keeps every token: the filter is off
+
+
+def test_chat_messages():
+    req = check(build_request(messages=[{"role": "user", "content": "hi"}]))
+    assert req.prompt is None and req.messages == [{"role": "user", "content": "hi"}]
+
+
+@pytest.mark.parametrize(
+    "request_kwargs, field, allowed",
+    [
+        ({}, "prompt", "one of text, token_ids, chat"),
+        ({"prompt": ""}, "text", "non-empty"),
+        ({"prompt": [1, 320]}, "token_ids.ids", "[0, 319]"),
+        ({"prompt": [1] * 512}, "token_ids.ids", "511"),
+        ({"messages": []}, "chat.messages", "at least one"),
+        ({"messages": [{"role": "robot", "content": "x"}]}, "chat.messages[0].role", "one of"),
+        ({"prompt": "x" * 32769}, "text", "at most 32768 characters"),
+        ({"messages": [{"role": "user", "content": "x" * 32769}]}, "chat", "at most 32768"),
+        ({"prompt": "x", "max_tokens": 0}, "sampling.max_tokens", "[1, 512]"),
+        ({"prompt": "x", "max_tokens": 513}, "sampling.max_tokens", "[1, 512]"),
+        ({"prompt": "x", "temperature": -1.0}, "sampling.temperature", "[0, inf)"),
+        ({"prompt": "x", "temperature": float("inf")}, "sampling.temperature", "finite"),
+        ({"prompt": "x", "temperature": float("nan")}, "sampling.temperature", "finite"),
+        ({"prompt": "x", "top_p": 0.0}, "sampling.top_p", "(0, 1]"),
+        ({"prompt": "x", "top_p": 1.5}, "sampling.top_p", "(0, 1]"),
+        ({"prompt": "x", "min_p": 2.0}, "sampling.min_p", "[0, 1]"),
+        ({"prompt": "x", "seed": 2**63}, "sampling.seed", "[0, 9223372036854775807]"),
+        ({"prompt": "x", "stop": [""]}, "sampling.stop", "1 to 256"),
+        ({"prompt": "x", "stop": ["s"] * 17}, "sampling.stop", "at most 16"),
+        ({"prompt": "x", "stop_token_ids": [320]}, "sampling.stop_token_ids", "[0, 319]"),
+        ({"prompt": "x", "stop_token_ids": [1] * 65}, "sampling.stop_token_ids", "at most 64"),
+        ({"prompt": "x", "top_logprobs": 21}, "sampling.top_logprobs", "[0, 20]"),
+        ({"prompt": "x", "num_speculative_tokens": 65}, "speculation.num_speculative_tokens",
+         "[1, 64]"),
+        ({"prompt": "x", "priority": 1001}, "priority", "[-1000, 1000]"),
+        ({"prompt": "x", "request_id": ""}, "request_id", "1 to 128"),
+        ({"prompt": "x", "request_id": "a b"}, "request_id", "printable ASCII"),
+        ({"prompt": "x", "request_id": "x" * 129}, "request_id", "1 to 128"),
+    ],
+)  # fmt: skip
+def test_bad_field_names_field_and_range(request_kwargs, field, allowed):
+    with pytest.raises(InvalidArgument) as info:
+        check(build_request(**request_kwargs))
+    message = str(info.value)
+    assert message.startswith(field), message
+    assert allowed in message, message
+
+
+def test_bad_speculation_mode_and_stray_k():
+    request = build_request("x")
+    request.speculation.mode = 7  # an enum value from a newer client
+    with pytest.raises(InvalidArgument, match=r"^speculation\.mode must be one of"):
+        check(request)
+    request.speculation.mode = pb.SpeculationOptions.MODE_OFF
+    request.speculation.num_speculative_tokens = 3
+    with pytest.raises(InvalidArgument, match=r"^speculation\.num_speculative_tokens must be 0"):
+        check(request)
