@@ -18,7 +18,7 @@ from engine.outputs import RequestMetrics, RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.spec_decode.proposers import build_proposer
 from engine.spec_decode.verifier import Verifier
-from engine.stats import EngineStats, StepRecord
+from engine.stats import EngineStats, StepRecord, StepTimings
 from scheduler.output import ModelRunnerOutput, SchedulerOutput
 from scheduler.request import Request
 from scheduler.scheduler import Scheduler, SchedulerConfig
@@ -148,24 +148,34 @@ class LLMEngine:
 
     # ---- the step ---------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        t0 = time.perf_counter()
         sched = self.scheduler.schedule()
         self._release_preempted(sched)
         if sched.is_empty:
             return []
-        t0 = time.perf_counter()
-        draft_probs = self._propose(sched)
         t1 = time.perf_counter()
+        draft_probs = self._propose(sched)
+        t2 = time.perf_counter()
         seqs, sample_states, draft_counts = self._build_inputs(sched)
-        logits = self.runner.forward(seqs)  # [sum(1 + drafts) over sampling requests, vocab]
+        prepared = self.runner.prepare(seqs)
+        t3 = time.perf_counter()
+        logits = self.runner.execute(prepared)  # [sum(1 + drafts) of sampling requests, vocab]
         runner_output = self.verifier.verify(
             logits, sched, sample_states, draft_counts, draft_probs
         )
-        t2 = time.perf_counter()
+        t4 = time.perf_counter()
         changed = self.scheduler.update(sched, runner_output)
         if self.proposer is not None:
             self.proposer.on_verified(changed)
         outputs = [self._emit(self._states[r.request_id], runner_output) for r in changed]
-        self._record_step(sched, t1 - t0, t2 - t1, runner_output)
+        timings = StepTimings(
+            schedule_s=t1 - t0,
+            draft_s=t2 - t1,
+            prepare_s=t3 - t2,
+            forward_s=t4 - t3,
+            update_s=time.perf_counter() - t4,
+        )
+        self._record_step(sched, timings, runner_output)
         return [o for o in outputs if o is not None]
 
     def _release_preempted(self, sched: SchedulerOutput) -> None:
@@ -260,8 +270,7 @@ class LLMEngine:
     def _record_step(
         self,
         sched: SchedulerOutput,
-        draft_s: float,
-        forward_s: float,
+        timings: StepTimings,
         runner_output: ModelRunnerOutput,
     ) -> None:
         stats = self.stats
@@ -278,8 +287,9 @@ class LLMEngine:
         self.last_step = StepRecord(
             batch_size=len(sched.scheduled),
             num_batched_tokens=sum(s.num_scheduled_tokens for s in sched.scheduled),
-            draft_time_s=draft_s,
-            forward_time_s=forward_s,
+            draft_time_s=timings.draft_s,
+            forward_time_s=timings.forward_s,
+            timings=timings,
             drafts_per_verification=[len(s.spec_token_ids) for s in verified],
             accepted_per_verification=[runner_output.num_accepted[s.request_id] for s in verified],
         )

@@ -8,6 +8,7 @@ asked for.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -21,6 +22,13 @@ class SeqInput:
     start_pos: int  # position of token_ids[0] == num_computed_tokens
     block_ids: list[int]  # block table covering start_pos + len(token_ids) slots
     num_logits: int  # trailing positions whose logits are needed (0 for a mid-prefill chunk)
+
+
+class PreparedBatch(NamedTuple):
+    input_ids: torch.Tensor  # [num_tokens]
+    positions: torch.Tensor  # [num_tokens]
+    metadata: AttentionMetadata
+    logit_rows: torch.Tensor | None  # [num_logits] rows of the hidden states to project
 
 
 class ModelRunner:
@@ -42,18 +50,22 @@ class ModelRunner:
         self.model.bind_kv_caches(self.kv_caches)
         self._pin = self.device.type == "cuda"
 
-    @torch.inference_mode()
     def forward(self, seqs: list[SeqInput]) -> torch.Tensor:
         """One packed forward. Returns logits [sum(num_logits), vocab_size] float32,
         sequence by sequence, positions in order."""
-        input_ids, positions, metadata, logit_rows = self._prepare(seqs)
+        return self.execute(self.prepare(seqs))
+
+    @torch.inference_mode()
+    def execute(self, prepared: PreparedBatch) -> torch.Tensor:
+        input_ids, positions, metadata, logit_rows = prepared
         with set_attention_metadata(metadata):
             hidden = self.model(input_ids, positions)  # [num_tokens, hidden_size]
         if logit_rows is not None:
             hidden = hidden[logit_rows]
         return self.model.compute_logits(hidden)
 
-    def _prepare(self, seqs: list[SeqInput]):
+    def prepare(self, seqs: list[SeqInput]) -> PreparedBatch:
+        """Host-side batch building: the packed tensors and the attention metadata."""
         bs = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
@@ -101,4 +113,4 @@ class ModelRunner:
             seq_lens_cpu=seq_lens,
             block_size=bs,
         )
-        return ids_t, pos_t, metadata, (None if all_rows else rows_t)
+        return PreparedBatch(ids_t, pos_t, metadata, None if all_rows else rows_t)

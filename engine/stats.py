@@ -19,13 +19,30 @@ class PoolStats:
 
 
 @dataclass(slots=True)
+class StepTimings:
+    """Wall time of each phase of one step, seconds."""
+
+    schedule_s: float = 0.0  # scheduler.schedule()
+    draft_s: float = 0.0  # proposer: n-gram lookup or the draft-model burst
+    prepare_s: float = 0.0  # batch building: token/position/slot/block-table tensors
+    forward_s: float = 0.0  # target forward + sampling / verification
+    update_s: float = 0.0  # scheduler.update(), rollback, detokenize, outputs
+
+    @property
+    def host_overhead_s(self) -> float:
+        """Scheduling and batch building: the engine's own cost around the model."""
+        return self.schedule_s + self.prepare_s
+
+
+@dataclass(slots=True)
 class StepRecord:
     """What one engine step did; the metrics exporter turns these into histograms."""
 
     batch_size: int
     num_batched_tokens: int
     draft_time_s: float
-    forward_time_s: float
+    forward_time_s: float  # verification phase: target forward + rejection sampling
+    timings: StepTimings = field(default_factory=StepTimings)
     # per verified request this step: drafts proposed and drafts accepted
     drafts_per_verification: list[int] = field(default_factory=list)
     accepted_per_verification: list[int] = field(default_factory=list)

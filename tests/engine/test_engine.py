@@ -186,15 +186,15 @@ def test_failing_forward_is_an_error_on_every_in_flight_request(tiny_model_dir):
 
     def factory(config):
         engine = LLMEngine(config)
-        real = engine.runner.forward
+        real = engine.runner.execute
 
-        def flaky(seqs):
+        def flaky(prepared):
             calls["n"] += 1
             if calls["n"] == 4:
                 raise RuntimeError("device fell off the bus")
-            return real(seqs)
+            return real(prepared)
 
-        engine.runner.forward = flaky
+        engine.runner.execute = flaky
         return engine
 
     async def main():
