@@ -10,11 +10,9 @@ chunks, decodes and 1+k verification queries need.
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
-from engine.attention.metadata import get_attention_metadata
+from engine.attention.metadata import AttentionMetadata, get_attention_metadata
 from engine.attention.paged import context_block_ids, gather_kv, write_kv, write_plan
 
 XFORMERS_UNAVAILABLE = (
@@ -64,7 +62,7 @@ class XFormersAttentionBackend:
         )  # [1, num_tokens, kv_heads, group, hd]
         return out.reshape(num_tokens, num_heads * head_dim)
 
-    def _make_plan(self, metadata: Any) -> tuple:
+    def _make_plan(self, metadata: AttentionMetadata) -> tuple:
         token_idx, slots = write_plan(metadata)
         block_ids = context_block_ids(metadata)
         kv_len = block_ids.shape[1] * metadata.block_size

@@ -74,18 +74,23 @@ def _sweep_curve(results: list[dict], labels: list[str], path: Path) -> Path:
         levels = [lv["concurrency"] for lv in result["levels"]]
         s = [lv["summary"] for lv in result["levels"]]
         tok_s = [x["output_throughput"] for x in s]
-        left.plot(levels, tok_s, marker="o", label=label)
+        (line,) = left.plot(levels, tok_s, marker="o", label=label)
         knee = levels.index(result["knee_concurrency"])
         left.plot([levels[knee]], [tok_s[knee]], marker="*", markersize=14, color="k")
         for stat, style in (("median", "-"), ("p99", "--")):
             tpot = [x["tpot_ms"][stat] for x in s]
-            right.plot(tok_s, tpot, style, marker="o", label=f"{label} TPOT {stat}")
+            right.plot(
+                tok_s, tpot, style, marker="o", color=line.get_color(), label=f"{label} TPOT {stat}"
+            )
     left.set(
         xscale="log",
         xlabel="concurrency",
         ylabel="output tokens / s",
         title="Throughput (* = knee)",
     )
+    all_levels = sorted({lv["concurrency"] for r in results for lv in r["levels"]})
+    left.set_xticks(all_levels, [str(c) for c in all_levels])
+    left.minorticks_off()
     right.set(xlabel="output tokens / s", ylabel="TPOT (ms)", title="Latency vs throughput")
     for ax in (left, right):
         ax.grid(alpha=0.3)

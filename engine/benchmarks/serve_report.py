@@ -64,7 +64,8 @@ def format_sweep(result: dict) -> str:
             f"{_num(s['e2e_ms']['median']):>10}{s['num_errors']:>8}{mark}"
         )
     lines.append(
-        f"knee: highest throughput / mean E2E latency at concurrency {result['knee_concurrency']}"
+        f"knee: concurrency {result['knee_concurrency']}, the first level within 90% of the "
+        "peak output throughput"
     )
     search = result.get("rate_search")
     if search:
@@ -91,8 +92,8 @@ def format_compare(results: list[dict]) -> str:
     head = f"{'metric':<34}{names[0][:14]:>16}{names[1][:14]:>16}{'B/A':>9}"
     lines = [head, "-" * len(head)]
     for key in [k for k in a if k in b]:
-        ratio = b[key] / a[key] if a[key] else math.nan
-        lines.append(f"{key:<34}{_num(a[key]):>16}{_num(b[key]):>16}{ratio:>8.2f}x")
+        ratio = f"{b[key] / a[key]:.2f}x" if a[key] else "-"
+        lines.append(f"{key:<34}{_num(a[key]):>16}{_num(b[key]):>16}{ratio:>9}")
     return "\n".join(lines)
 
 
@@ -136,7 +137,9 @@ def _label(result: dict, i: int) -> str:
 
 
 def _num(v: float) -> str:
-    if v is None or (isinstance(v, float) and math.isnan(v)):
+    if isinstance(v, int):
+        return str(v)
+    if v is None or math.isnan(v):
         return "-"
     return f"{v:.3f}" if abs(v) < 10 else f"{v:.1f}"
 

@@ -171,8 +171,9 @@ def throughput_timeline(records: list[RequestRecord], bin_s: float = 1.0) -> lis
     return bins
 
 
-def knee_index(concurrencies: list[int], throughputs: list[float], e2e_ms: list[float]) -> int:
-    """The operating point with the highest power = throughput / latency (Kleinrock):
-    past it, more concurrency buys less throughput than it costs in latency."""
-    power = [x / max(lat, 1e-9) for x, lat in zip(throughputs, e2e_ms, strict=True)]
-    return max(range(len(concurrencies)), key=power.__getitem__)
+def knee_index(throughputs: list[float], saturation: float = 0.9) -> int:
+    """The first level (levels in increasing concurrency) that reaches `saturation` of
+    the peak throughput: past it, more concurrency buys little throughput and costs
+    latency. The last level means the curve is still rising: extend the sweep."""
+    peak = max(throughputs)
+    return next(i for i, x in enumerate(throughputs) if x >= saturation * peak)

@@ -102,11 +102,7 @@ class Bench:
                 }
             )
         summaries = [r["summary"] for r in runs]
-        knee = knee_index(
-            levels,
-            [s["output_throughput"] for s in summaries],
-            [s["e2e_ms"]["mean"] for s in summaries],
-        )
+        knee = knee_index([s["output_throughput"] for s in summaries])
         result = {"kind": "sweep", "levels": runs, "knee_concurrency": levels[knee]}
         if self._slo:
             result["rate_search"] = await self._rate_search(summaries, base, rate_steps)

@@ -54,6 +54,24 @@ def load_hf_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]
             _copy(param.data[start : start + sizes[shard]], tensor, hf_name)
         loaded.add(f"{name}#{shard}")
     _check_complete(model, expected, loaded)
+    if model.lm_head.weight.device.type == "cpu":
+        relayout_linears(model, input_major=True)
+
+
+def relayout_linears(model: nn.Module, input_major: bool) -> None:
+    """Store every Linear weight input-major ([in, out] in memory) or row-major.
+
+    The shape stays [out, in]; only the memory order changes. Measured on a 2-core CPU
+    (SmolLM2-135M, fp32): with one row per matmul (batch-1 decode) input-major is ~1.3x
+    faster for the layers and 2x for the 49k-vocab lm_head; with 2-8 rows (1+k
+    verification) row-major is ~1.2x faster; at 32 rows they tie. Input-major is the
+    CPU default. A tied lm_head gets its own copy: the embedding lookup wants rows.
+    """
+    for module in model.modules():
+        if isinstance(module, nn.Linear):
+            weight = module.weight.detach()
+            relaid = weight.t().contiguous().t() if input_major else weight.contiguous()
+            module.weight = nn.Parameter(relaid, requires_grad=False)
 
 
 def _copy(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:

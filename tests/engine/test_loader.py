@@ -172,3 +172,9 @@ def test_bfloat16_load(tiny_model_dir):
     loaded = load_model(tiny_model_dir, dtype="bfloat16")
     assert next(loaded.model.parameters()).dtype == torch.bfloat16
     assert loaded.model.lm_head.weight.dtype == torch.bfloat16
+    from engine.models.simple_runner import SimplePagedRunner
+
+    runner = SimplePagedRunner(loaded.model, num_blocks=8, block_size=4)
+    runner.add_sequence(0)
+    logits = runner.step([(0, IDS)])  # [1, vocab] float32 even for a bf16 model
+    assert logits.dtype == torch.float32 and logits.isfinite().all()
