@@ -14,7 +14,14 @@ import torch
 
 from tests.tiny_models import make_tiny_model, make_truncated_draft
 
-torch.set_num_threads(2)
+# One thread: tiny models gain nothing from more, and tests that start a server process
+# would otherwise have two processes spinning OpenMP threads on a 2-core machine.
+torch.set_num_threads(1)
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--soak", action="store_true", default=False,
+                     help="run the soak tests (marker 'soak'; minutes, not seconds)")  # fmt: skip
 
 
 @pytest.fixture(scope="session")

@@ -63,10 +63,10 @@ def format_sweep(result: dict) -> str:
             f"{_num(s['tpot_ms']['median']):>10}{_num(s['tpot_ms']['p99']):>10}"
             f"{_num(s['e2e_ms']['median']):>10}{s['num_errors']:>8}{mark}"
         )
-    lines.append(
-        f"knee: concurrency {result['knee_concurrency']}, the first level within 90% of the "
-        "peak output throughput"
-    )
+    knee = result["knee_concurrency"]
+    lines.append(f"knee: concurrency {knee}, the first level within 90% of the peak throughput")
+    if knee == result["levels"][-1]["concurrency"] and len(result["levels"]) > 1:
+        lines.append("  (throughput still rising at the last level: extend the sweep)")
     search = result.get("rate_search")
     if search:
         for r in search["runs"]:
@@ -77,12 +77,17 @@ def format_sweep(result: dict) -> str:
                 f"ms, TPOT p99 {_num(s['tpot_ms']['p99'])} ms -> "
                 f"{'meets' if r['meets_slo'] else 'misses'} the SLO"
             )
-        best = search["max_request_rate"]
-        lines.append(
-            "highest request rate meeting the SLO: "
-            + ("none of the rates tried" if best is None else f"{best:.3f} req/s")
-        )
+        lines.append("highest request rate meeting the SLO: " + _best_rate(search))
     return "\n".join(lines)
+
+
+def _best_rate(search: dict) -> str:
+    best = search["max_request_rate"]
+    if best is None:
+        return "none of the rates tried"
+    if all(r["meets_slo"] for r in search["runs"]):
+        return f">= {best:.3f} req/s (every rate tried met it; add --rate-search-steps)"
+    return f"{best:.3f} req/s"
 
 
 def format_compare(results: list[dict]) -> str:

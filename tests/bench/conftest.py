@@ -3,10 +3,6 @@ the --soak option that turns the soak test on."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -14,12 +10,7 @@ import grpc
 import pytest
 
 from engine.client import SpecserveClient
-from tests.server.helpers import REPO_ROOT, ServerProcess
-
-
-def pytest_addoption(parser: pytest.Parser) -> None:
-    parser.addoption("--soak", action="store_true", default=False,
-                     help="run the soak tests (marker 'soak'; minutes, not seconds)")  # fmt: skip
+from tests.server.helpers import ServerProcess
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -32,27 +23,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 class BenchServer(ServerProcess):
-    """`specserve serve` in a process, one torch thread (2-core CI machines thrash when
-    the server and the load generator both spin OpenMP threads)."""
+    """`specserve serve` in a process, quiet logs, waited on until it serves."""
 
     def __init__(self, model_dir: Path, *extra: str) -> None:
-        super().__init__(model_dir, "--num-threads", "1", "--log-level", "WARNING", *extra)
-        # The `specserve serve` entry point, then the helper's flags from --model on.
-        self.args = [sys.executable, "-m", "engine.cli", "serve",
-                     *self.args[self.args.index("--model"):]]  # fmt: skip
-        self.log = tempfile.TemporaryFile(mode="w+")  # noqa: SIM115 (lives with the process)
-
-    def start(self) -> BenchServer:
-        # Output to a file, not a pipe: nobody reads a pipe during a load test, and a
-        # full pipe would block the server's logging.
-        env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "PYTHONUNBUFFERED": "1"}
-        self.proc = subprocess.Popen(self.args, cwd=REPO_ROOT, env=env, stdout=self.log,
-                                     stderr=subprocess.STDOUT, text=True)  # fmt: skip
-        return self
-
-    def output(self) -> str:
-        self.log.seek(0)
-        return self.log.read()
+        super().__init__(model_dir, "--log-level", "WARNING", *extra)
 
     def start_serving(self, timeout_s: float = 90) -> BenchServer:
         self.start()

@@ -8,6 +8,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -90,7 +91,12 @@ class InProcessServer:
 
 
 class ServerProcess:
-    """``python -m engine.cli serve ...`` (that is, ``specserve serve``) on a free port."""
+    """``python -m engine.cli serve ...`` (that is, ``specserve serve``) on a free port.
+
+    One torch thread: on a 2-core machine the server and the test process would both
+    spin OpenMP threads and thrash. Output goes to a file, not a pipe: nobody reads a
+    pipe while a test runs, and a full pipe would block the server's logging.
+    """
 
     def __init__(self, model_dir: Path, *extra: str) -> None:
         self.port = free_port()
@@ -99,9 +105,10 @@ class ServerProcess:
             sys.executable, "-m", "engine.cli", "serve",
             "--model", str(model_dir), "--host", "127.0.0.1", "--port", str(self.port),
             "--metrics-port", str(self.metrics_port),
-            "--device", "cpu", "--num-kv-blocks", "512", *extra,
+            "--device", "cpu", "--num-kv-blocks", "512", "--num-threads", "1", *extra,
         ]  # fmt: skip
         self.proc: subprocess.Popen | None = None
+        self.log = tempfile.TemporaryFile(mode="w+")  # noqa: SIM115 (lives with the process)
 
     @property
     def target(self) -> str:
@@ -110,10 +117,14 @@ class ServerProcess:
     def start(self) -> ServerProcess:
         env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "PYTHONUNBUFFERED": "1"}
         self.proc = subprocess.Popen(
-            self.args, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE,
+            self.args, cwd=REPO_ROOT, env=env, stdout=self.log,
             stderr=subprocess.STDOUT, text=True,
         )  # fmt: skip
         return self
+
+    def output(self) -> str:
+        self.log.seek(0)
+        return self.log.read()
 
     def sigterm(self) -> None:
         assert self.proc is not None
@@ -121,10 +132,10 @@ class ServerProcess:
 
     def wait(self, timeout_s: float = 60) -> tuple[int, str]:
         assert self.proc is not None
-        output, _ = self.proc.communicate(timeout=timeout_s)
-        return self.proc.returncode, output
+        self.proc.wait(timeout=timeout_s)
+        return self.proc.returncode, self.output()
 
     def kill(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.kill()
-            self.proc.communicate(timeout=10)
+            self.proc.wait(timeout=10)
