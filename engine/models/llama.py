@@ -109,6 +109,8 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+        # Counted before CPU weight packing turns Linear weights into non-parameters.
+        self.num_params = sum(p.numel() for p in self.parameters())
 
     def forward(
         self,

@@ -25,7 +25,7 @@ from engine.stats import PoolStats
 
 
 def _num_params(loaded) -> int:
-    return max(1, sum(p.numel() for p in loaded.model.parameters()))
+    return max(1, loaded.model.num_params)
 
 
 def check_same_vocabulary(target_loaded, draft_loaded) -> None:

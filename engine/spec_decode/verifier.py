@@ -39,7 +39,9 @@ class Verifier:
         batch = SamplingBatch.build(
             [st.params for st in states], [st.generator for st in states], self.device
         )
-        if not any(draft_counts):
+        if batch.all_greedy:
+            out_tokens, num_accepted = _greedy_verify(logits, items, draft_counts)
+        elif not any(draft_counts):
             probs = processed_probs(logits, batch)
             tokens = sample_from_probs(probs, batch, self.generator).tolist()
             out_tokens = [[t] for t in tokens]
@@ -118,3 +120,21 @@ class Verifier:
                     )
                 ]
             offset += 1 + count
+
+
+def _greedy_verify(logits: torch.Tensor, items, draft_counts: list[int]):
+    """All-greedy batches: the exact-match special case of rejection sampling, without
+    building one-hot distributions. Drafts are kept while they equal the target's
+    argmax; the first mismatch (or the position after the last draft) contributes the
+    target's argmax as the recovered (or bonus) token."""
+    argmax = logits.argmax(dim=-1).tolist()  # [sum(1 + drafts)], the only host sync
+    out_tokens, num_accepted, offset = [], [], 0
+    for item, count in zip(items, draft_counts):
+        targets = argmax[offset : offset + count + 1]
+        n = 0
+        while n < count and item.spec_token_ids[n] == targets[n]:
+            n += 1
+        out_tokens.append(item.spec_token_ids[:n] + [targets[n]])
+        num_accepted.append(n)
+        offset += count + 1
+    return out_tokens, num_accepted
