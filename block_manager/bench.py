@@ -46,8 +46,7 @@ class BenchRequest:
         return len(self.all_token_ids) - self.num_prompt_tokens >= self.max_tokens
 
 
-def _parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m block_manager.bench", description=__doc__)
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-requests", type=int, default=256, help="running requests")
     parser.add_argument("--num-lookahead", type=int, default=4, help="draft slots per step")
     parser.add_argument("--steps", type=int, default=1000, help="measured steps")
@@ -56,13 +55,14 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--num-blocks", type=int, default=None, help="default: never full")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", action="store_true", help="print one JSON object")
-    args = parser.parse_args(argv)
+
+
+def _check_args(args: argparse.Namespace) -> None:
     for name in ("num_requests", "steps", "block_size"):
         if getattr(args, name) < 1:
-            parser.error(f"--{name.replace('_', '-')} must be >= 1")
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
     if args.num_lookahead < 0 or args.warmup_steps < 0:
-        parser.error("--num-lookahead and --warmup-steps must be >= 0")
-    return args
+        raise ValueError("--num-lookahead and --warmup-steps must be >= 0")
 
 
 class Workload:
@@ -143,7 +143,18 @@ def _p99(sorted_values: list[float]) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parse_args(argv)
+    parser = argparse.ArgumentParser(prog="python -m block_manager.bench", description=__doc__)
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    try:
+        return run(args)
+    except ValueError as exc:
+        parser.error(str(exc))
+
+
+def run(args: argparse.Namespace) -> int:
+    """`specserve bench blocks` and `python -m block_manager.bench`."""
+    _check_args(args)
     workload = Workload(args)
     for _ in range(args.warmup_steps):
         workload.step()

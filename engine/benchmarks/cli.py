@@ -23,21 +23,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="benchmark", required=True)
     for name, (module_name, help_text) in BENCHMARKS.items():
         p = sub.add_parser(name, help=help_text, description=help_text)
-        try:
-            module = importlib.import_module(module_name)
-        except ImportError:
-            continue
-        if hasattr(module, "add_arguments"):
-            module.add_arguments(p)
-        else:  # a standalone main(argv) benchmark
-            p.add_argument("argv", nargs=argparse.REMAINDER)
+        importlib.import_module(module_name).add_arguments(p)
 
 
 def run(args: argparse.Namespace) -> int:
-    module = importlib.import_module(BENCHMARKS[args.benchmark][0])
-    if hasattr(module, "run"):
-        return module.run(args)
-    return module.main(args.argv)
+    return importlib.import_module(BENCHMARKS[args.benchmark][0]).run(args)
 
 
 command("bench", "benchmarks: offline engine, block manager, gRPC serving")((add_arguments, run))
