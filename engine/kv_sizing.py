@@ -41,11 +41,15 @@ def plan_kv_cache(config: EngineConfig, loaded, draft_loaded=None) -> KVCachePla
                 f"of {per_block} bytes; at least 2 are needed"
             )
     model_max = loaded.arch.max_position_embeddings
+    limit_name = "the model's max_position_embeddings"
+    window = loaded.arch.sliding_window
+    if window is not None and window < model_max:
+        # Full attention equals sliding-window attention only inside the window.
+        model_max, limit_name = window, "the model's sliding_window (not implemented beyond)"
     max_model_len = config.max_model_len or model_max
     if max_model_len > model_max:
         raise ValueError(
-            f"max_model_len must be <= {model_max} (the model's max_position_embeddings), "
-            f"got {max_model_len}"
+            f"max_model_len must be <= {model_max} ({limit_name}), got {max_model_len}"
         )
     # One request alone must always fit, or preemption could never make room for it.
     capacity = (num_blocks - 1) * config.block_size

@@ -28,6 +28,9 @@ class ModelArchConfig:
     architectures: tuple[str, ...]
     bos_token_id: int | None
     eos_token_id: int | list[int] | None
+    # Mistral-style sliding-window attention. We attend to the full context, which is
+    # exact only up to this many tokens, so the context window is capped there.
+    sliding_window: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers"):
@@ -78,7 +81,16 @@ class ModelArchConfig:
             architectures=_architectures(cfg),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_id=cfg.get("eos_token_id"),
+            sliding_window=_sliding_window(cfg),
         )
+
+
+def _sliding_window(cfg: dict[str, Any]) -> int | None:
+    window = cfg.get("sliding_window")
+    # Qwen2 configs carry a window but switch it off with use_sliding_window=false.
+    if not window or (cfg.get("model_type") == "qwen2" and not cfg.get("use_sliding_window")):
+        return None
+    return int(window)
 
 
 _MODEL_TYPE_ARCHITECTURES = {

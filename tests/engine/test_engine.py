@@ -304,3 +304,11 @@ def test_logprobs_are_the_models_log_softmax(tiny_model_dir):
     assert first.top[0][0] == first.token_id == int(ref.argmax())
     assert first.logprob == pytest.approx(float(ref.max()), abs=1e-4)
     assert len(first.top) == 2
+
+
+def test_sliding_window_models_cap_the_context_window(tiny_model_factory):
+    model_dir = tiny_model_factory(arch="mistral", sliding_window=64)
+    engine = make_engine(model_dir)
+    assert engine.max_model_len == 64
+    with pytest.raises(ValueError, match="sliding_window"):
+        make_engine(model_dir, max_model_len=128)
