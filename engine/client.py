@@ -13,12 +13,13 @@ from __future__ import annotations
 import sys
 import time
 from collections.abc import AsyncIterator, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from engine.outputs import TokenLogprob
 from engine.rpc import generation_pb2 as pb
 from engine.rpc import generation_pb2_grpc as pb_grpc
 
@@ -40,13 +41,6 @@ class Usage:
     draft_tokens: int
     accepted_draft_tokens: int
     time_to_first_token_s: float
-
-
-@dataclass(slots=True)
-class TokenLogprob:
-    token_id: int
-    logprob: float
-    top: list[tuple[int, float]] = field(default_factory=list)
 
 
 @dataclass(slots=True)

@@ -130,12 +130,7 @@ def exponential_noise(
 ) -> torch.Tensor:
     """Exp(1) noise [n, *shape_per_row]; rows with their own generator draw from it so
     a seeded request's samples do not depend on who else is in the batch."""
-    noise = torch.empty((len(generators), *shape_per_row), device=device)
-    noise.exponential_(generator=default)
-    for i, gen in enumerate(generators):
-        if gen is not None:
-            noise[i].exponential_(generator=gen)
-    return noise
+    return _noise("exponential_", shape_per_row, generators, device, default)
 
 
 def uniform_noise(
@@ -144,11 +139,16 @@ def uniform_noise(
     device: torch.device,
     default: torch.Generator | None,
 ) -> torch.Tensor:
+    """U[0, 1) noise [n, *shape_per_row], seeded per row like exponential_noise."""
+    return _noise("uniform_", shape_per_row, generators, device, default)
+
+
+def _noise(fill: str, shape_per_row, generators, device, default) -> torch.Tensor:
     noise = torch.empty((len(generators), *shape_per_row), device=device)
-    noise.uniform_(generator=default)
+    getattr(noise, fill)(generator=default)
     for i, gen in enumerate(generators):
         if gen is not None:
-            noise[i].uniform_(generator=gen)
+            getattr(noise[i], fill)(generator=gen)
     return noise
 
 
