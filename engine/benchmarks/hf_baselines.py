@@ -22,10 +22,11 @@ class _Clock:
         return scores
 
 
-def load_hf_model(model_dir, device: str):
+def load_hf_model(model_dir, device: str, dtype: torch.dtype = torch.float32):
+    """The same weights in transformers, in the dtype specserve serves them in."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype)
     return model.to(device).eval()
 
 

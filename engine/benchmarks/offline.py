@@ -184,7 +184,7 @@ def _run_baselines(args, loaded, prompts, concurrency) -> list[RunResult]:
         return []
     if loaded.model_dir is None:
         raise ValueError("baselines need the model's HF directory; this model has none")
-    model = hf.load_hf_model(loaded.model_dir, str(loaded.device))
+    model = hf.load_hf_model(loaded.model_dir, str(loaded.device), loaded.dtype)
     pad_id = loaded.tokenizer.pad_token_id or 0
     results = []
     for name in names:
@@ -215,7 +215,7 @@ def _run_baselines(args, loaded, prompts, concurrency) -> list[RunResult]:
 def _print_report(args, concurrency, results: list[RunResult]) -> None:
     print(
         f"\nworkload {args.workload}: {args.num_prompts} prompts x {args.output_len} tokens, "
-        f"concurrency {concurrency}, greedy"
+        f"concurrency {concurrency}, greedy, dtype {args.dtype}"
     )
     print(format_table(results, reference=results[0]))
     specserve = [r for r in results if r.system.startswith("specserve")]

@@ -82,16 +82,17 @@ class PackedLinear(nn.Module):
 
 def can_pack_linears(model: nn.Module) -> bool:
     weight = model.lm_head.weight
-    return (
-        weight.device.type == "cpu"
-        and weight.dtype == torch.float32
-        and torch.backends.mkldnn.is_available()
-        and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
-    )
+    if weight.device.type != "cpu" or not torch.backends.mkldnn.is_available():
+        return False
+    if not hasattr(torch.ops.mkldnn, "_reorder_linear_weight"):
+        return False
+    if weight.dtype == torch.bfloat16:  # fast only with native bf16 instructions
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    return weight.dtype == torch.float32
 
 
 def pack_linears_for_cpu(model: nn.Module) -> None:
-    """Swap every nn.Linear for a PackedLinear (CPU, fp32, oneDNN available)."""
+    """Swap every nn.Linear for a PackedLinear (CPU, fp32 or bf16, oneDNN available)."""
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if isinstance(child, nn.Linear):

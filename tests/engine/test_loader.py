@@ -171,7 +171,9 @@ def test_device_dtype_and_backend_resolution(tiny_model_dir):
 def test_bfloat16_load(tiny_model_dir):
     loaded = load_model(tiny_model_dir, dtype="bfloat16")
     assert next(loaded.model.parameters()).dtype == torch.bfloat16
-    assert loaded.model.lm_head.weight.dtype == torch.bfloat16
+    head = loaded.model.lm_head  # a PackedLinear where the CPU has native bf16 GEMMs
+    head_weight = head.packed_weight if hasattr(head, "packed_weight") else head.weight
+    assert head_weight.dtype == torch.bfloat16
     from engine.models.simple_runner import SimplePagedRunner
 
     runner = SimplePagedRunner(loaded.model, num_blocks=8, block_size=4)

@@ -159,3 +159,21 @@ def test_default_model_greedy_matches_transformers():
     ours = SimplePagedRunner(loaded.model, num_blocks=64).generate_greedy(prompts, 16)
     _assert_same_greedy(ours, expected)
     assert "Paris" in loaded.tokenizer.decode(ours[0])
+
+
+def test_cpu_weight_packing_matches_plain_linear(tiny_model_dir):
+    """PackedLinear (oneDNN-prepacked weights) equals F.linear on the checkpoint's
+    weights, for the row counts of decode, verification and prefill."""
+    import torch.nn.functional as F
+    from transformers import AutoModelForCausalLM
+
+    from engine.models.weights import PackedLinear
+
+    qkv = load_model(tiny_model_dir, device="cpu").model.model.layers[0].self_attn.qkv_proj
+    if not isinstance(qkv, PackedLinear):
+        pytest.skip("oneDNN weight packing is not available on this CPU build")
+    attn = AutoModelForCausalLM.from_pretrained(tiny_model_dir).model.layers[0].self_attn
+    weight = torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight])
+    for rows in (1, 5, 32):
+        x = torch.randn(rows, qkv.in_features)
+        torch.testing.assert_close(qkv(x), F.linear(x, weight), atol=1e-5, rtol=1e-5)
