@@ -35,7 +35,7 @@ def cache_root(tmp_path, monkeypatch) -> Path:
 def _assert_same_logits(loaded, hf_dir: str) -> None:
     from transformers import AutoModelForCausalLM
 
-    from engine.models.simple_runner import SimplePagedRunner
+    from tests.engine.simple_runner import SimplePagedRunner
 
     hf = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
     ref = hf(torch.tensor([IDS])).logits[0]
@@ -174,7 +174,7 @@ def test_bfloat16_load(tiny_model_dir):
     head = loaded.model.lm_head  # a PackedLinear where the CPU has native bf16 GEMMs
     head_weight = head.packed_weight if hasattr(head, "packed_weight") else head.weight
     assert head_weight.dtype == torch.bfloat16
-    from engine.models.simple_runner import SimplePagedRunner
+    from tests.engine.simple_runner import SimplePagedRunner
 
     runner = SimplePagedRunner(loaded.model, num_blocks=8, block_size=4)
     runner.add_sequence(0)

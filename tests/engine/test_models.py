@@ -14,7 +14,7 @@ import torch
 
 from engine.loader import load_model
 from engine.models import get_model_class
-from engine.models.simple_runner import SimplePagedRunner
+from tests.engine.simple_runner import SimplePagedRunner
 
 LLAMA3_ROPE = {
     "rope_type": "llama3",

@@ -1,4 +1,4 @@
-"""A minimal paged-cache driver for tests, parity checks and benchmarks.
+"""A minimal paged-cache driver for the model parity tests.
 
 Not the engine's model runner: no scheduler, no sampling beyond greedy. It owns a KV
 cache, hands out blocks from a shuffled free list (so block tables are non-contiguous
