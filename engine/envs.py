@@ -28,3 +28,9 @@ def cache_dir() -> Path:
 def hub_timeout_s() -> float:
     """Seconds to wait for the Hugging Face hub before declaring it unreachable."""
     return float(os.environ.get("SPECSERVE_HUB_TIMEOUT_S", "10"))
+
+
+def cpu_weight_packing() -> bool:
+    """``SPECSERVE_CPU_WEIGHT_PACKING=0`` keeps plain ``nn.Linear`` weights on CPU
+    instead of oneDNN-prepacked ones (slower; for debugging and comparisons)."""
+    return os.environ.get("SPECSERVE_CPU_WEIGHT_PACKING", "1") != "0"
