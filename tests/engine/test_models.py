@@ -174,6 +174,16 @@ def test_cpu_weight_packing_matches_plain_linear(tiny_model_dir):
         pytest.skip("oneDNN weight packing is not available on this CPU build")
     attn = AutoModelForCausalLM.from_pretrained(tiny_model_dir).model.layers[0].self_attn
     weight = torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight])
-    for rows in (1, 5, 32):
+    for rows in (1, 5, 9, 32, 33):  # 9 and 33 are padded to a bucket, then trimmed
         x = torch.randn(rows, qkv.in_features)
         torch.testing.assert_close(qkv(x), F.linear(x, weight), atol=1e-5, rtol=1e-5)
+
+
+def test_row_buckets_are_few_and_waste_under_a_quarter():
+    from engine.models.weights import row_bucket
+
+    sizes = {row_bucket(rows) for rows in range(1, 4097)}
+    assert len(sizes) <= 48
+    for rows in range(1, 4097):
+        assert rows <= row_bucket(rows) < 1.25 * rows
+    assert all(row_bucket(rows) == rows for rows in range(1, 8))
