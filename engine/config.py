@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from engine.sampling_params import check_int
+
 SPECULATIVE_METHODS = ("none", "draft", "ngram")
 ATTENTION_BACKENDS = ("auto", "torch", "xformers")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -45,24 +47,24 @@ class EngineConfig:
         _in("speculative_method", self.speculative_method, (None, *SPECULATIVE_METHODS))
         _in("attn_backend", self.attn_backend, ATTENTION_BACKENDS)
         _in("dtype", self.dtype, DTYPES)
-        _range("num_speculative_tokens", self.num_speculative_tokens, 1, 16)
-        _range("speculative_disable_batch_size", self.speculative_disable_batch_size, 1, None)
-        _range("ngram_min", self.ngram_min, 1, 16)
-        _range("ngram_max", self.ngram_max, self.ngram_min, 16)
+        check_int("num_speculative_tokens", self.num_speculative_tokens, 1, 16)
+        check_int("speculative_disable_batch_size", self.speculative_disable_batch_size, 1, None)
+        check_int("ngram_min", self.ngram_min, 1, 16)
+        check_int("ngram_max", self.ngram_max, self.ngram_min, 16)
         if self.block_size not in (8, 16, 32, 64):
             raise ValueError(f"block_size must be one of 8, 16, 32, 64, got {self.block_size}")
         if self.num_kv_blocks is not None:
-            _range("num_kv_blocks", self.num_kv_blocks, 2, None)
+            check_int("num_kv_blocks", self.num_kv_blocks, 2, None)
         if not self.kv_cache_memory_gib > 0:
             raise ValueError(f"kv_cache_memory_gib must be > 0, got {self.kv_cache_memory_gib}")
-        _range("max_num_seqs", self.max_num_seqs, 1, 4096)
-        _range("max_num_batched_tokens", self.max_num_batched_tokens, 16, None)
+        check_int("max_num_seqs", self.max_num_seqs, 1, 4096)
+        check_int("max_num_batched_tokens", self.max_num_batched_tokens, 16, None)
         if self.max_model_len is not None:
-            _range("max_model_len", self.max_model_len, 2, None)
-        _range("max_waiting_requests", self.max_waiting_requests, 1, None)
-        _range("seed", self.seed, 0, 2**63 - 1)
+            check_int("max_model_len", self.max_model_len, 2, None)
+        check_int("max_waiting_requests", self.max_waiting_requests, 1, None)
+        check_int("seed", self.seed, 0, 2**63 - 1)
         if self.num_threads is not None:
-            _range("num_threads", self.num_threads, 1, 1024)
+            check_int("num_threads", self.num_threads, 1, 1024)
         if self.speculative_method == "draft" and not self.draft_model:
             raise ValueError("speculative_method='draft' needs draft_model")
         if self.draft_model and self.speculative_method in ("none", "ngram"):
@@ -86,11 +88,3 @@ def _in(name: str, value: object, allowed: tuple) -> None:
     if value not in allowed:
         shown = ", ".join(repr(a) for a in allowed if a is not None)
         raise ValueError(f"{name} must be one of {shown}, got {value!r}")
-
-
-def _range(name: str, value: object, lo: int, hi: int | None) -> None:
-    allowed = f"[{lo}, {hi}]" if hi is not None else f">= {lo}"
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"{name} must be an integer {allowed}, got {value!r}")
-    if value < lo or (hi is not None and value > hi):
-        raise ValueError(f"{name} must be {allowed}, got {value}")

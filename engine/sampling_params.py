@@ -33,29 +33,30 @@ class SamplingParams:
             self.stop = [self.stop]
         self.stop = list(self.stop)
         self.stop_token_ids = list(self.stop_token_ids)
-        _check_int("max_tokens", self.max_tokens, 1, None)
+        check_int("max_tokens", self.max_tokens, 1, None)
         _check_float("temperature", self.temperature, 0.0, None, "[0, inf)")
-        _check_int("top_k", self.top_k, 0, None)
+        check_int("top_k", self.top_k, 0, None)
         if not (0.0 < self.top_p <= 1.0):
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         _check_float("min_p", self.min_p, 0.0, 1.0, "[0, 1]")
         if self.seed is not None:
-            _check_int("seed", self.seed, 0, _MAX_SEED)
+            check_int("seed", self.seed, 0, _MAX_SEED)
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError("stop must be a list of non-empty strings")
         for token_id in self.stop_token_ids:
-            _check_int("stop_token_ids", token_id, 0, None)
+            check_int("stop_token_ids", token_id, 0, None)
         if self.logprobs is not None:
-            _check_int("logprobs", self.logprobs, 0, 20)
+            check_int("logprobs", self.logprobs, 0, 20)
         if self.num_speculative_tokens is not None:
-            _check_int("num_speculative_tokens", self.num_speculative_tokens, 0, 16)
+            check_int("num_speculative_tokens", self.num_speculative_tokens, 0, 16)
 
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0.0
 
 
-def _check_int(name: str, value: object, lo: int, hi: int | None) -> None:
+def check_int(name: str, value: object, lo: int, hi: int | None) -> None:
+    """ValueError naming the field and its allowed range unless value is an int in it."""
     allowed = f"[{lo}, {hi}]" if hi is not None else f">= {lo}"
     if isinstance(value, bool) or not isinstance(value, int):
         raise ValueError(f"{name} must be an integer {allowed}, got {value!r}")

@@ -12,7 +12,7 @@ and after this step its KV cache holds ``seq_lens[i]`` tokens (cached + new).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,6 +32,14 @@ class AttentionMetadata:
     # Backend-private tensors derived once per step and shared by every layer
     # (gather indices, masks, xformers bias objects). Keyed by backend name.
     backend_cache: dict[str, Any] = field(default_factory=dict)
+
+    def backend_plan(self, name: str, make: Callable[[AttentionMetadata], Any]) -> Any:
+        """The plan backend ``name`` derives from this step's layout, built by the first
+        layer that asks and reused by every other."""
+        plan = self.backend_cache.get(name)
+        if plan is None:
+            plan = self.backend_cache[name] = make(self)
+        return plan
 
     @property
     def num_seqs(self) -> int:

@@ -52,9 +52,7 @@ class TorchAttentionBackend:
         scale: float,
     ) -> torch.Tensor:  # [num_tokens, num_heads * head_dim]
         metadata = get_attention_metadata()
-        plan = metadata.backend_cache.get(self.name)
-        if plan is None:
-            plan = metadata.backend_cache[self.name] = _make_plan(metadata)
+        plan = metadata.backend_plan(self.name, _make_plan)
         write_kv(kv_cache, key, value, plan.write_token_idx, plan.write_slots)
         kv = gather_kv(kv_cache, plan.block_ids)[:, :, : plan.kv_len]  # [2, seqs, kv_len, kvh, hd]
         k, v = kv[0].transpose(1, 2), kv[1].transpose(1, 2)  # [seqs, kv_heads, kv_len, hd]

@@ -44,9 +44,7 @@ class XFormersAttentionBackend:
         scale: float,
     ) -> torch.Tensor:  # [num_tokens, num_heads * head_dim]
         metadata = get_attention_metadata()
-        plan = metadata.backend_cache.get(self.name)
-        if plan is None:
-            plan = metadata.backend_cache[self.name] = self._make_plan(metadata)
+        plan = metadata.backend_plan(self.name, self._make_plan)
         token_idx, slots, block_ids, attn_bias = plan
         write_kv(kv_cache, key, value, token_idx, slots)
         kv = gather_kv(kv_cache, block_ids)  # [2, seqs, kv_len, kv_heads, hd]
