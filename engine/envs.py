@@ -34,3 +34,10 @@ def cpu_weight_packing() -> bool:
     """``SPECSERVE_CPU_WEIGHT_PACKING=0`` keeps plain ``nn.Linear`` weights on CPU
     instead of oneDNN-prepacked ones (slower; for debugging and comparisons)."""
     return os.environ.get("SPECSERVE_CPU_WEIGHT_PACKING", "1") != "0"
+
+
+def cpu_kernels() -> bool:
+    """``SPECSERVE_CPU_KERNELS=0`` keeps torch ops on CPU instead of specserve's compiled
+    fp32 kernels (paged attention, RMSNorm, rotary, SiLU; slower; for debugging and
+    comparisons)."""
+    return os.environ.get("SPECSERVE_CPU_KERNELS", "1") != "0"

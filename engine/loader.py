@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from engine import envs
-from engine.attention import get_attention_backend, xformers_available
+from engine.attention import cpu_kernels_available, get_attention_backend, xformers_available
 from engine.default_model import DEFAULT_MODEL_NAME, ModelLoadError, default_gguf_path
 from engine.model_config import ModelArchConfig
 from engine.models.gguf_convert import ensure_converted
@@ -77,10 +77,18 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     return _DTYPES[dtype]
 
 
-def resolve_attn_backend(name: str, device: torch.device) -> str:
-    """ "auto" -> xformers on CUDA when importable, else torch."""
+def resolve_attn_backend(name: str, device: torch.device, dtype: torch.dtype) -> str:
+    """ "auto" -> xformers on CUDA when importable; on CPU in fp32 specserve's compiled
+    kernels ("cpu") when they build; else torch."""
     if name == "auto":
-        return "xformers" if xformers_available(device) else "torch"
+        if xformers_available(device):
+            return "xformers"
+        return "cpu" if cpu_kernels_available(device, dtype) else "torch"
+    if name == "cpu" and (torch.device(device).type != "cpu" or dtype != torch.float32):
+        raise ValueError(
+            f"attn_backend 'cpu' runs float32 on the CPU, not {dtype} on {device}; "
+            "use 'auto', 'torch' or 'xformers'"
+        )
     return name
 
 
@@ -95,7 +103,7 @@ def load_model(
     resolved_device = resolve_device(device)
     resolved_dtype = resolve_dtype(dtype, resolved_device)
     backend = get_attention_backend(
-        resolve_attn_backend(attn_backend, resolved_device), resolved_device
+        resolve_attn_backend(attn_backend, resolved_device, resolved_dtype), resolved_device
     )
     hf_dir, name = _locate(model)
     return _load_hf_dir(hf_dir, name, resolved_dtype, resolved_device, backend)

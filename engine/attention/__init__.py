@@ -15,7 +15,7 @@ from engine.attention.metadata import (
     set_attention_metadata,
 )
 
-ATTENTION_BACKENDS = ("torch", "xformers")
+ATTENTION_BACKENDS = ("torch", "xformers", "cpu")
 
 __all__ = [
     "ATTENTION_BACKENDS",
@@ -61,7 +61,19 @@ def allocate_kv_caches(
 
 
 def get_attention_backend(name: str, device: torch.device | str):
-    """Instantiate backend ``name`` ("torch" or "xformers") for ``device``."""
+    """Instantiate backend ``name`` ("torch", "xformers" or "cpu") for ``device``."""
+    if name == "cpu":
+        from engine.attention.cpu_backend import CpuAttentionBackend
+        from engine.kernels.cpu import cpu_kernels
+
+        kernels = cpu_kernels()
+        if kernels is None:
+            raise RuntimeError(
+                "attention backend 'cpu' needs specserve's compiled CPU kernels, which are "
+                "switched off (SPECSERVE_CPU_KERNELS=0) or failed to build (see the warning "
+                "above); use --attn-backend torch"
+            )
+        return CpuAttentionBackend(torch.device(device), kernels)
     if name == "torch":
         from engine.attention.torch_backend import TorchAttentionBackend
 
@@ -71,6 +83,15 @@ def get_attention_backend(name: str, device: torch.device | str):
 
         return XFormersAttentionBackend(torch.device(device))
     raise ValueError(f"unknown attention backend {name!r}; choose one of {ATTENTION_BACKENDS}")
+
+
+def cpu_kernels_available(device: torch.device | str, dtype: torch.dtype) -> bool:
+    """True when the compiled fp32 CPU kernels can serve ``device`` / ``dtype``."""
+    if torch.device(device).type != "cpu" or dtype != torch.float32:
+        return False
+    from engine.kernels.cpu import cpu_kernels
+
+    return cpu_kernels() is not None
 
 
 def xformers_available(device: torch.device | str) -> bool:

@@ -52,22 +52,33 @@ class TorchAttentionBackend:
         scale: float,
     ) -> torch.Tensor:  # [num_tokens, num_heads * head_dim]
         metadata = get_attention_metadata()
-        plan = metadata.backend_plan(self.name, _make_plan)
+        plan = metadata.backend_plan(self.name, make_plan)
         write_kv(kv_cache, key, value, plan.write_token_idx, plan.write_slots)
-        kv = gather_kv(kv_cache, plan.block_ids)[:, :, : plan.kv_len]  # [2, seqs, kv_len, kvh, hd]
-        k, v = kv[0].transpose(1, 2), kv[1].transpose(1, 2)  # [seqs, kv_heads, kv_len, hd]
-        num_tokens, num_heads, head_dim = query.shape
-        if metadata.max_query_len == 1:
-            out = _decode_attention(query, k, v, plan.mask, scale)
-            return out.reshape(num_tokens, num_heads * head_dim)
-        q = _pad_queries(query, metadata, plan)  # [seqs, heads, max_query_len, hd]
-        out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=plan.mask, is_causal=plan.is_causal, scale=scale, enable_gqa=True
-        )  # [seqs, heads, max_query_len, hd]
-        out = out.transpose(1, 2).reshape(-1, num_heads * head_dim)  # [seqs * max_q, h * hd]
-        if plan.out_idx is not None:
-            out = out.index_select(0, plan.out_idx)
-        return out  # [num_tokens, num_heads * head_dim]
+        return attend(query, kv_cache, metadata, plan, scale)
+
+
+def attend(
+    query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+    metadata: AttentionMetadata,
+    plan: _Plan,
+    scale: float,
+) -> torch.Tensor:  # [num_tokens, num_heads * head_dim]
+    """Gather each sequence's context (already written) and run SDPA over it."""
+    kv = gather_kv(kv_cache, plan.block_ids)[:, :, : plan.kv_len]  # [2, seqs, kv_len, kvh, hd]
+    k, v = kv[0].transpose(1, 2), kv[1].transpose(1, 2)  # [seqs, kv_heads, kv_len, hd]
+    num_tokens, num_heads, head_dim = query.shape
+    if metadata.max_query_len == 1:
+        out = _decode_attention(query, k, v, plan.mask, scale)
+        return out.reshape(num_tokens, num_heads * head_dim)
+    q = _pad_queries(query, metadata, plan)  # [seqs, heads, max_query_len, hd]
+    out = F.scaled_dot_product_attention(
+        q, k, v, attn_mask=plan.mask, is_causal=plan.is_causal, scale=scale, enable_gqa=True
+    )  # [seqs, heads, max_query_len, hd]
+    out = out.transpose(1, 2).reshape(-1, num_heads * head_dim)  # [seqs * max_q, h * hd]
+    if plan.out_idx is not None:
+        out = out.index_select(0, plan.out_idx)
+    return out  # [num_tokens, num_heads * head_dim]
 
 
 def _decode_attention(
@@ -94,7 +105,7 @@ def _pad_queries(
     return padded.view(num_seqs, max_query_len, *query.shape[1:]).transpose(1, 2)
 
 
-def _make_plan(metadata: AttentionMetadata) -> _Plan:
+def make_plan(metadata: AttentionMetadata) -> _Plan:
     write_token_idx, write_slots = write_plan(metadata)
     block_ids = context_block_ids(metadata)
     q_lens, s_lens = metadata.query_lens_cpu, metadata.seq_lens_cpu

@@ -1,4 +1,9 @@
-"""Building blocks of the Llama family: RMSNorm and rotary embeddings."""
+"""Building blocks of the Llama family: RMSNorm, rotary embeddings, SiLU-and-multiply.
+
+On CPU in float32 each runs as one call into specserve's compiled kernels
+(engine/kernels/cpu_kernels.c) when they are available; otherwise, and on every other
+device and dtype, as torch ops. Both give the same values up to fp32 rounding.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +14,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.kernels.cpu import CpuKernels, cpu_kernels
+
+
+def fp32_cpu_kernels(x: torch.Tensor) -> CpuKernels | None:
+    """The compiled kernels when ``x`` is a float32 CPU tensor and they are available."""
+    if x.dtype is not torch.float32 or x.device.type != "cpu":
+        return None
+    return cpu_kernels()
+
 
 class RMSNorm(nn.Module):
     def __init__(self, hidden_size: int, eps: float) -> None:
@@ -16,7 +30,22 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [num_tokens, hidden_size]
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """``norm(x)``; with ``residual``, ``(norm(x + residual), x + residual)``: the
+        residual add of the previous sub-layer fused in. The kernel path updates
+        ``residual`` in place, so callers must own it."""
+        kernels = fp32_cpu_kernels(x)
+        if kernels is not None and x.is_contiguous():
+            out = kernels.rms_norm(x, self.weight.detach(), self.eps, residual)
+            return out if residual is None else (out, residual)
+        if residual is None:
+            return self._norm(x)
+        residual = x + residual
+        return self._norm(residual), residual
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:  # [num_tokens, hidden_size]
         if x.dtype == torch.float32:  # one fused kernel, bit-identical to the formula below
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         # Normalise in fp32 like the reference implementation, then scale in model dtype.
@@ -64,19 +93,56 @@ class RotaryEmbedding(nn.Module):
         self.inv_freq = rope_inv_freq(head_dim, theta, scaling)
         self._cos_sin: torch.Tensor | None = None  # [max_positions, 2, head_dim // 2]
 
-    def cos_sin(
-        self, positions: torch.Tensor, dtype: torch.dtype
-    ) -> tuple[torch.Tensor, torch.Tensor]:  # each [num_tokens, 1, head_dim // 2]
+    def for_positions(self, positions: torch.Tensor, dtype: torch.dtype) -> RopeBatch:
+        """The rotation of one step's tokens, shared by every layer."""
         table = self._cos_sin
         if table is None or table.device != positions.device or table.dtype != dtype:
             table = self._cos_sin = self._build(positions.device, dtype)
+        if fp32_cpu_kernels(table) is not None and positions.is_contiguous():
+            return RopeBatch(table, positions, None, None)
         cos_sin = table.index_select(0, positions)  # [num_tokens, 2, head_dim // 2]
-        return cos_sin[:, 0:1], cos_sin[:, 1:2]
+        return RopeBatch(table, positions, cos_sin[:, 0:1], cos_sin[:, 1:2])
 
     def _build(self, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
         pos = torch.arange(self.max_positions, dtype=torch.int64, device=device).float()
         freqs = pos[:, None] * self.inv_freq.to(device)[None, :]  # fp32, as the reference
         return torch.stack([freqs.cos(), freqs.sin()], dim=1).to(dtype)
+
+
+class RopeBatch:
+    """Rotates the q and k heads of one step's fused qkv projections."""
+
+    __slots__ = ("table", "positions", "cos", "sin")
+
+    def __init__(self, table, positions, cos, sin) -> None:
+        self.table = table  # [max_positions, 2, head_dim // 2]
+        self.positions = positions  # [num_tokens] int64
+        self.cos = cos  # [num_tokens, 1, head_dim // 2], or None on the kernel path
+        self.sin = sin
+
+    def __call__(
+        self, qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # q [n, heads, hd], k [n, kv_heads, hd]
+        """qkv: [num_tokens, (heads + 2 * kv_heads) * head_dim]. The kernel path rotates
+        in place and returns views; the torch path returns new tensors."""
+        num_tokens = qkv.shape[0]
+        rotated = num_heads + num_kv_heads
+        if self.cos is None:
+            cpu_kernels().rope(qkv, self.positions, self.table, rotated)
+            qk = qkv[:, : rotated * head_dim].view(num_tokens, rotated, head_dim)
+        else:  # q and k together: they are adjacent in the fused output
+            qk = qkv[:, : rotated * head_dim].view(num_tokens, rotated, head_dim)
+            qk = apply_rope(qk, self.cos, self.sin)
+        q, k = qk.split([num_heads, num_kv_heads], dim=1)
+        return q, k
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:  # [n, 2 * inter] -> [n, inter]
+    kernels = fp32_cpu_kernels(x)
+    if kernels is not None and x.is_contiguous():
+        return kernels.silu_and_mul(x)
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up
 
 
 def apply_rope(

@@ -11,11 +11,10 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from engine.model_config import ModelArchConfig
-from engine.models.layers import RMSNorm, RotaryEmbedding, apply_rope
+from engine.models.layers import RMSNorm, RopeBatch, RotaryEmbedding, silu_and_mul
 
 
 class LlamaAttention(nn.Module):
@@ -37,15 +36,11 @@ class LlamaAttention(nn.Module):
     def forward(
         self,
         hidden_states: torch.Tensor,  # [num_tokens, hidden_size]
-        cos: torch.Tensor,  # [num_tokens, 1, head_dim // 2]
-        sin: torch.Tensor,  # [num_tokens, 1, head_dim // 2]
+        rope: RopeBatch,
     ) -> torch.Tensor:  # [num_tokens, hidden_size]
         num_tokens = hidden_states.shape[0]
         qkv = self.qkv_proj(hidden_states)  # [num_tokens, q_size + 2 * kv_size]
-        # Rotate q and k together: they are adjacent in the fused output.
-        qk = qkv[:, : self.q_size + self.kv_size].view(num_tokens, -1, self.head_dim)
-        qk = apply_rope(qk, cos, sin)  # [num_tokens, heads + kv_heads, head_dim]
-        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+        q, k = rope(qkv, self.num_heads, self.num_kv_heads, self.head_dim)
         v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, self.num_kv_heads, -1)
         if self.kv_cache is None:
             raise RuntimeError("KV caches are not bound: call model.bind_kv_caches() first")
@@ -62,8 +57,7 @@ class LlamaMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [num_tokens, hidden_size]
         gate_up = self.gate_up_proj(x)  # [num_tokens, 2 * intermediate_size]
-        gate, up = gate_up.split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(silu_and_mul(gate_up))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -74,11 +68,19 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, hidden_states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        hidden_states = hidden_states + self.self_attn(
-            self.input_layernorm(hidden_states), cos, sin
-        )
-        return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
+    def forward(
+        self, hidden_states: torch.Tensor, residual: torch.Tensor | None, rope: RopeBatch
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns (this layer's MLP output, the residual stream before adding it): the
+        add is fused into the next norm, ``x + f(norm(x))`` in the same order as HF."""
+        if residual is None:
+            residual = hidden_states
+            hidden_states = self.input_layernorm(hidden_states)
+        else:
+            hidden_states, residual = self.input_layernorm(hidden_states, residual)
+        hidden_states = self.self_attn(hidden_states, rope)
+        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
+        return self.mlp(hidden_states), residual
 
 
 class LlamaModel(nn.Module):
@@ -95,10 +97,11 @@ class LlamaModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         hidden_states = self.embed_tokens(input_ids)  # [num_tokens, hidden_size]
-        cos, sin = self.rotary.cos_sin(positions, hidden_states.dtype)  # shared by all layers
+        rope = self.rotary.for_positions(positions, hidden_states.dtype)  # shared by all layers
+        residual = None
         for layer in self.layers:
-            hidden_states = layer(hidden_states, cos, sin)
-        return self.norm(hidden_states)
+            hidden_states, residual = layer(hidden_states, residual, rope)
+        return self.norm(hidden_states, residual)[0]
 
 
 class LlamaForCausalLM(nn.Module):

@@ -54,11 +54,14 @@ def _run_step(backend, cache, q_lens, s_lens, tables, history):
         [[5, 9, 3], [1, 1, 1], [1, 1, 1]],  # batched decode, ragged contexts
         [[6, 2, 13], [4, 1, 3], [1, 5, 1]],  # mixed prefill chunks, decodes, 1+k queries
         [[16], [3], [1]],  # exact block boundary, then a partial chunk
+        # the cpu backend's split: queries over 16 tokens go to SDPA, the rest to the kernel
+        [[20, 3, 33], [1, 18, 2], [17, 1, 1]],
     ],
 )
-def test_torch_backend_matches_naive(steps):
+@pytest.mark.parametrize("backend_name", ["torch", "cpu"])
+def test_backend_matches_naive(steps, backend_name):
     torch.manual_seed(0)
-    backend = get_attention_backend("torch", "cpu")
+    backend = get_attention_backend(backend_name, "cpu")
     cache = allocate_kv_caches(
         1, NUM_BLOCKS, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, torch.float32, "cpu"
     )[0]
@@ -75,8 +78,9 @@ def test_torch_backend_matches_naive(steps):
         _run_step(backend, cache, q_lens, list(s_lens), [list(t) for t in tables], history)
 
 
-def test_padding_slots_are_never_written():
-    backend = get_attention_backend("torch", "cpu")
+@pytest.mark.parametrize("backend_name", ["torch", "cpu"])
+def test_padding_slots_are_never_written(backend_name):
+    backend = get_attention_backend(backend_name, "cpu")
     cache = allocate_kv_caches(1, 4, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, torch.float32, "cpu")[0]
     metadata = build_attention_metadata([2], [2], [[3]], BLOCK_SIZE)
     metadata.slot_mapping[1] = -1
@@ -108,3 +112,15 @@ def test_xformers_backend_refused_on_cpu():
         get_attention_backend("xformers", "cpu")
     with pytest.raises(ValueError, match="unknown attention backend"):
         get_attention_backend("flash", "cpu")
+
+
+def test_cpu_backend_needs_its_kernels(monkeypatch):
+    from engine.kernels.cpu import cpu_kernels
+
+    cpu_kernels.cache_clear()
+    monkeypatch.setenv("SPECSERVE_CPU_KERNELS", "0")
+    try:
+        with pytest.raises(RuntimeError, match="use --attn-backend torch"):
+            get_attention_backend("cpu", "cpu")
+    finally:
+        cpu_kernels.cache_clear()

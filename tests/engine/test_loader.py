@@ -161,7 +161,7 @@ def test_device_dtype_and_backend_resolution(tiny_model_dir):
         resolve_device("tpu")
     if not torch.cuda.is_available():
         assert resolve_device("auto") == torch.device("cpu")
-        assert resolve_attn_backend("auto", torch.device("cpu")) == "torch"
+        assert resolve_attn_backend("auto", torch.device("cpu"), torch.bfloat16) == "torch"
         with pytest.raises(RuntimeError, match="CUDA is not available"):
             resolve_device("cuda:0")
         with pytest.raises(RuntimeError, match="needs a CUDA GPU and the xformers package"):

@@ -1,0 +1,1 @@
+"""Native kernels: fp32 CPU attention, norm, rotary and activation (``cpu``)."""

@@ -1,0 +1,281 @@
+/* specserve CPU kernels (fp32): paged attention, KV write, RMSNorm, rotary embedding,
+ * SiLU-and-multiply.
+ *
+ * Built at first use by engine/kernels/cpu.py with the system C compiler
+ * (-O3 -march=native -ffast-math -fopenmp) and called through ctypes. The OpenMP
+ * runtime is the one torch already loaded (same soname), so these kernels and torch's
+ * own ops share one thread pool.
+ *
+ * Every kernel reads and writes plain row-major fp32 buffers; strides are in elements.
+ * -ffast-math is safe here because no kernel relies on inf or NaN: attention never
+ * scores a masked key (loop bounds stop at each query's causal limit) and the running
+ * maximum starts at a large finite negative number.
+ *
+ * Paged KV layout per layer: K and V each [num_blocks, block_size, num_kv_heads, head_dim].
+ */
+
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define NEG_BIG (-1.0e30f)
+
+static inline __attribute__((always_inline)) float dot(const float *restrict a, const float *restrict b, int n) {
+    float s = 0.0f;
+#pragma omp simd reduction(+ : s)
+    for (int i = 0; i < n; i++) s += a[i] * b[i];
+    return s;
+}
+
+/* One query row against keys [0, n) of one cache block, folded into the row's running
+ * (max, sum, acc) of a streaming softmax. k and v rows are kv_stride apart. */
+static inline __attribute__((always_inline)) void attend_block(
+    const float *restrict qr, const float *restrict kb, const float *restrict vb, int n,
+    int64_t kv_stride, int head_dim, float scale, float *restrict scores,
+    float *restrict row_max, float *restrict row_sum, float *restrict acc) {
+    float block_max = NEG_BIG;
+    for (int t = 0; t < n; t++) {
+        const float s = dot(qr, kb + t * kv_stride, head_dim) * scale;
+        scores[t] = s;
+        block_max = s > block_max ? s : block_max;
+    }
+    const float new_max = block_max > *row_max ? block_max : *row_max;
+    const float rescale = expf(*row_max - new_max);
+    *row_max = new_max;
+    float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+    for (int t = 0; t < n; t++) {
+        scores[t] = expf(scores[t] - new_max);
+        sum += scores[t];
+    }
+    *row_sum = *row_sum * rescale + sum;
+#pragma omp simd
+    for (int d = 0; d < head_dim; d++) acc[d] *= rescale;
+    for (int t = 0; t < n; t++) {
+        const float p = scores[t];
+        const float *vt = vb + t * kv_stride;
+#pragma omp simd
+        for (int d = 0; d < head_dim; d++) acc[d] += p * vt[d];
+    }
+}
+
+/* Attention of the query tokens of the selected sequences over their paged context,
+ * causal with offset: sequence `seq` adds q_len tokens and holds seq_lens[seq] after
+ * the step, so its query j sits at position seq_len - q_len + j and sees keys
+ * 0 .. seq_len - q_len + j (the new tokens' K/V must already be in the cache).
+ *
+ * A work item is one (sequence, KV head): every query row of that KV head (its group
+ * of query heads x the query tokens) is folded over each cache block in turn with a
+ * streaming softmax, so each K/V block is read from memory once. (Items of a whole
+ * sequence, all KV heads at once, measured 1.7x slower on SmolLM2's 32-sequence
+ * decode, and would leave threads idle at batch 1.)
+ *
+ * out[token, head, :] is written for every query token of the selected sequences.
+ * Returns 0; 1 when scratch memory could not be allocated, 2 when a sequence has more
+ * than max_rows / (num_heads / num_kv_heads) query tokens, 3 when a block id is outside the cache or
+ * the lengths are inconsistent (nothing is read out of bounds in either case).
+ */
+int specserve_paged_attention(
+    float *out, int64_t out_token_stride,
+    const float *q, int64_t q_token_stride,
+    const float *k_cache, const float *v_cache,
+    const int32_t *block_tables, int64_t block_table_stride,
+    const int32_t *seq_lens, const int32_t *query_start_loc,
+    const int32_t *seq_ids, int32_t num_selected,
+    int32_t num_heads, int32_t num_kv_heads, int32_t head_dim, int32_t block_size,
+    int32_t num_cache_blocks, float scale, int32_t max_rows, int32_t num_threads) {
+    const int group = num_heads / num_kv_heads;
+    const int64_t kv_stride = (int64_t)num_kv_heads * head_dim;
+    const int64_t num_items = (int64_t)num_selected * num_kv_heads;
+    int failed = 0;
+
+#pragma omp parallel num_threads(num_threads)
+    {
+        float *acc = malloc(sizeof(float) * (size_t)max_rows * head_dim);
+        float *row_max = malloc(sizeof(float) * (size_t)max_rows);
+        float *row_sum = malloc(sizeof(float) * (size_t)max_rows);
+        float *scores = malloc(sizeof(float) * (size_t)block_size);
+        if (!acc || !row_max || !row_sum || !scores) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t item = 0; item < num_items; item++) {
+            if (failed) continue;
+            const int seq = seq_ids[item / num_kv_heads];
+            const int kv_head = (int)(item % num_kv_heads);
+            const int q_start = query_start_loc[seq];
+            const int q_len = query_start_loc[seq + 1] - q_start;
+            const int seq_len = seq_lens[seq];
+            /* rows: query head (of this KV head's group) major, query token minor */
+            const int rows = group * q_len;
+            const int32_t *table = block_tables + (int64_t)seq * block_table_stride;
+            const int num_blocks = (seq_len + block_size - 1) / block_size;
+            int bad = rows > max_rows ? 2 : 0;
+            for (int b = 0; b < num_blocks; b++)
+                if (table[b] < 0 || table[b] >= num_cache_blocks) bad = 3;
+            if (q_len < 1 || q_len > seq_len) bad = 3;
+            if (bad) {
+#pragma omp atomic write
+                failed = bad;
+                continue;
+            }
+            for (int r = 0; r < rows; r++) {
+                row_max[r] = NEG_BIG;
+                row_sum[r] = 0.0f;
+            }
+            memset(acc, 0, sizeof(float) * (size_t)rows * head_dim);
+            const int first_head = kv_head * group;
+            for (int b = 0; b < num_blocks; b++) {
+                const int64_t base =
+                    (int64_t)table[b] * block_size * kv_stride + (int64_t)kv_head * head_dim;
+                const int first_key = b * block_size;
+                if (b + 1 < num_blocks) { /* the next block is elsewhere: fetch it early */
+                    const int64_t next = (int64_t)table[b + 1] * block_size * kv_stride +
+                                         (int64_t)kv_head * head_dim;
+                    for (int t = 0; t < block_size; t++) {
+                        for (int d = 0; d < head_dim; d += 16) {
+                            __builtin_prefetch(k_cache + next + t * kv_stride + d);
+                            __builtin_prefetch(v_cache + next + t * kv_stride + d);
+                        }
+                    }
+                }
+                for (int hl = 0; hl < group; hl++) {
+                    const int head = first_head + hl;
+                    for (int j = 0; j < q_len; j++) {
+                        /* keys first_key .. seq_len - q_len + j are visible to query j */
+                        int n = seq_len - q_len + j + 1 - first_key;
+                        if (n <= 0) continue;
+                        if (n > block_size) n = block_size;
+                        const int r = hl * q_len + j;
+                        const float *qr = q + (int64_t)(q_start + j) * q_token_stride +
+                                          (int64_t)head * head_dim;
+                        float *ar = acc + (int64_t)r * head_dim;
+                        const float *kb = k_cache + base, *vb = v_cache + base;
+                        /* constant head sizes let the compiler unroll the row loops */
+                        if (head_dim == 64)
+                            attend_block(qr, kb, vb, n, kv_stride, 64, scale, scores,
+                                         row_max + r, row_sum + r, ar);
+                        else if (head_dim == 128)
+                            attend_block(qr, kb, vb, n, kv_stride, 128, scale, scores,
+                                         row_max + r, row_sum + r, ar);
+                        else
+                            attend_block(qr, kb, vb, n, kv_stride, head_dim, scale, scores,
+                                         row_max + r, row_sum + r, ar);
+                    }
+                }
+            }
+            for (int hl = 0; hl < group; hl++) {
+                for (int j = 0; j < q_len; j++) {
+                    const int r = hl * q_len + j;
+                    float *o = out + (int64_t)(q_start + j) * out_token_stride +
+                               (int64_t)(first_head + hl) * head_dim;
+                    const float inv = 1.0f / row_sum[r];
+                    const float *ar = acc + (int64_t)r * head_dim;
+#pragma omp simd
+                    for (int d = 0; d < head_dim; d++) o[d] = ar[d] * inv;
+                }
+            }
+        }
+        free(acc);
+        free(row_max);
+        free(row_sum);
+        free(scores);
+    }
+    return failed;
+}
+
+/* out = RMSNorm(x) * weight, row by row. With `residual` non-NULL, first
+ * residual = x + residual (written back), then out = RMSNorm(residual) * weight:
+ * the residual stream and the next sub-layer's input in one pass. */
+void specserve_rms_norm(
+    float *out, const float *x, float *residual, const float *weight,
+    int64_t num_rows, int64_t hidden, float eps, int32_t num_threads) {
+#pragma omp parallel for num_threads(num_threads) schedule(static) if (num_rows >= 64)
+    for (int64_t i = 0; i < num_rows; i++) {
+        const float *xi = x + i * hidden;
+        float *oi = out + i * hidden;
+        const float *src = xi;
+        if (residual) {
+            float *ri = residual + i * hidden;
+#pragma omp simd
+            for (int64_t d = 0; d < hidden; d++) ri[d] += xi[d];
+            src = ri;
+        }
+        float sq = 0.0f;
+#pragma omp simd reduction(+ : sq)
+        for (int64_t d = 0; d < hidden; d++) sq += src[d] * src[d];
+        const float inv = 1.0f / sqrtf(sq / (float)hidden + eps);
+#pragma omp simd
+        for (int64_t d = 0; d < hidden; d++) oi[d] = src[d] * inv * weight[d];
+    }
+}
+
+/* Rotate-half rotary embedding, in place, of the first `num_rotated` heads of each
+ * row of `x` (a fused qkv buffer: the q heads then the k heads come first).
+ * cos_sin: [num_positions, 2, head_dim / 2] (cos then sin). Returns 1, changing
+ * nothing, when a position is outside the table. */
+int specserve_rope(
+    float *x, int64_t row_stride, int64_t num_tokens, const int64_t *positions,
+    const float *cos_sin, int64_t num_positions, int32_t num_rotated, int32_t head_dim,
+    int32_t num_threads) {
+    const int half = head_dim / 2;
+    for (int64_t i = 0; i < num_tokens; i++) {
+        if (positions[i] < 0 || positions[i] >= num_positions) return 1;
+    }
+#pragma omp parallel for num_threads(num_threads) schedule(static) if (num_tokens >= 64)
+    for (int64_t i = 0; i < num_tokens; i++) {
+        float *row = x + i * row_stride;
+        const float *c = cos_sin + positions[i] * 2 * half;
+        const float *s = c + half;
+        for (int h = 0; h < num_rotated; h++) {
+            float *x1 = row + (int64_t)h * head_dim;
+            float *x2 = x1 + half;
+#pragma omp simd
+            for (int d = 0; d < half; d++) {
+                const float a = x1[d], b = x2[d];
+                x1[d] = a * c[d] - b * s[d];
+                x2[d] = b * c[d] + a * s[d];
+            }
+        }
+    }
+    return 0;
+}
+
+/* Copy each token's K and V row (`width` = num_kv_heads * head_dim values) into its
+ * cache slot; slot < 0 is padding and is skipped. Returns 1, writing nothing, when a
+ * slot is past the cache. */
+int specserve_write_kv(
+    const float *key, int64_t key_row_stride, const float *value, int64_t value_row_stride,
+    int64_t num_tokens, int64_t width, float *k_cache, float *v_cache, const int64_t *slots,
+    int64_t num_slots) {
+    for (int64_t i = 0; i < num_tokens; i++) {
+        if (slots[i] >= num_slots) return 1;
+    }
+    for (int64_t i = 0; i < num_tokens; i++) {
+        const int64_t slot = slots[i];
+        if (slot < 0) continue;
+        memcpy(k_cache + slot * width, key + i * key_row_stride, sizeof(float) * (size_t)width);
+        memcpy(v_cache + slot * width, value + i * value_row_stride,
+               sizeof(float) * (size_t)width);
+    }
+    return 0;
+}
+
+/* out[i, :] = silu(x[i, :inter]) * x[i, inter:] for x [num_rows, 2 * inter]. */
+void specserve_silu_and_mul(
+    float *out, const float *x, int64_t num_rows, int64_t inter, int32_t num_threads) {
+#pragma omp parallel for num_threads(num_threads) schedule(static) if (num_rows >= 64)
+    for (int64_t i = 0; i < num_rows; i++) {
+        const float *gate = x + i * 2 * inter;
+        const float *up = gate + inter;
+        float *o = out + i * inter;
+#pragma omp simd
+        for (int64_t d = 0; d < inter; d++) {
+            /* exp(-g) clamped below overflow: inf would turn into NaN under fast-math */
+            const float e = expf(fminf(-gate[d], 80.0f));
+            o[d] = gate[d] / (1.0f + e) * up[d];
+        }
+    }
+}

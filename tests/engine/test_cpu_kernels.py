@@ -1,0 +1,226 @@
+"""The compiled fp32 CPU kernels against plain torch references."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine.kernels import cpu as cpu_mod
+from engine.kernels.cpu import CpuKernels, KernelBuildError, build_library, cpu_kernels
+from engine.models.layers import apply_rope
+
+
+@pytest.fixture(scope="module")
+def kernels() -> CpuKernels:
+    k = cpu_kernels()
+    if k is None:  # CI machines have gcc: a missing kernel here is a failure, not a skip
+        pytest.fail("CPU kernels failed to build; see the warning logged by cpu_kernels()")
+    return k
+
+
+def _reference_attention(q, k_cache, v_cache, tables, seq_lens, q_lens, scale):
+    """Per sequence: gather its context, causal-with-offset softmax attention, GQA."""
+    outs = []
+    start = 0
+    group = q.shape[1] // k_cache.shape[2]
+    for table, s_len, q_len in zip(tables, seq_lens, q_lens, strict=True):
+        keys = torch.cat([k_cache[b] for b in table])[:s_len]  # [s, kvh, hd]
+        vals = torch.cat([v_cache[b] for b in table])[:s_len]
+        keys = keys.repeat_interleave(group, dim=1).transpose(0, 1)  # [h, s, hd]
+        vals = vals.repeat_interleave(group, dim=1).transpose(0, 1)
+        qs = q[start : start + q_len].transpose(0, 1)  # [h, q, hd]
+        scores = qs @ keys.transpose(1, 2) * scale  # [h, q, s]
+        qpos = torch.arange(s_len - q_len, s_len)[:, None]
+        scores = scores.masked_fill(torch.arange(s_len)[None, :] > qpos, float("-inf"))
+        outs.append((scores.softmax(-1) @ vals).transpose(0, 1))  # [q, h, hd]
+        start += q_len
+    return torch.cat(outs)
+
+
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "head_dim", "q_lens", "seq_lens"),
+    [
+        (9, 3, 64, [1, 1, 1, 1], [1, 17, 40, 64]),  # decode, GQA 3, block boundaries
+        (4, 4, 16, [1, 5, 3], [33, 5, 19]),  # verification-sized queries, MHA
+        (8, 2, 32, [16, 1, 7], [16, 50, 7]),  # a whole-prompt prefill beside decodes
+    ],
+)
+def test_paged_attention_matches_reference(kernels, heads, kv_heads, head_dim, q_lens, seq_lens):
+    gen = torch.Generator().manual_seed(0)
+    block_size, num_blocks = 16, 32
+    k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen)
+    v_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen)
+    free = torch.randperm(num_blocks - 1, generator=gen).add(1).tolist()  # shuffled, no 0
+    tables = [[free.pop() for _ in range(-(-s // block_size))] for s in seq_lens]
+    width = max(map(len, tables))
+    table_t = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+    # Queries live inside a wider fused buffer, like the q heads of a qkv projection.
+    num_tokens = sum(q_lens)
+    fused = torch.randn(num_tokens, (heads + 2 * kv_heads) * head_dim, generator=gen)
+    q = fused[:, : heads * head_dim].view(num_tokens, heads, head_dim)
+    qsl = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+    scale = head_dim**-0.5
+    out = torch.full((num_tokens, heads, head_dim), float("nan"))
+    kernels.paged_attention(
+        out,
+        q,
+        k_cache,
+        v_cache,
+        table_t,
+        torch.tensor(seq_lens, dtype=torch.int32),
+        qsl,
+        torch.arange(len(q_lens), dtype=torch.int32),
+        max(q_lens),
+        scale,
+    )
+    expected = _reference_attention(q, k_cache, v_cache, tables, seq_lens, q_lens, scale)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_paged_attention_selected_sequences_only(kernels):
+    """Sequences not in seq_ids are left untouched (another path computes them)."""
+    k_cache = torch.randn(4, 16, 1, 8)
+    v_cache = torch.randn(4, 16, 1, 8)
+    q = torch.randn(3, 2, 8)
+    out = torch.zeros(3, 2, 8)
+    kernels.paged_attention(
+        out,
+        q,
+        k_cache,
+        v_cache,
+        torch.tensor([[1], [2], [3]], dtype=torch.int32),
+        torch.tensor([5, 9, 3], dtype=torch.int32),
+        torch.tensor([0, 1, 2, 3], dtype=torch.int32),
+        torch.tensor([0, 2], dtype=torch.int32),
+        1,
+        0.3,
+    )
+    assert out[0].abs().sum() > 0 and out[2].abs().sum() > 0
+    assert torch.equal(out[1], torch.zeros(2, 8))
+
+
+def test_paged_attention_refuses_block_ids_outside_the_cache(kernels):
+    out = torch.zeros(1, 2, 8)
+    with pytest.raises(ValueError, match="block id outside 0..3"):
+        kernels.paged_attention(
+            out,
+            torch.randn(1, 2, 8),
+            torch.randn(4, 16, 1, 8),
+            torch.randn(4, 16, 1, 8),
+            torch.tensor([[1, 7]], dtype=torch.int32),
+            torch.tensor([20], dtype=torch.int32),
+            torch.tensor([0, 1], dtype=torch.int32),
+            torch.tensor([0], dtype=torch.int32),
+            1,
+            0.3,
+        )
+
+
+def test_paged_attention_refuses_wrong_dtypes(kernels):
+    with pytest.raises(ValueError, match="query must be a float32 CPU tensor"):
+        kernels.paged_attention(
+            torch.zeros(1, 2, 8),
+            torch.randn(1, 2, 8, dtype=torch.bfloat16),
+            torch.randn(4, 16, 1, 8),
+            torch.randn(4, 16, 1, 8),
+            torch.tensor([[1]], dtype=torch.int32),
+            torch.tensor([3], dtype=torch.int32),
+            torch.tensor([0, 1], dtype=torch.int32),
+            torch.tensor([0], dtype=torch.int32),
+            1,
+            0.3,
+        )
+
+
+@pytest.mark.parametrize("rows", [3, 100])  # below and above the threading cut-off
+def test_rms_norm_and_fused_residual(kernels, rows):
+    x = torch.randn(rows, 96) * 3
+    residual = torch.randn(rows, 96)
+    weight = torch.randn(96)
+    torch.testing.assert_close(
+        kernels.rms_norm(x, weight, 1e-5), F.rms_norm(x, (96,), weight, 1e-5)
+    )
+    expected_residual = x + residual
+    expected = F.rms_norm(expected_residual, (96,), weight, 1e-5)
+    out = kernels.rms_norm(x, weight, 1e-5, residual=residual)
+    torch.testing.assert_close(residual, expected_residual)  # updated in place
+    torch.testing.assert_close(out, expected)
+
+
+def test_rope_rotates_q_and_k_heads_in_place(kernels):
+    heads, kv_heads, head_dim, n = 4, 2, 16, 70
+    qkv = torch.randn(n, (heads + 2 * kv_heads) * head_dim)
+    positions = torch.randint(0, 50, (n,))
+    angles = torch.arange(64)[:, None] * torch.rand(head_dim // 2)[None, :]
+    cos_sin = torch.stack([angles.cos(), angles.sin()], dim=1)  # [64, 2, hd/2]
+    qk = qkv[:, : (heads + kv_heads) * head_dim].reshape(n, heads + kv_heads, head_dim)
+    cs = cos_sin[positions]
+    expected = apply_rope(qk, cs[:, 0:1], cs[:, 1:2])
+    v_before = qkv[:, (heads + kv_heads) * head_dim :].clone()
+    kernels.rope(qkv, positions, cos_sin, heads + kv_heads)
+    rotated = qkv[:, : (heads + kv_heads) * head_dim].view(n, heads + kv_heads, head_dim)
+    torch.testing.assert_close(rotated, expected)
+    assert torch.equal(qkv[:, (heads + kv_heads) * head_dim :], v_before)
+    with pytest.raises(ValueError, match="outside the rotary table"):
+        kernels.rope(qkv, torch.full((n,), 64), cos_sin, heads + kv_heads)
+
+
+def test_write_kv_skips_padding_and_refuses_out_of_range_slots(kernels):
+    k_cache = torch.zeros(3, 4, 2, 8)
+    v_cache = torch.zeros(3, 4, 2, 8)
+    fused = torch.randn(3, 48)
+    key = fused[:, 16:32].view(3, 2, 8)
+    value = fused[:, 32:48].view(3, 2, 8)
+    kernels.write_kv(key, value, k_cache, v_cache, torch.tensor([5, -1, 11]))
+    flat_k, flat_v = k_cache.view(12, 2, 8), v_cache.view(12, 2, 8)
+    assert torch.equal(flat_k[5], key[0]) and torch.equal(flat_v[11], value[2])
+    assert int((flat_k.abs().sum((1, 2)) > 0).sum()) == 2  # the -1 slot wrote nothing
+    with pytest.raises(ValueError, match="past the cache's 12 slots"):
+        kernels.write_kv(key, value, k_cache, v_cache, torch.tensor([0, 1, 12]))
+
+
+@pytest.mark.parametrize("rows", [2, 80])
+def test_silu_and_mul(kernels, rows):
+    x = torch.randn(rows, 2 * 40) * 4
+    x[0, 0], x[0, 1] = -200.0, 200.0  # exp overflow on both sides stays finite
+    gate, up = x.split(40, dim=1)
+    out = kernels.silu_and_mul(x)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out, F.silu(gate) * up)
+
+
+def test_build_failure_is_one_line_and_falls_back(monkeypatch, tmp_path, caplog):
+    monkeypatch.setenv("CC", "definitely-not-a-compiler")
+    monkeypatch.setattr(cpu_mod.shutil, "which", lambda name: None)
+    with pytest.raises(KernelBuildError, match="no C compiler found"):
+        build_library(tmp_path)
+    cpu_kernels.cache_clear()
+    monkeypatch.setenv("SPECSERVE_CACHE_DIR", str(tmp_path))
+    try:
+        assert cpu_kernels() is None
+        assert "CPU kernels unavailable" in caplog.text
+    finally:
+        cpu_kernels.cache_clear()
+
+
+def test_switched_off_by_environment(monkeypatch):
+    cpu_kernels.cache_clear()
+    monkeypatch.setenv("SPECSERVE_CPU_KERNELS", "0")
+    try:
+        assert cpu_kernels() is None
+    finally:
+        cpu_kernels.cache_clear()
+
+
+def test_build_is_cached_per_source(tmp_path):
+    first = build_library(tmp_path)
+    mtime = first.stat().st_mtime_ns
+    assert build_library(tmp_path) == first and first.stat().st_mtime_ns == mtime
+
+
+def test_loading_the_kernels_leaves_subnormals_alone(kernels):
+    """-ffast-math at link time would set flush-to-zero for the whole process."""
+    tiny = torch.tensor([1e-40], dtype=torch.float32)  # subnormal in fp32
+    assert kernels.lib is not None  # loaded in this process
+    assert (tiny * 1.0).item() != 0.0  # 0.0 under flush-to-zero / denormals-are-zero
