@@ -36,6 +36,16 @@ def cpu_weight_packing() -> bool:
     return os.environ.get("SPECSERVE_CPU_WEIGHT_PACKING", "1") != "0"
 
 
+def kernel_cache_dir() -> Path:
+    """Where compiled CPU kernels are kept: ``$SPECSERVE_KERNEL_CACHE_DIR``, else
+    ``<cache_dir>/kernels``. When that is read-only (a baked image cache), a kernel
+    built for another CPU goes to the system temp directory instead."""
+    explicit = os.environ.get("SPECSERVE_KERNEL_CACHE_DIR")
+    if explicit:
+        return Path(explicit).expanduser()
+    return cache_dir() / "kernels"
+
+
 def cpu_kernels() -> bool:
     """``SPECSERVE_CPU_KERNELS=0`` keeps torch ops on CPU instead of specserve's compiled
     fp32 kernels (paged attention, RMSNorm, rotary, SiLU; slower; for debugging and

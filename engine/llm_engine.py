@@ -325,4 +325,5 @@ class LLMEngine:
             "eos_token_ids": sorted(self.eos_token_ids),
             "device": str(self.device),
             "dtype": str(self.loaded.dtype).removeprefix("torch."),
+            "attn_backend": self.loaded.model.model.layers[0].self_attn.attn_backend.name,
         }

@@ -1,10 +1,11 @@
 """Build, load and call the fp32 CPU kernels in cpu_kernels.c.
 
 The C file is compiled once per machine with the system compiler (``cc``, or ``$CC``)
-and cached under ``$SPECSERVE_CACHE_DIR/kernels/`` keyed by the source, the compiler
-and the CPU's instruction-set flags (it is built with ``-march=native``, so a cache
-shared between different CPUs gets one library per CPU kind). Compiling takes about a
-second.
+and cached in ``envs.kernel_cache_dir()`` (``<cache>/kernels``) keyed by the source,
+the compiler and the CPU's instruction-set flags (it is built with ``-march=native``,
+so a cache shared between different CPUs gets one library per CPU kind). Compiling
+takes about a second. A read-only cache (a baked container image) falls back to the
+system temp directory for a CPU it has no build for.
 
 ``cpu_kernels()`` returns None, after logging one line, when the kernels are off
 (``SPECSERVE_CPU_KERNELS=0``), there is no compiler, or the build fails; callers then
@@ -74,7 +75,7 @@ def _compiler() -> str | None:
     return shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
 
 
-def build_library(cache_root: Path | None = None) -> Path:
+def build_library(out_dir: Path | None = None) -> Path:
     """Compile cpu_kernels.c (or reuse the cached build); returns the .so path."""
     cc = _compiler()
     if cc is None:
@@ -87,11 +88,22 @@ def build_library(cache_root: Path | None = None) -> Path:
         + _cpu_flags().encode()
         + " ".join(_COMPILE_FLAGS + _LINK_FLAGS).encode()
     ).hexdigest()[:16]
-    out_dir = (cache_root or envs.cache_dir()) / "kernels"
-    target = out_dir / f"cpu_kernels-{key}.so"
-    if target.exists():
-        return target
-    out_dir.mkdir(parents=True, exist_ok=True)
+    name = f"cpu_kernels-{key}.so"
+    out_dir = out_dir or envs.kernel_cache_dir()
+    if (out_dir / name).exists():
+        return out_dir / name
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        writable = os.access(out_dir, os.W_OK)
+    except OSError:
+        writable = False
+    if not writable:
+        out_dir = Path(tempfile.gettempdir()) / f"specserve-kernels-{os.getuid()}"
+        out_dir.mkdir(parents=True, exist_ok=True)
+        if (out_dir / name).exists():
+            return out_dir / name
+    target = out_dir / name
+    logger.info("building specserve's CPU kernels into %s (once per CPU kind)", out_dir)
     with tempfile.TemporaryDirectory(dir=out_dir) as tmp:
         obj, tmp_target = Path(tmp) / "cpu_kernels.o", Path(tmp) / target.name
         for cmd in (

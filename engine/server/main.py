@@ -48,8 +48,16 @@ async def _serve(
     if ready.done():
         try:
             ready.result()
-            model = server.engine.model_info.get("model") or config.model
-            logger.info("serving %s on %s:%d", model, options.host, port)
+            info = server.engine.model_info
+            logger.info(
+                "serving %s on %s:%d (%s, %s, attention: %s)",
+                info.get("model") or config.model,
+                options.host,
+                port,
+                info.get("device"),
+                info.get("dtype"),
+                info.get("attn_backend"),
+            )
         except (EngineDeadError, TimeoutError) as exc:
             logger.error("model failed to load: %s", exc)
             exit_code = 1

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -224,3 +226,33 @@ def test_loading_the_kernels_leaves_subnormals_alone(kernels):
     tiny = torch.tensor([1e-40], dtype=torch.float32)  # subnormal in fp32
     assert kernels.lib is not None  # loaded in this process
     assert (tiny * 1.0).item() != 0.0  # 0.0 under flush-to-zero / denormals-are-zero
+
+
+def test_read_only_cache_falls_back_to_temp(tmp_path, monkeypatch):
+    read_only = tmp_path / "baked"
+    read_only.mkdir()
+    read_only.chmod(0o555)
+    monkeypatch.setattr(cpu_mod.tempfile, "gettempdir", lambda: str(tmp_path / "tmp"))
+    try:
+        if os.access(read_only, os.W_OK):  # root ignores permission bits
+            real_access = os.access
+            monkeypatch.setattr(
+                cpu_mod.os,
+                "access",
+                lambda path, mode: path != read_only and real_access(path, mode),
+            )
+        built = build_library(read_only)
+    finally:
+        read_only.chmod(0o755)
+    assert built.parent.parent == tmp_path / "tmp" and built.exists()
+    assert not any(read_only.iterdir())
+
+
+def test_kernel_source_ships_as_package_data():
+    from pathlib import Path
+
+    import tomllib
+
+    root = Path(__file__).resolve().parents[2]
+    config = tomllib.loads((root / "pyproject.toml").read_text())
+    assert "*.c" in config["tool"]["setuptools"]["package-data"]["engine.kernels"]

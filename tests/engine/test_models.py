@@ -42,15 +42,40 @@ CONFIGS = {
 }
 
 
-@pytest.fixture(scope="module", params=list(CONFIGS))
-def models(request, tiny_model_factory):
+# Two implementations of the same model on CPU fp32: specserve's compiled kernels
+# (paged attention, norm, rotary, SiLU; the default) and plain torch ops with the
+# gather + SDPA attention backend (SPECSERVE_CPU_KERNELS=0, the path every other
+# device and dtype takes).
+IMPLEMENTATIONS = {"kernels": "cpu", "torch": "torch"}
+
+
+@pytest.fixture(
+    scope="module",
+    params=[(c, i) for c in CONFIGS for i in IMPLEMENTATIONS],
+    ids=lambda p: f"{p[0]}-{p[1]}",
+)
+def _loaded(request, tiny_model_factory):
     from transformers import AutoModelForCausalLM
 
-    arch, overrides = CONFIGS[request.param]
+    config_name, impl = request.param
+    arch, overrides = CONFIGS[config_name]
     path = tiny_model_factory(arch=arch, **overrides)
-    loaded = load_model(path, dtype="float32", device="cpu", attn_backend="torch")
+    loaded = load_model(path, dtype="float32", device="cpu", attn_backend=IMPLEMENTATIONS[impl])
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    return loaded.model, hf
+    return loaded.model, hf, impl
+
+
+@pytest.fixture
+def models(_loaded, monkeypatch):
+    """(our model, transformers' model), with the kernels switched on or off for the
+    duration of the test (norm, rotary and SiLU look them up at every call)."""
+    from engine.kernels.cpu import cpu_kernels
+
+    model, hf, impl = _loaded
+    monkeypatch.setenv("SPECSERVE_CPU_KERNELS", "1" if impl == "kernels" else "0")
+    cpu_kernels.cache_clear()
+    yield model, hf
+    cpu_kernels.cache_clear()
 
 
 def _tokens(n: int, seed: int) -> list[int]:
@@ -147,7 +172,8 @@ def test_unsupported_architecture_is_named():
 def test_default_model_greedy_matches_transformers():
     from transformers import AutoModelForCausalLM
 
-    loaded = load_model(None, dtype="float32", device="cpu", attn_backend="torch")
+    loaded = load_model(None, dtype="float32", device="cpu")  # auto: the compiled kernels
+    assert loaded.model.model.layers[0].self_attn.attn_backend.name == "cpu"
     hf = AutoModelForCausalLM.from_pretrained(loaded.model_dir, dtype=torch.float32).eval()
     messages = [[{"role": "user", "content": "What is the capital of France?"}],
                 [{"role": "user", "content": "Name three colors."}]]  # fmt: skip
