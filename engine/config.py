@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from engine.sampling_params import check_int
 
 SPECULATIVE_METHODS = ("none", "draft", "ngram")
-ATTENTION_BACKENDS = ("auto", "torch", "xformers")
+ATTENTION_BACKENDS = ("auto", "cpu", "torch", "xformers")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 GiB = 1 << 30

@@ -14,6 +14,10 @@ BENCHMARKS = {
         "engine.benchmarks.offline",
         "engine throughput/latency vs transformers generate() and generate_batch()",
     ),
+    "step": (
+        "engine.benchmarks.step",
+        "where a CPU decode step's time goes: compiled kernels vs torch ops",
+    ),
     "blocks": ("block_manager.bench", "block manager operations per second"),
     "serve": ("engine.benchmarks.serve", "load-test a running server over gRPC"),
 }

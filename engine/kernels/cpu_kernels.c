@@ -21,7 +21,14 @@
 
 #define NEG_BIG (-1.0e30f)
 
-static inline __attribute__((always_inline)) float dot(const float *restrict a, const float *restrict b, int n) {
+/* Row-wise kernels go parallel from this many rows. Below it they run on the calling
+ * thread with no OpenMP region at all: a 1-thread region between torch's 2-thread ones
+ * makes libgomp release and re-dock its worker, which cost 25-50 us per call (more
+ * than the work) on SmolLM2's 32-row decode. */
+#define PARALLEL_MIN_ROWS 64
+
+static inline __attribute__((always_inline)) float dot(
+    const float *restrict a, const float *restrict b, int n) {
     float s = 0.0f;
 #pragma omp simd reduction(+ : s)
     for (int i = 0; i < n; i++) s += a[i] * b[i];
@@ -189,26 +196,51 @@ int specserve_paged_attention(
 /* out = RMSNorm(x) * weight, row by row. With `residual` non-NULL, first
  * residual = x + residual (written back), then out = RMSNorm(residual) * weight:
  * the residual stream and the next sub-layer's input in one pass. */
+static inline void rms_norm_row(
+    float *restrict out, const float *restrict x, float *restrict residual,
+    const float *restrict weight, int64_t hidden, float eps) {
+    const float *src = x;
+    if (residual) {
+#pragma omp simd
+        for (int64_t d = 0; d < hidden; d++) residual[d] += x[d];
+        src = residual;
+    }
+    float sq = 0.0f;
+#pragma omp simd reduction(+ : sq)
+    for (int64_t d = 0; d < hidden; d++) sq += src[d] * src[d];
+    const float inv = 1.0f / sqrtf(sq / (float)hidden + eps);
+#pragma omp simd
+    for (int64_t d = 0; d < hidden; d++) out[d] = src[d] * inv * weight[d];
+}
+
 void specserve_rms_norm(
     float *out, const float *x, float *residual, const float *weight,
     int64_t num_rows, int64_t hidden, float eps, int32_t num_threads) {
-#pragma omp parallel for num_threads(num_threads) schedule(static) if (num_rows >= 64)
-    for (int64_t i = 0; i < num_rows; i++) {
-        const float *xi = x + i * hidden;
-        float *oi = out + i * hidden;
-        const float *src = xi;
-        if (residual) {
-            float *ri = residual + i * hidden;
+#define RMS_ROW(i) \
+    rms_norm_row(out + (i) * hidden, x + (i) * hidden, \
+                 residual ? residual + (i) * hidden : NULL, weight, hidden, eps)
+    if (num_rows >= PARALLEL_MIN_ROWS && num_threads > 1) {
+#pragma omp parallel for num_threads(num_threads) schedule(static)
+        for (int64_t i = 0; i < num_rows; i++) RMS_ROW(i);
+    } else {
+        for (int64_t i = 0; i < num_rows; i++) RMS_ROW(i);
+    }
+#undef RMS_ROW
+}
+
+static inline void rope_row(float *restrict row, const float *restrict cos_sin,
+                            int num_rotated, int head_dim) {
+    const int half = head_dim / 2;
+    const float *c = cos_sin, *s = cos_sin + half;
+    for (int h = 0; h < num_rotated; h++) {
+        float *x1 = row + (int64_t)h * head_dim;
+        float *x2 = x1 + half;
 #pragma omp simd
-            for (int64_t d = 0; d < hidden; d++) ri[d] += xi[d];
-            src = ri;
+        for (int d = 0; d < half; d++) {
+            const float a = x1[d], b = x2[d];
+            x1[d] = a * c[d] - b * s[d];
+            x2[d] = b * c[d] + a * s[d];
         }
-        float sq = 0.0f;
-#pragma omp simd reduction(+ : sq)
-        for (int64_t d = 0; d < hidden; d++) sq += src[d] * src[d];
-        const float inv = 1.0f / sqrtf(sq / (float)hidden + eps);
-#pragma omp simd
-        for (int64_t d = 0; d < hidden; d++) oi[d] = src[d] * inv * weight[d];
     }
 }
 
@@ -220,25 +252,18 @@ int specserve_rope(
     float *x, int64_t row_stride, int64_t num_tokens, const int64_t *positions,
     const float *cos_sin, int64_t num_positions, int32_t num_rotated, int32_t head_dim,
     int32_t num_threads) {
-    const int half = head_dim / 2;
     for (int64_t i = 0; i < num_tokens; i++) {
         if (positions[i] < 0 || positions[i] >= num_positions) return 1;
     }
-#pragma omp parallel for num_threads(num_threads) schedule(static) if (num_tokens >= 64)
-    for (int64_t i = 0; i < num_tokens; i++) {
-        float *row = x + i * row_stride;
-        const float *c = cos_sin + positions[i] * 2 * half;
-        const float *s = c + half;
-        for (int h = 0; h < num_rotated; h++) {
-            float *x1 = row + (int64_t)h * head_dim;
-            float *x2 = x1 + half;
-#pragma omp simd
-            for (int d = 0; d < half; d++) {
-                const float a = x1[d], b = x2[d];
-                x1[d] = a * c[d] - b * s[d];
-                x2[d] = b * c[d] + a * s[d];
-            }
-        }
+    if (num_tokens >= PARALLEL_MIN_ROWS && num_threads > 1) {
+#pragma omp parallel for num_threads(num_threads) schedule(static)
+        for (int64_t i = 0; i < num_tokens; i++)
+            rope_row(x + i * row_stride, cos_sin + positions[i] * head_dim, num_rotated,
+                     head_dim);
+    } else {
+        for (int64_t i = 0; i < num_tokens; i++)
+            rope_row(x + i * row_stride, cos_sin + positions[i] * head_dim, num_rotated,
+                     head_dim);
     }
     return 0;
 }
@@ -264,18 +289,24 @@ int specserve_write_kv(
 }
 
 /* out[i, :] = silu(x[i, :inter]) * x[i, inter:] for x [num_rows, 2 * inter]. */
+static inline void silu_and_mul_row(float *restrict out, const float *restrict gate,
+                                    const float *restrict up, int64_t inter) {
+#pragma omp simd
+    for (int64_t d = 0; d < inter; d++) {
+        /* exp(-g) clamped below overflow: inf would turn into NaN under fast-math */
+        const float e = expf(fminf(-gate[d], 80.0f));
+        out[d] = gate[d] / (1.0f + e) * up[d];
+    }
+}
+
 void specserve_silu_and_mul(
     float *out, const float *x, int64_t num_rows, int64_t inter, int32_t num_threads) {
-#pragma omp parallel for num_threads(num_threads) schedule(static) if (num_rows >= 64)
-    for (int64_t i = 0; i < num_rows; i++) {
-        const float *gate = x + i * 2 * inter;
-        const float *up = gate + inter;
-        float *o = out + i * inter;
-#pragma omp simd
-        for (int64_t d = 0; d < inter; d++) {
-            /* exp(-g) clamped below overflow: inf would turn into NaN under fast-math */
-            const float e = expf(fminf(-gate[d], 80.0f));
-            o[d] = gate[d] / (1.0f + e) * up[d];
-        }
+    if (num_rows >= PARALLEL_MIN_ROWS && num_threads > 1) {
+#pragma omp parallel for num_threads(num_threads) schedule(static)
+        for (int64_t i = 0; i < num_rows; i++)
+            silu_and_mul_row(out + i * inter, x + i * 2 * inter, x + i * 2 * inter + inter, inter);
+    } else {
+        for (int64_t i = 0; i < num_rows; i++)
+            silu_and_mul_row(out + i * inter, x + i * 2 * inter, x + i * 2 * inter + inter, inter);
     }
 }
