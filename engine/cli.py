@@ -37,7 +37,12 @@ def add_engine_args(parser: argparse.ArgumentParser, *, with_seed: bool = True) 
         help="default: draft if --draft-model is given, else ngram",
     )
     g.add_argument("--num-speculative-tokens", type=int, default=4)
-    g.add_argument("--speculative-disable-batch-size", type=int, default=16)
+    g.add_argument(
+        "--speculative-disable-batch-size",
+        type=int,
+        default=None,
+        help="above this many running requests nobody speculates (default: 4 on CPU, 16 on CUDA)",
+    )
     g.add_argument("--block-size", type=int, default=16)
     g.add_argument("--num-kv-blocks", type=int, default=None)
     g.add_argument("--kv-cache-memory-gib", type=float, default=1.0)
@@ -104,6 +109,15 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     except (ValueError, RuntimeError, OSError) as exc:
         print(f"specserve {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except Exception as exc:  # a failed RPC: one line with its status, not a traceback
+        code, details = getattr(exc, "code", None), getattr(exc, "details", None)
+        if not (callable(code) and callable(details)):
+            raise
+        print(
+            f"specserve {args.command}: error: {code().name}: {details()}",
+            file=sys.stderr,
+        )
         return 2
 
 

@@ -22,7 +22,10 @@ class EngineConfig:
     num_speculative_tokens: int = 4
     # Above this many running requests speculation is switched off: verification is
     # no longer free once the batch is compute-bound.
-    speculative_disable_batch_size: int = 16
+    # Above this many running requests nobody speculates. None: 4 on CPU (a few
+    # requests already make a CPU forward compute-bound, so verified drafts stop being
+    # free; measured in docs/benchmarks.md), 16 on CUDA.
+    speculative_disable_batch_size: int | None = None
     ngram_min: int = 1
     ngram_max: int = 4
     block_size: int = 16
@@ -48,7 +51,10 @@ class EngineConfig:
         _in("attn_backend", self.attn_backend, ATTENTION_BACKENDS)
         _in("dtype", self.dtype, DTYPES)
         check_int("num_speculative_tokens", self.num_speculative_tokens, 1, 16)
-        check_int("speculative_disable_batch_size", self.speculative_disable_batch_size, 1, None)
+        if self.speculative_disable_batch_size is not None:
+            check_int(
+                "speculative_disable_batch_size", self.speculative_disable_batch_size, 1, None
+            )
         check_int("ngram_min", self.ngram_min, 1, 16)
         check_int("ngram_max", self.ngram_max, self.ngram_min, 16)
         if self.block_size not in (8, 16, 32, 64):

@@ -38,6 +38,13 @@ class _RequestState:
     num_emitted_tokens: int = 0
 
 
+def resolve_spec_disable_batch_size(value: int | None, device: torch.device) -> int:
+    """The configured value, or the device's default (see EngineConfig)."""
+    if value is not None:
+        return value
+    return 16 if device.type == "cuda" else 4
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig, loaded=None, draft_loaded=None) -> None:
         from engine.loader import load_model
@@ -77,7 +84,9 @@ class LLMEngine:
                 max_model_len=self.max_model_len,
                 num_spec_tokens=config.num_speculative_tokens,
                 spec_enabled=self.proposer is not None,
-                spec_disable_batch_size=config.speculative_disable_batch_size,
+                spec_disable_batch_size=resolve_spec_disable_batch_size(
+                    config.speculative_disable_batch_size, self.device
+                ),
                 draft_cost=self.proposer.draft_cost if self.proposer else 0.0,
             ),
             self.kv_manager,
@@ -175,6 +184,13 @@ class LLMEngine:
             forward_s=t4 - t3,
             update_s=time.perf_counter() - t4,
         )
+        if prepared.metadata.max_query_len <= 1 + self.config.num_speculative_tokens:
+            # decode / verification steps only: prefill chunks run GEMMs at another
+            # efficiency and would bend the per-token slope adaptive k depends on
+            self.scheduler.cost_model.observe(
+                prepared.metadata.num_tokens,
+                timings.draft_s + timings.prepare_s + timings.forward_s,
+            )
         self._record_step(sched, timings, runner_output)
         return [o for o in outputs if o is not None]
 

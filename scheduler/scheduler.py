@@ -18,6 +18,7 @@ from block_manager import KVCacheManager
 from scheduler.output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from scheduler.request import Request, RequestStatus
 from scheduler.spec_length import choose_num_spec_tokens
+from scheduler.step_cost import StepCostModel
 
 
 @dataclass(frozen=True)
@@ -26,10 +27,13 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     max_model_len: int = 2048
     # Speculation: 0 disables it. Above `spec_disable_batch_size` running requests
-    # nobody speculates. `draft_cost` is one draft token's cost in target steps.
+    # nobody speculates. `draft_cost` is the cost of proposing one draft token, in
+    # target steps; verifying it is priced by the scheduler's StepCostModel (measured),
+    # or by `default_verify_cost` until that has seen enough steps.
     num_spec_tokens: int = 0
     spec_disable_batch_size: int = 16
     draft_cost: float = 0.05
+    default_verify_cost: float = 0.04
     # False when the engine has no proposer: nobody speculates, whatever they ask.
     spec_enabled: bool = False
 
@@ -38,6 +42,9 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig, kv_manager: KVCacheManager) -> None:
         self.config = config
         self.kv = kv_manager
+        # Fed by the engine with each forward's token count and time (adaptive k).
+        self.cost_model = StepCostModel()
+        self._spec_cost = config.draft_cost + config.default_verify_cost
         self.requests: dict[str, Request] = {}
         self.running: list[Request] = []  # kept sorted by Request.sort_key
         self._waiting: list[tuple[int, float, int, Request]] = []  # heap
@@ -104,6 +111,11 @@ class Scheduler:
         speculate = (
             self.config.spec_enabled and len(self.running) <= self.config.spec_disable_batch_size
         )
+        if speculate:
+            verify = self.cost_model.verify_cost(len(self.running))
+            if verify is None:
+                verify = self.config.default_verify_cost
+            self._spec_cost = self.config.draft_cost + verify
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
@@ -138,7 +150,7 @@ class Scheduler:
         if request.max_spec_tokens is not None:
             return max(0, min(request.max_spec_tokens, remaining - 1))
         max_k = min(self.config.num_spec_tokens, remaining - 1)
-        return choose_num_spec_tokens(request.spec_history, max_k, self.config.draft_cost)
+        return choose_num_spec_tokens(request.spec_history, max_k, self._spec_cost)
 
     def _allocate_or_preempt(
         self, request: Request, num_new: int, num_spec: int, preempted: list[str]

@@ -18,6 +18,7 @@ import argparse
 import asyncio
 import json
 import sys
+import time
 from pathlib import Path
 
 from engine.benchmarks import serve_report
@@ -34,6 +35,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.description = __doc__
     g = parser.add_argument_group("connection")
     g.add_argument("--server", default=None, help="HOST:PORT of a running specserve server")
+    g.add_argument(
+        "--wait-ready",
+        type=float,
+        default=180.0,
+        metavar="SECONDS",
+        help="wait this long for the server's health to report SERVING (default 180)",
+    )
     g.add_argument("--api-key", default=None, help="bearer token (authorization metadata)")
     g.add_argument("--api-key-file", default=None, help="read the bearer token from this file")
     g.add_argument("--tls", action="store_true", help="TLS with the system root certificates")
@@ -184,10 +192,36 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+async def _wait_ready(client, target: str, timeout_s: float) -> None:
+    """Poll the health service until the server reports SERVING (a server started just
+    before this command is still loading its model)."""
+    deadline = time.monotonic() + timeout_s
+    said = False
+    last = "no answer"
+    while True:
+        try:
+            last = await client.health(timeout=5.0)
+            if last == "SERVING":
+                return
+        except Exception as exc:  # noqa: BLE001 - refused / unavailable while starting
+            code = getattr(exc, "code", None)
+            last = code().name if callable(code) else type(exc).__name__
+        if time.monotonic() >= deadline:
+            raise RuntimeError(
+                f"server {target} not ready after {timeout_s:.0f}s (last health answer: {last}); "
+                "is it running? see --wait-ready"
+            )
+        if not said:
+            print(f"waiting for {target} to report SERVING...", file=sys.stderr, flush=True)
+            said = True
+        await asyncio.sleep(0.5)
+
+
 async def _bench(args: argparse.Namespace) -> dict:
     slo = parse_slo(args.slo)
     clients = make_clients(args.server, args.num_channels, _api_key(args), _tls(args))
     try:
+        await _wait_ready(clients[0], args.server, args.wait_ready)
         info = await clients[0].model_info(timeout=60)
         workload = await build_workload(args, clients[0], info)
         bench = Bench(

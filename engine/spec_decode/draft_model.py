@@ -72,8 +72,9 @@ class DraftModelProposer:
         self.runner = ModelRunner(draft_loaded, num_blocks, config.block_size)
         self.generator = torch.Generator(self.device).manual_seed(config.seed + 1)
         self._requests: dict[str, _DraftRequest] = {}
-        # One draft token costs about one draft forward relative to a target forward
-        # (both memory-bound at small batch); 0.02 covers the extra step overhead.
+        # Proposing one draft token costs about one draft forward relative to a target
+        # forward (both memory-bound at small batch); 0.02 covers the extra step
+        # overhead. Verifying it is priced by the scheduler from measured steps.
         self.draft_cost = _num_params(draft_loaded) / _num_params(target_loaded) + 0.02
 
     # ---- the burst ------------------------------------------------------------------

@@ -142,3 +142,18 @@ def test_file_datasets(bench_server, tmp_path):
     assert result["summary"]["num_errors"] == 0
     # Output lengths come from the reference replies (byte tokenizer: one per character).
     assert {r["output_tokens"] for r in result["requests"]} <= {10, 20, 30, 40}
+
+
+def test_no_server_is_one_line_after_the_wait(capsys):
+    import socket
+
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    argv = ["bench", "serve", "--server", f"127.0.0.1:{port}", "--wait-ready", "1",
+            "--num-requests", "1", "--no-progress"]  # fmt: skip
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[0] == f"waiting for 127.0.0.1:{port} to report SERVING..."
+    assert err[-1].startswith(f"specserve bench: error: server 127.0.0.1:{port} not ready after 1s")
+    assert "UNAVAILABLE" in err[-1] and "Traceback" not in "\n".join(err)

@@ -198,3 +198,22 @@ def test_the_engine_level_check_catches_a_sampler_that_skips_the_residual(
         tiny_model_dir, tiny_draft_model_dir, prompt, monkeypatch, _skip_residual
     )
     assert _tv(samples, exact) > ENGINE_TV_BOUND
+
+
+def test_engine_prices_verification_from_its_own_steps(tiny_model_dir):
+    """The engine feeds decode/verification step times to the scheduler's cost model,
+    and on CPU speculation stops above 4 running requests unless configured."""
+    engine = make_engine(tiny_model_dir, speculative_method="ngram")
+    assert engine.scheduler.config.spec_disable_batch_size == 4  # the CPU default
+    workload = {i: [(f"c{i}", p, greedy(24))] for i, p in enumerate(prompts_of_lengths(
+        [5, 9, 14, 3], seed=3))}  # fmt: skip
+    run_to_completion(engine, workload)
+    model = engine.scheduler.cost_model
+    assert model._steps >= 8  # decode steps observed, prefill steps left out
+    fitted = model.fit()
+    assert fitted is not None and fitted[0] > 0 and fitted[1] >= 0
+    assert 0 <= model.verify_cost(4) < 1
+    configured = make_engine(
+        tiny_model_dir, speculative_method="ngram", speculative_disable_batch_size=9
+    )
+    assert configured.scheduler.config.spec_disable_batch_size == 9
