@@ -112,7 +112,8 @@ def build_library(out_dir: Path | None = None) -> Path:
         ):
             result = subprocess.run(cmd, capture_output=True, text=True)
             if result.returncode != 0:
-                first = (result.stderr.strip().splitlines() or ["(no output)"])[0]
+                lines = result.stderr.strip().splitlines() or ["(no output)"]
+                first = next((line for line in lines if "error" in line), lines[0])
                 raise KernelBuildError(f"{cc} failed to build {_SOURCE.name}: {first}")
         os.replace(tmp_target, target)  # atomic: concurrent builders agree on one file
     return target
@@ -122,7 +123,8 @@ class CpuKernels:
     """Typed wrappers over the loaded library."""
 
     def __init__(self, path: Path) -> None:
-        torch.ones(1).add_(1)  # make sure torch's OpenMP runtime is loaded first: shared
+        # torch (imported above) has loaded libgomp.so.1; the library needs the same
+        # soname, so the dynamic loader hands it torch's copy: one OpenMP thread pool.
         self.lib = ctypes.CDLL(str(path))
         for name, (restype, argtypes) in _SIGNATURES.items():
             fn = getattr(self.lib, name)

@@ -256,3 +256,14 @@ def test_kernel_source_ships_as_package_data():
     root = Path(__file__).resolve().parents[2]
     config = tomllib.loads((root / "pyproject.toml").read_text())
     assert "*.c" in config["tool"]["setuptools"]["package-data"]["engine.kernels"]
+
+
+def test_compiler_failure_is_one_line(monkeypatch, tmp_path):
+    bad_cc = tmp_path / "cc"
+    bad_cc.write_text(
+        "#!/bin/sh\necho 'note: something' >&2\necho 'x.c:1: error: broken' >&2\nexit 1\n"
+    )
+    bad_cc.chmod(0o755)
+    monkeypatch.setenv("CC", str(bad_cc))
+    with pytest.raises(KernelBuildError, match=r"failed to build cpu_kernels.c: x.c:1: error"):
+        build_library(tmp_path / "out")
