@@ -47,7 +47,7 @@ _F32 = ctypes.c_float
 _SIGNATURES = {
     "specserve_paged_attention": (
         ctypes.c_int,
-        [_P, _I64, _P, _I64, _P, _P, _P, _I64, _P, _P, _P, _I32]
+        [_P, _I64, _P, _I64, _P, _P, _P, _I64, _I32, _P, _P, _I32, _I64, _P, _I32]
         + [_I32, _I32, _I32, _I32, _I32, _F32, _I32, _I32],
     ),
     "specserve_rms_norm": (None, [_P, _P, _P, _P, _I64, _I64, _F32, _I32]),
@@ -158,8 +158,16 @@ class CpuKernels:
             raise ValueError(
                 f"query heads {tuple(query.shape[1:])} do not fit KV cache {tuple(k_cache.shape)}"
             )
-        if block_tables.stride(1) != 1:
-            raise ValueError("block_tables must be contiguous along its rows")
+        if block_tables.dim() != 2 or block_tables.stride(1) != 1:
+            raise ValueError("block_tables must be [num_seqs, width], contiguous along rows")
+        num_seqs = seq_lens.numel()
+        if block_tables.shape[0] != num_seqs or query_start_loc.numel() != num_seqs + 1:
+            raise ValueError(
+                f"block_tables {tuple(block_tables.shape)}, seq_lens [{num_seqs}] and "
+                f"query_start_loc [{query_start_loc.numel()}] disagree on the sequences"
+            )
+        if out.shape != query.shape:
+            raise ValueError(f"out {tuple(out.shape)} != query {tuple(query.shape)}")
         max_rows = max_query_len * (num_heads // num_kv_heads)
         status = self.lib.specserve_paged_attention(
             out.data_ptr(),
@@ -170,8 +178,11 @@ class CpuKernels:
             v_cache.data_ptr(),
             block_tables.data_ptr(),
             block_tables.stride(0),
+            block_tables.shape[1],
             seq_lens.data_ptr(),
             query_start_loc.data_ptr(),
+            num_seqs,
+            query.shape[0],
             seq_ids.data_ptr(),
             seq_ids.numel(),
             num_heads,
@@ -187,8 +198,8 @@ class CpuKernels:
             raise ValueError(f"a selected sequence has more than max_query_len={max_query_len}")
         if status == 3:
             raise ValueError(
-                f"block_tables hold a block id outside 0..{num_blocks - 1}, or a sequence's "
-                "query is longer than its context"
+                f"a block id outside 0..{num_blocks - 1}, a sequence id outside seq_lens, or "
+                "lengths that do not fit the block table or the query"
             )
         if status:
             raise MemoryError("paged attention could not allocate its scratch buffers")

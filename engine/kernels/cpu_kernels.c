@@ -80,16 +80,17 @@ static inline __attribute__((always_inline)) void attend_block(
  *
  * out[token, head, :] is written for every query token of the selected sequences.
  * Returns 0; 1 when scratch memory could not be allocated, 2 when a sequence has more
- * than max_rows / (num_heads / num_kv_heads) query tokens, 3 when a block id is outside the cache or
- * the lengths are inconsistent (nothing is read out of bounds in either case).
+ * than max_rows / (num_heads / num_kv_heads) query tokens, 3 when a sequence id, a
+ * block id or a length does not fit the buffers passed (nothing is read out of bounds
+ * in either case).
  */
 int specserve_paged_attention(
     float *out, int64_t out_token_stride,
     const float *q, int64_t q_token_stride,
     const float *k_cache, const float *v_cache,
-    const int32_t *block_tables, int64_t block_table_stride,
-    const int32_t *seq_lens, const int32_t *query_start_loc,
-    const int32_t *seq_ids, int32_t num_selected,
+    const int32_t *block_tables, int64_t block_table_stride, int32_t table_width,
+    const int32_t *seq_lens, const int32_t *query_start_loc, int32_t num_seqs,
+    int64_t num_tokens, const int32_t *seq_ids, int32_t num_selected,
     int32_t num_heads, int32_t num_kv_heads, int32_t head_dim, int32_t block_size,
     int32_t num_cache_blocks, float scale, int32_t max_rows, int32_t num_threads) {
     const int group = num_heads / num_kv_heads;
@@ -109,9 +110,17 @@ int specserve_paged_attention(
         }
 #pragma omp for schedule(dynamic, 1)
         for (int64_t item = 0; item < num_items; item++) {
-            if (failed) continue;
+            int stop;
+#pragma omp atomic read
+            stop = failed;
+            if (stop) continue;
             const int seq = seq_ids[item / num_kv_heads];
             const int kv_head = (int)(item % num_kv_heads);
+            if (seq < 0 || seq >= num_seqs) {
+#pragma omp atomic write
+                failed = 3;
+                continue;
+            }
             const int q_start = query_start_loc[seq];
             const int q_len = query_start_loc[seq + 1] - q_start;
             const int seq_len = seq_lens[seq];
@@ -120,9 +129,11 @@ int specserve_paged_attention(
             const int32_t *table = block_tables + (int64_t)seq * block_table_stride;
             const int num_blocks = (seq_len + block_size - 1) / block_size;
             int bad = rows > max_rows ? 2 : 0;
-            for (int b = 0; b < num_blocks; b++)
+            if (q_len < 1 || q_len > seq_len || num_blocks > table_width || q_start < 0 ||
+                q_start + q_len > num_tokens)
+                bad = 3;
+            for (int b = 0; !bad && b < num_blocks; b++)
                 if (table[b] < 0 || table[b] >= num_cache_blocks) bad = 3;
-            if (q_len < 1 || q_len > seq_len) bad = 3;
             if (bad) {
 #pragma omp atomic write
                 failed = bad;

@@ -119,6 +119,29 @@ def test_paged_attention_refuses_block_ids_outside_the_cache(kernels):
         )
 
 
+@pytest.mark.parametrize(
+    ("seq_lens", "seq_ids", "table"),
+    [
+        ([40], [0], [[1, 2]]),  # 40 tokens need 3 blocks: the table row has 2
+        ([20], [1], [[1, 2]]),  # sequence 1 does not exist
+    ],
+)
+def test_paged_attention_refuses_metadata_that_does_not_fit(kernels, seq_lens, seq_ids, table):
+    with pytest.raises(ValueError, match="do not fit the block table"):
+        kernels.paged_attention(
+            torch.zeros(1, 2, 8),
+            torch.randn(1, 2, 8),
+            torch.randn(4, 16, 1, 8),
+            torch.randn(4, 16, 1, 8),
+            torch.tensor(table, dtype=torch.int32),
+            torch.tensor(seq_lens, dtype=torch.int32),
+            torch.tensor([0, 1], dtype=torch.int32),
+            torch.tensor(seq_ids, dtype=torch.int32),
+            1,
+            0.3,
+        )
+
+
 def test_paged_attention_refuses_wrong_dtypes(kernels):
     with pytest.raises(ValueError, match="query must be a float32 CPU tensor"):
         kernels.paged_attention(
