@@ -10,6 +10,7 @@ reads the server's retry hint from a RESOURCE_EXHAUSTED answer.
 
 from __future__ import annotations
 
+import asyncio
 import sys
 import time
 from collections.abc import AsyncIterator, Iterator, Sequence
@@ -234,6 +235,7 @@ class SpecserveClient:
         tls: bool | TlsConfig = False,
         options: Sequence[tuple[str, object]] = (),
     ) -> None:
+        self._target = target
         self._channel = _make_channel(grpc, target, tls, options)
         self._stub = pb_grpc.GenerationStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
@@ -278,16 +280,14 @@ class SpecserveClient:
         return _health_status(self._health.Check(request, timeout=timeout))
 
     def wait_serving(self, timeout: float = 60.0) -> None:
-        """Poll health until SERVING; TimeoutError otherwise."""
+        """Poll health until SERVING; TimeoutError (naming the last answer) otherwise."""
         deadline = time.monotonic() + timeout
         while True:
-            try:
-                if self.health(timeout=1.0) == "SERVING":
-                    return
-            except grpc.RpcError:
-                pass
+            last = _poll_health(lambda: self.health(timeout=1.0))
+            if last == "SERVING":
+                return
             if time.monotonic() > deadline:
-                raise TimeoutError(f"server not SERVING after {timeout:.0f}s")
+                raise _not_serving(self._target, timeout, last)
             time.sleep(0.1)
 
     def close(self) -> None:
@@ -323,6 +323,7 @@ class AsyncSpecserveClient:
         tls: bool | TlsConfig = False,
         options: Sequence[tuple[str, object]] = (),
     ) -> None:
+        self._target = target
         self._channel = _make_channel(grpc.aio, target, tls, options)
         self._stub = pb_grpc.GenerationStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
@@ -366,6 +367,20 @@ class AsyncSpecserveClient:
         request = health_pb2.HealthCheckRequest(service=service)
         return _health_status(await self._health.Check(request, timeout=timeout))
 
+    async def wait_serving(self, timeout: float = 60.0) -> None:
+        """Poll health until SERVING; TimeoutError (naming the last answer) otherwise."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                last = await self.health(timeout=1.0)
+            except grpc.RpcError as exc:  # refused or unavailable while the server starts
+                last = exc.code().name
+            if last == "SERVING":
+                return
+            if time.monotonic() > deadline:
+                raise _not_serving(self._target, timeout, last)
+            await asyncio.sleep(0.1)
+
     async def close(self) -> None:
         await self._channel.close()
 
@@ -374,6 +389,19 @@ class AsyncSpecserveClient:
 
     async def __aexit__(self, *exc) -> None:
         await self.close()
+
+
+def _poll_health(check) -> str:
+    try:
+        return check()
+    except grpc.RpcError as exc:  # refused or unavailable while the server starts
+        return exc.code().name
+
+
+def _not_serving(target: str, timeout: float, last: str) -> TimeoutError:
+    return TimeoutError(
+        f"server {target} not SERVING after {timeout:.0f}s (last health answer: {last})"
+    )
 
 
 def _make_channel(module, target: str, tls: bool | TlsConfig, options):

@@ -18,7 +18,6 @@ import argparse
 import asyncio
 import json
 import sys
-import time
 from pathlib import Path
 
 from engine.benchmarks import serve_report
@@ -193,28 +192,14 @@ def run(args: argparse.Namespace) -> int:
 
 
 async def _wait_ready(client, target: str, timeout_s: float) -> None:
-    """Poll the health service until the server reports SERVING (a server started just
-    before this command is still loading its model)."""
-    deadline = time.monotonic() + timeout_s
-    said = False
-    last = "no answer"
-    while True:
-        try:
-            last = await client.health(timeout=5.0)
-            if last == "SERVING":
-                return
-        except Exception as exc:  # noqa: BLE001 - refused / unavailable while starting
-            code = getattr(exc, "code", None)
-            last = code().name if callable(code) else type(exc).__name__
-        if time.monotonic() >= deadline:
-            raise RuntimeError(
-                f"server {target} not ready after {timeout_s:.0f}s (last health answer: {last}); "
-                "is it running? see --wait-ready"
-            )
-        if not said:
-            print(f"waiting for {target} to report SERVING...", file=sys.stderr, flush=True)
-            said = True
-        await asyncio.sleep(0.5)
+    """A server started just before this command is still loading its model."""
+    try:
+        if await client.health(timeout=5.0) == "SERVING":
+            return
+    except Exception:  # noqa: BLE001 - refused / unavailable: wait below
+        pass
+    print(f"waiting for {target} to report SERVING...", file=sys.stderr, flush=True)
+    await client.wait_serving(timeout_s)
 
 
 async def _bench(args: argparse.Namespace) -> dict:

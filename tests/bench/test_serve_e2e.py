@@ -155,5 +155,8 @@ def test_no_server_is_one_line_after_the_wait(capsys):
     assert main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err[0] == f"waiting for 127.0.0.1:{port} to report SERVING..."
-    assert err[-1].startswith(f"specserve bench: error: server 127.0.0.1:{port} not ready after 1s")
-    assert "UNAVAILABLE" in err[-1] and "Traceback" not in "\n".join(err)
+    assert err[-1].startswith(
+        f"specserve bench: error: server 127.0.0.1:{port} not SERVING after 1s"
+    )
+    assert "(last health answer: UNAVAILABLE)" in err[-1]
+    assert "Traceback" not in "\n".join(err)
