@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# The CUDA checks, in one command, for a machine with an NVIDIA GPU and a CUDA build of
+# torch already installed (such as the device machine some development sessions are
+# lent, which has no internet). Runs every test marked `gpu` (tests/engine/test_devices.py:
+# torch and xformers attention against a naive reference, greedy engine output against
+# transformers, n-gram speculation against plain decoding, seeded sampling) and fails if
+# CUDA is missing, so a silent skip cannot pass for a GPU run.
+#
+#   bash scripts/gpu_check.sh                 # uses python3 (or $PYTHON)
+#
+# Packages the machine lacks can be put in .whl/ as wheels (see the device tool's notes);
+# they are installed into a private target first.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+if compgen -G ".whl/*.whl" > /dev/null; then
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --target /tmp/specserve-site .whl/*.whl
+    export PYTHONPATH=/tmp/specserve-site${PYTHONPATH:+:$PYTHONPATH}
+fi
+"$PY" - <<'PYEOF'
+import sys
+import torch
+if not torch.cuda.is_available():
+    sys.exit("gpu_check: torch sees no CUDA device; nothing to check")
+print(f"gpu_check: torch {torch.__version__}, {torch.cuda.get_device_name(0)}")
+PYEOF
+export PYTHONUNBUFFERED=1
+"$PY" -m pytest -q -m gpu -rs tests/engine/test_devices.py "$@"
