@@ -24,7 +24,10 @@ from engine.attention.metadata import AttentionMetadata, get_attention_metadata
 from engine.kernels.cpu import CpuKernels
 
 # Longest query (tokens of one sequence in one step) the kernel computes; longer ones
-# go to SDPA. Covers decode and speculative verification (1 + k, k <= 15).
+# go to SDPA. Covers decode and speculative verification (1 + k, k <= 15). Measured on
+# the 2-core CI machine, 4 sequences, 9 heads / 3 KV heads of 64, contexts 128 / 512:
+# kernel vs gather + SDPA 43 vs 187 us at 1 query token, 260 vs 350 us at 16, even at
+# ~24-32, SDPA ahead from 32 at long contexts.
 SHORT_QUERY_MAX = 16
 
 
