@@ -9,8 +9,8 @@ backend's SDPA path instead, batched among themselves; both halves write into on
 output in packed order.
 
 Measured on the 2-core CI machine (SmolLM2-135M, 32 decoding requests, contexts of
-~40-100 tokens): attention fell from ~37 ms to ~2 ms per step of 30 layers
-(docs/benchmarks.md).
+~40-100 tokens, `specserve bench step`): attention fell from 22-35 ms to 8-10 ms per
+step of 30 layers, where it is bound by reading the fp32 K/V (docs/benchmarks.md).
 """
 
 from __future__ import annotations
