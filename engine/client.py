@@ -283,7 +283,10 @@ class SpecserveClient:
         """Poll health until SERVING; TimeoutError (naming the last answer) otherwise."""
         deadline = time.monotonic() + timeout
         while True:
-            last = _poll_health(lambda: self.health(timeout=1.0))
+            try:
+                last = self.health(timeout=1.0)
+            except grpc.RpcError as exc:  # refused or unavailable while the server starts
+                last = exc.code().name
             if last == "SERVING":
                 return
             if time.monotonic() > deadline:
@@ -389,13 +392,6 @@ class AsyncSpecserveClient:
 
     async def __aexit__(self, *exc) -> None:
         await self.close()
-
-
-def _poll_health(check) -> str:
-    try:
-        return check()
-    except grpc.RpcError as exc:  # refused or unavailable while the server starts
-        return exc.code().name
 
 
 def _not_serving(target: str, timeout: float, last: str) -> TimeoutError:

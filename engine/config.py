@@ -20,8 +20,6 @@ class EngineConfig:
     # None picks a default: "draft" when a draft model is given, else "ngram" on CPU.
     speculative_method: str | None = None
     num_speculative_tokens: int = 4
-    # Above this many running requests speculation is switched off: verification is
-    # no longer free once the batch is compute-bound.
     # Above this many running requests nobody speculates. None: 4 on CPU (a few
     # requests already make a CPU forward compute-bound, so verified drafts stop being
     # free; measured in docs/benchmarks.md), 16 on CUDA.

@@ -18,8 +18,9 @@ from pathlib import Path
 import torch
 
 from engine import envs
-from engine.attention import cpu_kernels_available, get_attention_backend, xformers_available
+from engine.attention import get_attention_backend, xformers_available
 from engine.default_model import DEFAULT_MODEL_NAME, ModelLoadError, default_gguf_path
+from engine.kernels.cpu import kernels_for, serves
 from engine.model_config import ModelArchConfig
 from engine.models.gguf_convert import ensure_converted
 from engine.models.registry import get_model_class
@@ -83,8 +84,8 @@ def resolve_attn_backend(name: str, device: torch.device, dtype: torch.dtype) ->
     if name == "auto":
         if xformers_available(device):
             return "xformers"
-        return "cpu" if cpu_kernels_available(device, dtype) else "torch"
-    if name == "cpu" and (torch.device(device).type != "cpu" or dtype != torch.float32):
+        return "cpu" if kernels_for(device, dtype) is not None else "torch"
+    if name == "cpu" and not serves(device, dtype):
         raise ValueError(
             f"attn_backend 'cpu' runs float32 on the CPU, not {dtype} on {device}; "
             "use 'auto', 'torch' or 'xformers'"

@@ -44,7 +44,6 @@ class Scheduler:
         self.kv = kv_manager
         # Fed by the engine with each forward's token count and time (adaptive k).
         self.cost_model = StepCostModel()
-        self._spec_cost = config.draft_cost + config.default_verify_cost
         self.requests: dict[str, Request] = {}
         self.running: list[Request] = []  # kept sorted by Request.sort_key
         self._waiting: list[tuple[int, float, int, Request]] = []  # heap
@@ -111,15 +110,11 @@ class Scheduler:
         speculate = (
             self.config.spec_enabled and len(self.running) <= self.config.spec_disable_batch_size
         )
-        if speculate:
-            verify = self.cost_model.verify_cost(len(self.running))
-            if verify is None:
-                verify = self.config.default_verify_cost
-            self._spec_cost = self.config.draft_cost + verify
+        spec_cost = self._spec_cost() if speculate else 0.0
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            num_spec = self._num_spec_tokens(request) if speculate else 0
+            num_spec = self._num_spec_tokens(request, spec_cost) if speculate else 0
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             if num_new + num_spec > budget:
                 num_spec = 0
@@ -138,7 +133,15 @@ class Scheduler:
             preempted_request_ids=preempted,
         )
 
-    def _num_spec_tokens(self, request: Request) -> int:
+    def _spec_cost(self) -> float:
+        """One draft token's cost in plain decode steps of the current batch: proposing
+        it, plus verifying it as the step-cost model prices it (a default until fitted)."""
+        verify = self.cost_model.verify_cost(len(self.running))
+        if verify is None:
+            verify = self.config.default_verify_cost
+        return self.config.draft_cost + verify
+
+    def _num_spec_tokens(self, request: Request, spec_cost: float) -> int:
         """k for a decoding request: its own fixed k if it asked for one, else adaptive
         up to the engine's maximum; never past the length limits (k drafts + 1 bonus)."""
         if request.num_computed_tokens != request.num_tokens - 1:
@@ -150,7 +153,7 @@ class Scheduler:
         if request.max_spec_tokens is not None:
             return max(0, min(request.max_spec_tokens, remaining - 1))
         max_k = min(self.config.num_spec_tokens, remaining - 1)
-        return choose_num_spec_tokens(request.spec_history, max_k, self._spec_cost)
+        return choose_num_spec_tokens(request.spec_history, max_k, spec_cost)
 
     def _allocate_or_preempt(
         self, request: Request, num_new: int, num_spec: int, preempted: list[str]

@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # The CUDA checks, in one command, for a machine with an NVIDIA GPU and a CUDA build of
 # torch already installed (such as the device machine some development sessions are
-# lent, which has no internet). Runs every test marked `gpu` (tests/engine/test_devices.py:
-# torch and xformers attention against a naive reference, greedy engine output against
-# transformers, n-gram speculation against plain decoding, seeded sampling) and fails if
-# CUDA is missing, so a silent skip cannot pass for a GPU run.
+# lent, which has no internet). Runs every test marked `gpu` (torch and xformers attention
+# against a naive reference in tests/engine/test_attention.py; greedy engine output against
+# transformers, n-gram speculation against plain decoding and seeded sampling in
+# tests/engine/test_devices.py) and fails if CUDA is missing, so a silent skip cannot
+# pass for a GPU run.
 #
 #   bash scripts/gpu_check.sh                 # uses python3 (or $PYTHON)
 #
@@ -25,4 +26,4 @@ if not torch.cuda.is_available():
 print(f"gpu_check: torch {torch.__version__}, {torch.cuda.get_device_name(0)}")
 PYEOF
 export PYTHONUNBUFFERED=1
-"$PY" -m pytest -q -m gpu -rs tests/engine/test_devices.py "$@"
+"$PY" -m pytest -q -m gpu -rs tests/engine/test_attention.py tests/engine/test_devices.py "$@"

@@ -85,15 +85,6 @@ def get_attention_backend(name: str, device: torch.device | str):
     raise ValueError(f"unknown attention backend {name!r}; choose one of {ATTENTION_BACKENDS}")
 
 
-def cpu_kernels_available(device: torch.device | str, dtype: torch.dtype) -> bool:
-    """True when the compiled fp32 CPU kernels can serve ``device`` / ``dtype``."""
-    if torch.device(device).type != "cpu" or dtype != torch.float32:
-        return False
-    from engine.kernels.cpu import cpu_kernels
-
-    return cpu_kernels() is not None
-
-
 def xformers_available(device: torch.device | str) -> bool:
     """True when the xformers backend can run on ``device``."""
     if torch.device(device).type != "cuda" or not torch.cuda.is_available():

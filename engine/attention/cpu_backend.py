@@ -20,7 +20,11 @@ from dataclasses import dataclass
 import torch
 
 from engine.attention import torch_backend
-from engine.attention.metadata import AttentionMetadata, get_attention_metadata
+from engine.attention.metadata import (
+    AttentionMetadata,
+    build_attention_metadata,
+    get_attention_metadata,
+)
 from engine.kernels.cpu import CpuKernels
 
 # Longest query (tokens of one sequence in one step) the kernel computes; longer ones
@@ -93,25 +97,18 @@ class CpuAttentionBackend:
 def _make_plan(metadata: AttentionMetadata) -> _Plan:
     q_lens = metadata.query_lens_cpu
     short = [i for i, q in enumerate(q_lens) if q <= SHORT_QUERY_MAX]
+    long = [i for i, q in enumerate(q_lens) if q > SHORT_QUERY_MAX]
     short_ids = torch.tensor(short, dtype=torch.int32) if short else None
     short_max = max((q_lens[i] for i in short), default=0)
-    if len(short) == len(q_lens):
+    if not long:
         return _Plan(short_ids, short_max, None)
-    long = [i for i, q in enumerate(q_lens) if q > SHORT_QUERY_MAX]
     starts = metadata.query_start_loc.tolist()
     token_idx = torch.cat([torch.arange(starts[i], starts[i + 1]) for i in long])
-    long_q_lens = [q_lens[i] for i in long]
-    long_starts = [0]
-    for q in long_q_lens:
-        long_starts.append(long_starts[-1] + q)
-    rows = torch.tensor(long)
-    sub = AttentionMetadata(
-        query_start_loc=torch.tensor(long_starts, dtype=torch.int32),
-        seq_lens=metadata.seq_lens.index_select(0, rows),
-        block_tables=metadata.block_tables.index_select(0, rows),
-        slot_mapping=metadata.slot_mapping.index_select(0, token_idx),
-        query_lens_cpu=long_q_lens,
-        seq_lens_cpu=[metadata.seq_lens_cpu[i] for i in long],
-        block_size=metadata.block_size,
+    tables = metadata.block_tables.tolist()
+    sub = build_attention_metadata(
+        [q_lens[i] for i in long],
+        [metadata.seq_lens_cpu[i] for i in long],
+        [tables[i] for i in long],
+        metadata.block_size,
     )
     return _Plan(short_ids, short_max, _LongPart(token_idx, sub, torch_backend.make_plan(sub)))

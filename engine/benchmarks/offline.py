@@ -66,7 +66,7 @@ def run(args: argparse.Namespace) -> int:
         device=base_config.device,
         attn_backend=base_config.attn_backend,
     )
-    prompts = _tokenize(
+    prompts = tokenize_prompts(
         loaded.tokenizer, load_prompts(args.workload, args.num_prompts), not args.no_chat_template
     )
     results: list[RunResult] = []
@@ -104,7 +104,8 @@ def _spec_modes(args, config) -> list[str]:
     return ["none"] if method == "none" else ["none", method]
 
 
-def _tokenize(tokenizer, prompts: list[str], chat: bool) -> list[list[int]]:
+def tokenize_prompts(tokenizer, prompts: list[str], chat: bool) -> list[list[int]]:
+    """Token ids of each prompt, wrapped as a user turn in the chat template if asked."""
     if not chat or tokenizer.chat_template is None:
         return [list(tokenizer.encode(p)) for p in prompts]
     out = []

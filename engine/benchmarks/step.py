@@ -15,7 +15,6 @@ The split comes from timers wrapped around those calls for the duration of the r
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 from collections import Counter
@@ -51,15 +50,13 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _profile(args: argparse.Namespace, kernels: bool) -> dict[str, float]:
+    from engine.benchmarks.offline import tokenize_prompts
     from engine.config import EngineConfig
-    from engine.kernels.cpu import cpu_kernels
+    from engine.kernels.cpu import cpu_kernels, cpu_kernels_enabled
     from engine.llm_engine import LLMEngine
     from engine.sampling_params import SamplingParams
 
-    saved = os.environ.get("SPECSERVE_CPU_KERNELS")
-    os.environ["SPECSERVE_CPU_KERNELS"] = "1" if kernels else "0"
-    cpu_kernels.cache_clear()
-    try:
+    with cpu_kernels_enabled(kernels):
         if kernels and cpu_kernels() is None:
             raise RuntimeError("the compiled CPU kernels are unavailable on this machine")
         engine = LLMEngine(
@@ -71,7 +68,9 @@ def _profile(args: argparse.Namespace, kernels: bool) -> dict[str, float]:
                 num_threads=args.num_threads,
             )
         )
-        prompts = _chat_prompts(engine.tokenizer, load_prompts(args.workload, args.num_prompts))
+        prompts = tokenize_prompts(
+            engine.tokenizer, load_prompts(args.workload, args.num_prompts), chat=True
+        )
         params = SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True)
         engine.add_request("warm-up", prompts[0], SamplingParams(max_tokens=4))
         while engine.has_unfinished_requests():
@@ -89,31 +88,12 @@ def _profile(args: argparse.Namespace, kernels: bool) -> dict[str, float]:
                 engine.step()
                 totals["step"] += time.perf_counter() - t0
                 num_steps += 1
-    finally:
-        if saved is None:
-            os.environ.pop("SPECSERVE_CPU_KERNELS", None)
-        else:
-            os.environ["SPECSERVE_CPU_KERNELS"] = saved
-        cpu_kernels.cache_clear()
     ms = {k: 1e3 * v / max(num_steps, 1) for k, v in totals.items()}
     inner = ms.get("linear", 0) + ms.get("attention", 0) + ms.get("norm_rope_silu", 0)
     ms["forward_rest"] = ms.get("forward", 0) - inner - ms.get("lm_head", 0)
     ms["host"] = ms["step"] - ms.get("forward", 0)
     ms["num_steps"] = num_steps
     return ms
-
-
-def _chat_prompts(tokenizer, prompts: list[str]) -> list[list[int]]:
-    if tokenizer.chat_template is None:
-        return [list(tokenizer.encode(p)) for p in prompts]
-    return [
-        list(
-            tokenizer.apply_chat_template(
-                [{"role": "user", "content": p}], add_generation_prompt=True, return_dict=False
-            )
-        )
-        for p in prompts
-    ]
 
 
 @contextmanager

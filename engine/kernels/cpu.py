@@ -16,6 +16,7 @@ become an out-of-bounds read in C.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import hashlib
@@ -24,6 +25,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -150,10 +152,13 @@ class CpuKernels:
         _check_f32("out", out, rows_strided=True)
         _check_f32("k_cache", k_cache)
         _check_f32("v_cache", v_cache)
-        for name, t in (("block_tables", block_tables), ("seq_lens", seq_lens)):
+        for name, t in (
+            ("block_tables", block_tables),
+            ("seq_lens", seq_lens),
+            ("query_start_loc", query_start_loc),
+            ("seq_ids", seq_ids),
+        ):
             _check_i32(name, t)
-        _check_i32("query_start_loc", query_start_loc)
-        _check_i32("seq_ids", seq_ids)
         if kv_head_dim != head_dim or num_heads % num_kv_heads or v_cache.shape != k_cache.shape:
             raise ValueError(
                 f"query heads {tuple(query.shape[1:])} do not fit KV cache {tuple(k_cache.shape)}"
@@ -331,6 +336,33 @@ def _check_i32(name: str, t: torch.Tensor) -> None:
         raise ValueError(f"{name} must be an int32 CPU tensor, got {t.dtype} on {t.device}")
     if t.dim() == 1 and not t.is_contiguous():
         raise ValueError(f"{name} must be contiguous")
+
+
+def serves(device: torch.device | str, dtype: torch.dtype) -> bool:
+    """Whether the kernels are written for ``device`` and ``dtype`` (CPU, float32)."""
+    return torch.device(device).type == "cpu" and dtype == torch.float32
+
+
+def kernels_for(device: torch.device | str, dtype: torch.dtype) -> CpuKernels | None:
+    """The kernels when they serve ``device`` / ``dtype`` and are available, else None."""
+    return cpu_kernels() if serves(device, dtype) else None
+
+
+@contextlib.contextmanager
+def cpu_kernels_enabled(enabled: bool) -> Iterator[None]:
+    """Switch the kernels on or off (``SPECSERVE_CPU_KERNELS``) for a block, then put the
+    environment and ``cpu_kernels()``'s cached answer back as they were."""
+    saved = os.environ.get("SPECSERVE_CPU_KERNELS")
+    os.environ["SPECSERVE_CPU_KERNELS"] = "1" if enabled else "0"
+    cpu_kernels.cache_clear()
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop("SPECSERVE_CPU_KERNELS", None)
+        else:
+            os.environ["SPECSERVE_CPU_KERNELS"] = saved
+        cpu_kernels.cache_clear()
 
 
 @functools.cache

@@ -14,14 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.kernels.cpu import CpuKernels, cpu_kernels
-
-
-def fp32_cpu_kernels(x: torch.Tensor) -> CpuKernels | None:
-    """The compiled kernels when ``x`` is a float32 CPU tensor and they are available."""
-    if x.dtype is not torch.float32 or x.device.type != "cpu":
-        return None
-    return cpu_kernels()
+from engine.kernels.cpu import cpu_kernels, kernels_for
 
 
 class RMSNorm(nn.Module):
@@ -36,7 +29,7 @@ class RMSNorm(nn.Module):
         """``norm(x)``; with ``residual``, ``(norm(x + residual), x + residual)``: the
         residual add of the previous sub-layer fused in. The kernel path updates
         ``residual`` in place, so callers must own it."""
-        kernels = fp32_cpu_kernels(x)
+        kernels = kernels_for(x.device, x.dtype)
         if kernels is not None and x.is_contiguous():
             out = kernels.rms_norm(x, self.weight.detach(), self.eps, residual)
             return out if residual is None else (out, residual)
@@ -98,7 +91,7 @@ class RotaryEmbedding(nn.Module):
         table = self._cos_sin
         if table is None or table.device != positions.device or table.dtype != dtype:
             table = self._cos_sin = self._build(positions.device, dtype)
-        if fp32_cpu_kernels(table) is not None and positions.is_contiguous():
+        if kernels_for(table.device, table.dtype) is not None and positions.is_contiguous():
             return RopeBatch(table, positions, None, None)
         cos_sin = table.index_select(0, positions)  # [num_tokens, 2, head_dim // 2]
         return RopeBatch(table, positions, cos_sin[:, 0:1], cos_sin[:, 1:2])
@@ -125,20 +118,19 @@ class RopeBatch:
     ) -> tuple[torch.Tensor, torch.Tensor]:  # q [n, heads, hd], k [n, kv_heads, hd]
         """qkv: [num_tokens, (heads + 2 * kv_heads) * head_dim]. The kernel path rotates
         in place and returns views; the torch path returns new tensors."""
-        num_tokens = qkv.shape[0]
         rotated = num_heads + num_kv_heads
         if self.cos is None:
             cpu_kernels().rope(qkv, self.positions, self.table, rotated)
-            qk = qkv[:, : rotated * head_dim].view(num_tokens, rotated, head_dim)
-        else:  # q and k together: they are adjacent in the fused output
-            qk = qkv[:, : rotated * head_dim].view(num_tokens, rotated, head_dim)
+        # q and k together: they are adjacent in the fused output
+        qk = qkv[:, : rotated * head_dim].view(qkv.shape[0], rotated, head_dim)
+        if self.cos is not None:
             qk = apply_rope(qk, self.cos, self.sin)
         q, k = qk.split([num_heads, num_kv_heads], dim=1)
         return q, k
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:  # [n, 2 * inter] -> [n, inter]
-    kernels = fp32_cpu_kernels(x)
+    kernels = kernels_for(x.device, x.dtype)
     if kernels is not None and x.is_contiguous():
         return kernels.silu_and_mul(x)
     gate, up = x.chunk(2, dim=-1)

@@ -5,11 +5,24 @@ from __future__ import annotations
 
 import functools
 
+import pytest
 import torch
 
+from engine.attention import xformers_available
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
+
+# Marks for test rows that need a GPU: skipped on CPU-only machines (CI), run by
+# `bash scripts/gpu_check.sh` (marker `gpu`) where torch sees one.
+GPU_ONLY = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU on this machine"),
+]
+XFORMERS_ONLY = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not xformers_available("cuda"), reason="needs CUDA and xformers"),
+]
 
 
 def make_engine(model_dir: str, **overrides) -> LLMEngine:

@@ -1,4 +1,8 @@
-"""Attention backends and KV cache helpers against a naive per-sequence reference."""
+"""Attention backends and KV cache helpers against a naive per-sequence reference.
+
+Every backend runs here in the dtypes it serves: the CPU rows everywhere, the CUDA rows
+(marker ``gpu``; `bash scripts/gpu_check.sh`) where torch sees a GPU.
+"""
 
 from __future__ import annotations
 
@@ -14,8 +18,21 @@ from engine.attention import (
     kv_cache_bytes_per_block,
     set_attention_metadata,
 )
+from tests.engine.engine_helpers import GPU_ONLY, XFORMERS_ONLY
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, NUM_BLOCKS = 4, 2, 8, 4, 64
+
+
+# (device, backend, dtype): every backend in the dtypes it serves
+BACKENDS = [
+    pytest.param("cpu", "torch", torch.float32, id="cpu-torch-fp32"),
+    pytest.param("cpu", "torch", torch.bfloat16, id="cpu-torch-bf16"),
+    pytest.param("cpu", "cpu", torch.float32, id="cpu-cpu-fp32"),
+    pytest.param("cuda", "torch", torch.float32, marks=GPU_ONLY, id="cuda-torch-fp32"),
+    pytest.param("cuda", "torch", torch.bfloat16, marks=GPU_ONLY, id="cuda-torch-bf16"),
+    pytest.param("cuda", "xformers", torch.bfloat16, marks=XFORMERS_ONLY, id="cuda-xformers-bf16"),
+    pytest.param("cuda", "xformers", torch.float16, marks=XFORMERS_ONLY, id="cuda-xformers-fp16"),
+]
 
 
 def _naive_attention(q, k, v, scale):
@@ -30,20 +47,26 @@ def _naive_attention(q, k, v, scale):
 
 
 def _run_step(backend, cache, q_lens, s_lens, tables, history):
-    """One packed step; history[i] holds sequence i's full (k, v) so far for the reference."""
+    """One packed step; history[i] holds sequence i's full (k, v) so far for the reference
+    (fp32 on the CPU, of the values as rounded to the cache's dtype)."""
     n = sum(q_lens)
-    q = torch.randn(n, NUM_HEADS, HEAD_DIM)
-    k, v = torch.randn(n, NUM_KV_HEADS, HEAD_DIM), torch.randn(n, NUM_KV_HEADS, HEAD_DIM)
-    metadata = build_attention_metadata(q_lens, s_lens, tables, BLOCK_SIZE)
+    device, dtype = cache.device, cache.dtype
+    q, k, v = (
+        torch.randn(n, h, HEAD_DIM).to(device, dtype)
+        for h in (NUM_HEADS, NUM_KV_HEADS, NUM_KV_HEADS)
+    )
+    metadata = build_attention_metadata(q_lens, s_lens, tables, BLOCK_SIZE, device)
     with set_attention_metadata(metadata):
-        out = backend.forward(q, k, v, cache, 0.3)
+        out = backend.forward(q, k, v, cache, 0.3).float().cpu()
+    q, k, v = q.float().cpu(), k.float().cpu(), v.float().cpu()
+    tol = 1e-5 if dtype == torch.float32 else 3e-2
     start = 0
     for i, q_len in enumerate(q_lens):
         sl = slice(start, start + q_len)
         hk, hv = history[i]
         history[i] = (torch.cat([hk, k[sl]]), torch.cat([hv, v[sl]]))
         expected = _naive_attention(q[sl], *history[i], 0.3)
-        torch.testing.assert_close(out[sl], expected, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(out[sl], expected, atol=tol, rtol=tol)
         start += q_len
 
 
@@ -58,13 +81,11 @@ def _run_step(backend, cache, q_lens, s_lens, tables, history):
         [[20, 3, 33], [1, 18, 2], [17, 1, 1]],
     ],
 )
-@pytest.mark.parametrize("backend_name", ["torch", "cpu"])
-def test_backend_matches_naive(steps, backend_name):
+@pytest.mark.parametrize(("device", "backend_name", "dtype"), BACKENDS)
+def test_backend_matches_naive(steps, device, backend_name, dtype):
     torch.manual_seed(0)
-    backend = get_attention_backend(backend_name, "cpu")
-    cache = allocate_kv_caches(
-        1, NUM_BLOCKS, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, torch.float32, "cpu"
-    )[0]
+    backend = get_attention_backend(backend_name, device)
+    cache = allocate_kv_caches(1, NUM_BLOCKS, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, dtype, device)[0]
     free = list(range(1, NUM_BLOCKS))
     random.Random(0).shuffle(free)
     num_seqs = len(steps[0])
@@ -114,13 +135,8 @@ def test_xformers_backend_refused_on_cpu():
         get_attention_backend("flash", "cpu")
 
 
-def test_cpu_backend_needs_its_kernels(monkeypatch):
-    from engine.kernels.cpu import cpu_kernels
+def test_cpu_backend_needs_its_kernels():
+    from engine.kernels.cpu import cpu_kernels_enabled
 
-    cpu_kernels.cache_clear()
-    monkeypatch.setenv("SPECSERVE_CPU_KERNELS", "0")
-    try:
-        with pytest.raises(RuntimeError, match="use --attn-backend torch"):
-            get_attention_backend("cpu", "cpu")
-    finally:
-        cpu_kernels.cache_clear()
+    with cpu_kernels_enabled(False), pytest.raises(RuntimeError, match="use --attn-backend torch"):
+        get_attention_backend("cpu", "cpu")

@@ -238,6 +238,17 @@ def test_switched_off_by_environment(monkeypatch):
         cpu_kernels.cache_clear()
 
 
+def test_switch_restores_the_environment(monkeypatch):
+    monkeypatch.setenv("SPECSERVE_CPU_KERNELS", "1")
+    with cpu_mod.cpu_kernels_enabled(False):
+        assert cpu_kernels() is None and os.environ["SPECSERVE_CPU_KERNELS"] == "0"
+    assert os.environ["SPECSERVE_CPU_KERNELS"] == "1" and cpu_kernels() is not None
+    monkeypatch.delenv("SPECSERVE_CPU_KERNELS")
+    with cpu_mod.cpu_kernels_enabled(False):
+        pass
+    assert "SPECSERVE_CPU_KERNELS" not in os.environ
+
+
 def test_build_is_cached_per_source(tmp_path):
     first = build_library(tmp_path)
     mtime = first.stat().st_mtime_ns

@@ -66,16 +66,14 @@ def _loaded(request, tiny_model_factory):
 
 
 @pytest.fixture
-def models(_loaded, monkeypatch):
+def models(_loaded):
     """(our model, transformers' model), with the kernels switched on or off for the
     duration of the test (norm, rotary and SiLU look them up at every call)."""
-    from engine.kernels.cpu import cpu_kernels
+    from engine.kernels.cpu import cpu_kernels_enabled
 
     model, hf, impl = _loaded
-    monkeypatch.setenv("SPECSERVE_CPU_KERNELS", "1" if impl == "kernels" else "0")
-    cpu_kernels.cache_clear()
-    yield model, hf
-    cpu_kernels.cache_clear()
+    with cpu_kernels_enabled(impl == "kernels"):
+        yield model, hf
 
 
 def _tokens(n: int, seed: int) -> list[int]:
