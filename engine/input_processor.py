@@ -6,10 +6,14 @@ from engine.sampling_params import SamplingParams
 
 
 class InputProcessor:
-    def __init__(self, tokenizer, vocab_size: int, max_model_len: int) -> None:
+    def __init__(
+        self, tokenizer, vocab_size: int, max_model_len: int, max_spec_tokens: int
+    ) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
+        # The engine's num_speculative_tokens; 0 when it has no proposer.
+        self.max_spec_tokens = max_spec_tokens
 
     def prompt_token_ids(
         self,
@@ -67,3 +71,14 @@ class InputProcessor:
                     f"stop_token_ids contains {token_id}, outside the vocabulary "
                     f"[0, {self.vocab_size - 1}]"
                 )
+        k = params.num_speculative_tokens
+        if k and k > self.max_spec_tokens:
+            if not self.max_spec_tokens:
+                raise ValueError(
+                    f"num_speculative_tokens must be 0 or unset: this engine does not "
+                    f"speculate (speculative_method 'none'), got {k}"
+                )
+            raise ValueError(
+                f"num_speculative_tokens must be in [0, {self.max_spec_tokens}] (the "
+                f"engine's num_speculative_tokens), got {k}"
+            )

@@ -27,6 +27,17 @@ def _bytes_per_block(loaded, block_size: int) -> int:
     )
 
 
+def _context_limit(loaded, which: str) -> tuple[int, str]:
+    """The longest context ``loaded`` serves, and what sets it."""
+    limit = loaded.arch.max_position_embeddings
+    name = f"the {which}'s max_position_embeddings"
+    window = loaded.arch.sliding_window
+    if window is not None and window < limit:
+        # Full attention equals sliding-window attention only inside the window.
+        limit, name = window, f"the {which}'s sliding_window (not implemented beyond)"
+    return limit, name
+
+
 def plan_kv_cache(config: EngineConfig, loaded, draft_loaded=None) -> KVCachePlan:
     per_block = _bytes_per_block(loaded, config.block_size)
     if draft_loaded is not None:
@@ -40,12 +51,12 @@ def plan_kv_cache(config: EngineConfig, loaded, draft_loaded=None) -> KVCachePla
                 f"kv_cache_memory_gib={config.kv_cache_memory_gib} holds {num_blocks} KV blocks "
                 f"of {per_block} bytes; at least 2 are needed"
             )
-    model_max = loaded.arch.max_position_embeddings
-    limit_name = "the model's max_position_embeddings"
-    window = loaded.arch.sliding_window
-    if window is not None and window < model_max:
-        # Full attention equals sliding-window attention only inside the window.
-        model_max, limit_name = window, "the model's sliding_window (not implemented beyond)"
+    model_max, limit_name = _context_limit(loaded, "model")
+    if draft_loaded is not None:
+        # The draft caches every token the target does: the pair's context is the shorter.
+        draft_max, draft_name = _context_limit(draft_loaded, "draft model")
+        if draft_max < model_max:
+            model_max, limit_name = draft_max, draft_name
     max_model_len = config.max_model_len or model_max
     if max_model_len > model_max:
         raise ValueError(

@@ -7,6 +7,13 @@ rejection sampler sees greedy as the exact-match special case.
 
 Random draws use the exponential race: ``argmax(probs / E)`` with ``E ~ Exp(1)`` i.i.d.
 is an exact sample from ``probs`` and needs no cumulative sums or host syncs.
+
+Where the noise comes from is what makes a request reproducible. A seeded request's
+noise for the token at sequence position ``t`` is drawn from a generator seeded with
+``position_seed(seed, t)`` and nothing else, so its output is a function of model,
+prompt, parameters and seed: the same alone or in any batch, with any speculation
+length, with or without speculation (the verifier couples drafts to exactly this
+noise). Unseeded rows draw from the engine's generator, which the batch advances.
 """
 
 from __future__ import annotations
@@ -27,7 +34,8 @@ class SamplingBatch:
     top_p: torch.Tensor | None  # [n] float32; 1 = off
     min_p: torch.Tensor | None  # [n] float32; 0 = off
     is_greedy: list[bool]
-    generators: list[torch.Generator | None]  # per row; None = the engine's generator
+    seeds: list[int | None]  # per row; None = the engine's generator
+    positions: list[int]  # per row: the sequence position of the token it samples
 
     @property
     def all_greedy(self) -> bool:
@@ -37,7 +45,7 @@ class SamplingBatch:
     def build(
         cls,
         params: list[SamplingParams],
-        generators: list[torch.Generator | None],
+        positions: list[int],
         device: torch.device,
     ) -> SamplingBatch:
         def column(values: list, dtype: torch.dtype, off: float) -> torch.Tensor | None:
@@ -51,11 +59,13 @@ class SamplingBatch:
             top_p=column([p.top_p for p in params], torch.float32, 1.0),
             min_p=column([p.min_p for p in params], torch.float32, 0.0),
             is_greedy=[p.is_greedy for p in params],
-            generators=generators,
+            seeds=[p.seed for p in params],
+            positions=list(positions),
         )
 
     def repeat_rows(self, counts: list[int]) -> SamplingBatch:
-        """Row i repeated counts[i] times (one row per verified position)."""
+        """Row i repeated counts[i] times, one row per verified position: the j-th copy
+        samples position ``positions[i] + j``."""
         index = torch.repeat_interleave(
             torch.arange(len(counts), device=self.temperature.device),
             torch.tensor(counts, device=self.temperature.device),
@@ -64,14 +74,32 @@ class SamplingBatch:
         def pick(t: torch.Tensor | None) -> torch.Tensor | None:
             return None if t is None else t[index]
 
-        rows = [i for i, c in enumerate(counts) for _ in range(c)]
+        rows = [(i, j) for i, c in enumerate(counts) for j in range(c)]
+        return SamplingBatch(
+            temperature=self.temperature[index],
+            top_k=pick(self.top_k),
+            top_p=pick(self.top_p),
+            min_p=pick(self.min_p),
+            is_greedy=[self.is_greedy[i] for i, _ in rows],
+            seeds=[self.seeds[i] for i, _ in rows],
+            positions=[self.positions[i] + j for i, j in rows],
+        )
+
+    def select(self, rows: list[int]) -> SamplingBatch:
+        """The given rows, in order."""
+        index = torch.tensor(rows, dtype=torch.long, device=self.temperature.device)
+
+        def pick(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t[index]
+
         return SamplingBatch(
             temperature=self.temperature[index],
             top_k=pick(self.top_k),
             top_p=pick(self.top_p),
             min_p=pick(self.min_p),
             is_greedy=[self.is_greedy[i] for i in rows],
-            generators=[self.generators[i] for i in rows],
+            seeds=[self.seeds[i] for i in rows],
+            positions=[self.positions[i] for i in rows],
         )
 
 
@@ -122,34 +150,53 @@ def _apply_top_k_top_p(
     return torch.empty_like(logits).scatter_(1, sorted_idx, sorted_logits)
 
 
+_MASK64 = (1 << 64) - 1
+
+
+def _splitmix64(z: int) -> int:
+    z = (z + 0x9E3779B97F4A7C15) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return z ^ (z >> 31)
+
+
+def position_seed(seed: int, position: int) -> int:
+    """The generator seed for a seeded request's token at ``position``: a 64-bit mix
+    of both, so neighbouring positions and neighbouring seeds draw unrelated noise."""
+    return _splitmix64((_splitmix64(seed) + position) & _MASK64)
+
+
 def exponential_noise(
-    shape_per_row: tuple[int, ...],
-    generators: list[torch.Generator | None],
+    batch: SamplingBatch,
+    vocab_size: int,
     device: torch.device,
     default: torch.Generator | None,
 ) -> torch.Tensor:
-    """Exp(1) noise [n, *shape_per_row]; rows with their own generator draw from it so
-    a seeded request's samples do not depend on who else is in the batch."""
-    return _noise("exponential_", shape_per_row, generators, device, default)
+    """Exp(1) noise [n, vocab_size], one row per batch row: seeded rows from
+    ``position_seed(seed, position)``, unseeded random rows from ``default``, greedy
+    rows all ones (they take the argmax)."""
+    noise = torch.ones((len(batch.seeds), vocab_size), device=device)
+    unseeded = [
+        i for i, (s, g) in enumerate(zip(batch.seeds, batch.is_greedy)) if s is None and not g
+    ]
+    if len(unseeded) == len(batch.seeds):
+        noise.exponential_(generator=default)
+    elif unseeded:
+        drawn = torch.empty((len(unseeded), vocab_size), device=device)
+        noise[unseeded] = drawn.exponential_(generator=default)
+    for i, (seed, position) in enumerate(zip(batch.seeds, batch.positions)):
+        if seed is not None and not batch.is_greedy[i]:
+            generator = torch.Generator(device).manual_seed(position_seed(seed, position))
+            noise[i].exponential_(generator=generator)
+    return noise
 
 
 def uniform_noise(
-    shape_per_row: tuple[int, ...],
-    generators: list[torch.Generator | None],
-    device: torch.device,
-    default: torch.Generator | None,
+    num_rows: int, num_cols: int, device: torch.device, default: torch.Generator | None
 ) -> torch.Tensor:
-    """U[0, 1) noise [n, *shape_per_row], seeded per row like exponential_noise."""
-    return _noise("uniform_", shape_per_row, generators, device, default)
-
-
-def _noise(fill: str, shape_per_row, generators, device, default) -> torch.Tensor:
-    noise = torch.empty((len(generators), *shape_per_row), device=device)
-    getattr(noise, fill)(generator=default)
-    for i, gen in enumerate(generators):
-        if gen is not None:
-            getattr(noise[i], fill)(generator=gen)
-    return noise
+    """U[0, 1) noise [num_rows, num_cols] from ``default`` (rejection sampling of
+    unseeded rows; seeded rows are verified by coupling and need none)."""
+    return torch.rand((num_rows, num_cols), device=device, generator=default)
 
 
 def sample_from_probs(
@@ -158,7 +205,7 @@ def sample_from_probs(
     """One token per row. probs: [n, vocab_size]. Returns [n] int64."""
     if batch.all_greedy:
         return probs.argmax(dim=-1)
-    noise = exponential_noise(probs.shape[1:], batch.generators, probs.device, default)
+    noise = exponential_noise(batch, probs.shape[-1], probs.device, default)
     return (probs / noise).argmax(dim=-1)
 
 

@@ -5,6 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 _MAX_SEED = 2**63 - 1
+# The most draft tokens per step anything may ask for (an engine's
+# num_speculative_tokens); a request may ask for at most its engine's value.
+MAX_NUM_SPECULATIVE_TOKENS = 16
 
 
 @dataclass
@@ -48,7 +51,9 @@ class SamplingParams:
         if self.logprobs is not None:
             check_int("logprobs", self.logprobs, 0, 20)
         if self.num_speculative_tokens is not None:
-            check_int("num_speculative_tokens", self.num_speculative_tokens, 0, 16)
+            check_int(
+                "num_speculative_tokens", self.num_speculative_tokens, 0, MAX_NUM_SPECULATIVE_TOKENS
+            )
 
     @property
     def is_greedy(self) -> bool:

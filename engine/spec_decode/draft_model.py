@@ -3,12 +3,20 @@ cache in its own block pool, run as a burst of k batched steps.
 
 Draft cache bookkeeping per request (positions in the request's token sequence)::
 
-    verified:  t_0 ... t_{m-1} | new verified tokens (1, or 2 after a full accept)
-    draft KV:  [0, num_computed)  catch-up fed in burst step 1, then d_1 .. d_{k-1}
+    verified:  t_0 ............................................ t_{m-1}
+    draft KV:  [0, num_computed)   num_computed <= m - 1, always
+    burst:     step 1 feeds the catch-up t_{num_computed} .. t_{m-1}, then each later
+               step feeds the draft sampled before it: d_1 .. d_{k-1}
 
-d_k is sampled but never fed, so after verification the draft KV is valid for the
-longest prefix of what it was fed that matches the verified tokens; everything after
-is rolled back and its blocks return to the draft pool at once.
+The catch-up is the verified tokens the draft has not seen: the whole prompt on a
+request's first burst, one token after a rejection, two after a full accept (d_k is
+sampled but never fed), more after steps in which the request did not speculate. The
+draft KV never covers the last verified token: its logits start the next burst. After
+verification the draft KV is kept for the longest prefix of what it was fed that
+matches the verified tokens; everything after is rolled back and its blocks return to
+the draft pool at once. Catch-ups share the step's token budget
+(``max_num_batched_tokens``); a request whose catch-up does not fit is fed a chunk of
+it and proposes no drafts this step.
 """
 
 from __future__ import annotations
@@ -71,6 +79,7 @@ class DraftModelProposer:
         )
         self.runner = ModelRunner(draft_loaded, num_blocks, config.block_size)
         self.generator = torch.Generator(self.device).manual_seed(config.seed + 1)
+        self.max_num_batched_tokens = config.max_num_batched_tokens
         self._requests: dict[str, _DraftRequest] = {}
         # Proposing one draft token costs about one draft forward relative to a target
         # forward (both memory-bound at small batch); 0.02 covers the extra step
@@ -80,20 +89,31 @@ class DraftModelProposer:
     # ---- the burst ------------------------------------------------------------------
     def propose(self, items, states):
         """k batched draft steps over every speculating request."""
-        active: list[tuple[int, _DraftRequest, int]] = []  # (index, draft request, k)
         drafts: list[list[int]] = [[] for _ in items]
         probs: list[list[torch.Tensor]] = [[] for _ in items]
+        active: list[tuple[int, _DraftRequest, int]] = []  # (index, draft request, k)
+        first: list[SeqInput] = []
+        budget = self.max_num_batched_tokens
         for i, (item, state) in enumerate(zip(items, states)):
             dreq = self._draft_request(state.request)
-            if self._reserve(dreq, item.num_spec_tokens):
+            num_fed = self._reserve(dreq, item.num_spec_tokens, budget)
+            if not num_fed:
+                continue
+            budget -= num_fed
+            whole = dreq.fed_start + num_fed == dreq.num_tokens
+            block_ids = self.kv.get_block_ids(dreq.request_id)
+            first.append(SeqInput(list(dreq.fed), dreq.fed_start, block_ids, int(whole)))
+            if whole:
                 active.append((i, dreq, item.num_spec_tokens))
+        if first:
+            logits = self.runner.forward(first)  # [len(active), vocab_size]
         step = 0
         while active:
-            seqs = [self._step_input(dreq, drafts[i], step) for i, dreq, _ in active]
-            logits = self.runner.forward(seqs)  # [len(active), vocab_size]
+            # d_{step+1} goes to position num_tokens + step: the noise the verifier
+            # samples that position with, so seeded requests are verified by coupling
             batch = SamplingBatch.build(
                 [states[i].params for i, _, _ in active],
-                [states[i].generator for i, _, _ in active],
+                [states[i].request.num_tokens + step for i, _, _ in active],
                 self.device,
             )
             q = processed_probs(logits, batch)  # [len(active), vocab_size]
@@ -103,37 +123,42 @@ class DraftModelProposer:
                 probs[i].append(q[row])
             step += 1
             active = [(i, d, k) for i, d, k in active if len(drafts[i]) < k]
+            if active:
+                logits = self.runner.forward([self._feed(d, drafts[i][-1]) for i, d, _ in active])
         draft_probs = [torch.stack(p) if p else None for p in probs]
         return drafts, draft_probs
 
     def _draft_request(self, request) -> _DraftRequest:
         dreq = self._requests.get(request.request_id)
         if dreq is None:
+            # Shares the request's token list, which only grows (or is cut at a stop).
             dreq = _DraftRequest(request.request_id, request.all_token_ids)
             self._requests[request.request_id] = dreq
-        dreq.all_token_ids = request.all_token_ids  # re-bound after preemption
         return dreq
 
-    def _reserve(self, dreq: _DraftRequest, k: int) -> bool:
-        """Blocks for the catch-up tokens plus k - 1 fed drafts."""
+    def _reserve(self, dreq: _DraftRequest, k: int, budget: int) -> int:
+        """Blocks for this step's catch-up, at most ``budget`` tokens, plus k - 1 fed
+        drafts when the whole catch-up fits. Returns the catch-up tokens to feed (0:
+        nothing fits, or the pool is full)."""
+        if budget <= 0:
+            return 0
         cached_ids, num_cached = [], 0
         if dreq.num_computed_tokens == 0 and not self.kv.get_block_ids(dreq.request_id):
             cached_ids, num_cached = self.kv.get_computed_blocks(dreq)
-        num_new = dreq.num_tokens - dreq.num_computed_tokens - num_cached
-        if self.kv.allocate_slots(dreq, num_new, k - 1, cached_ids) is None:
-            return False
+        num_fed = min(dreq.num_tokens - dreq.num_computed_tokens - num_cached, budget)
+        whole = dreq.num_computed_tokens + num_cached + num_fed == dreq.num_tokens
+        if self.kv.allocate_slots(dreq, num_fed, k - 1 if whole else 0, cached_ids) is None:
+            return 0
         dreq.num_computed_tokens += num_cached
         dreq.fed_start = dreq.num_computed_tokens
-        dreq.fed = list(dreq.all_token_ids[dreq.num_computed_tokens :])
-        return True
+        dreq.fed = dreq.all_token_ids[dreq.fed_start : dreq.fed_start + num_fed]
+        return num_fed
 
-    def _step_input(self, dreq: _DraftRequest, drafts: list[int], step: int) -> SeqInput:
-        block_ids = self.kv.get_block_ids(dreq.request_id)
-        if step == 0:
-            tokens = dreq.fed  # catch-up: verified tokens the draft has not seen
-            return SeqInput(list(tokens), dreq.fed_start, block_ids, 1)
-        dreq.fed.append(drafts[-1])
-        return SeqInput([drafts[-1]], dreq.fed_start + len(dreq.fed) - 1, block_ids, 1)
+    def _feed(self, dreq: _DraftRequest, token: int) -> SeqInput:
+        """Input for a later burst step: the draft sampled by the step before."""
+        dreq.fed.append(token)
+        position = dreq.fed_start + len(dreq.fed) - 1
+        return SeqInput([token], position, self.kv.get_block_ids(dreq.request_id), 1)
 
     # ---- after verification ---------------------------------------------------------
     def on_verified(self, requests) -> None:
@@ -148,8 +173,11 @@ class DraftModelProposer:
                 if position >= len(verified) or verified[position] != token:
                     break
                 matched += 1
-            dreq.all_token_ids = verified
-            dreq.num_computed_tokens = self.kv.rollback(dreq, dreq.fed_start + matched)
+            # Even when every fed token was verified (a recovered token equal to the
+            # rejected draft), the last verified token is fed again: its logits start
+            # the next burst.
+            num_valid = min(dreq.fed_start + matched, len(verified) - 1)
+            dreq.num_computed_tokens = self.kv.rollback(dreq, num_valid)
             dreq.fed = []
 
     def free(self, request_id: str) -> None:

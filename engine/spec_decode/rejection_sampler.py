@@ -75,6 +75,8 @@ def _draft_dist_at(
     """q at ``position`` per row ([n, vocab_size]); zeros where position == num drafts
     is past the drafts (the bonus case, where it is unused)."""
     n, k_max = draft_token_ids.shape
+    if k_max == 0:
+        return torch.zeros_like(like)
     rows = torch.arange(n, device=like.device)
     clamped = position.clamp(max=k_max - 1)
     if draft_probs is not None:

@@ -1,5 +1,18 @@
-"""Turns one forward's logits into each request's new tokens: plain sampling for
-requests without drafts, rejection sampling for those with drafts, batched."""
+"""Turns one forward's logits into each request's new tokens, batched.
+
+Each sampling request contributes ``1 + k`` rows (``[last_token, d_1..d_k]``; k = 0
+without drafts). Rows are verified one of two ways:
+
+- coupling, for greedy and seeded requests: the target's own sample ``y_j`` is drawn at
+  every position with the request's per-position noise (for greedy, the argmax), and a
+  draft is kept exactly when it equals that sample. The output is ``d_1..d_n, y_{n+1}``
+  where n drafts matched: token for token what the request would produce without
+  speculation, whatever k and the batch, and an exact sample of the target, because
+  the draft proposed under the same noise (engine/sampler.py).
+- rejection sampling, for unseeded random requests (rejection_sampler.py): the most
+  drafts accepted for a given draft distribution, with noise from the engine's
+  generator.
+"""
 
 from __future__ import annotations
 
@@ -11,7 +24,6 @@ from engine.sampler import (
     compute_logprobs,
     exponential_noise,
     processed_probs,
-    sample_from_probs,
     uniform_noise,
 )
 from engine.spec_decode.rejection_sampler import rejection_sample
@@ -30,83 +42,90 @@ class Verifier:
         logits: torch.Tensor,  # [sum(1 + num_drafts), vocab_size]
         sched: SchedulerOutput,
         states: list,  # engine request states, one per sampling request, in batch order
-        draft_counts: list[int],
-        draft_probs: list[torch.Tensor] | None,  # per speculating request [num_drafts, V]
+        drafts: list[list[int]],  # per sampling request, possibly empty
+        draft_probs: dict[str, torch.Tensor],  # request id -> [num_drafts, V] (draft model)
     ) -> ModelRunnerOutput:
         items = [s for s in sched.scheduled if s.needs_sample]
         if not items:
             return ModelRunnerOutput(sampled_token_ids={})
-        batch = SamplingBatch.build(
-            [st.params for st in states], [st.generator for st in states], self.device
-        )
-        if batch.all_greedy:
-            out_tokens, num_accepted = _greedy_verify(logits, items, draft_counts)
-        elif not any(draft_counts):
-            probs = processed_probs(logits, batch)
-            tokens = sample_from_probs(probs, batch, self.generator).tolist()
-            out_tokens = [[t] for t in tokens]
-            num_accepted = [0] * len(items)
+        if all(st.params.is_greedy for st in states):
+            out_tokens, num_accepted = _greedy_verify(logits, drafts)
         else:
-            out_tokens, num_accepted = self._rejection(
-                logits, items, batch, draft_counts, draft_probs
-            )
+            out_tokens, num_accepted = self._sample(logits, items, states, drafts, draft_probs)
         result = ModelRunnerOutput(
             sampled_token_ids={s.request_id: t for s, t in zip(items, out_tokens)},
             num_accepted={s.request_id: n for s, n in zip(items, num_accepted)},
         )
-        self._add_logprobs(result, logits, items, states, draft_counts, out_tokens)
+        self._add_logprobs(result, logits, items, states, drafts, out_tokens)
         return result
 
-    def _rejection(self, logits, items, batch, draft_counts, draft_probs):
-        n = len(items)
-        k_max = max(draft_counts)
-        counts = [1 + c for c in draft_counts]
-        probs_flat = processed_probs(logits, batch.repeat_rows(counts))  # [sum(counts), V]
+    def _sample(self, logits, items, states, drafts, draft_probs):
+        counts = [1 + len(d) for d in drafts]
         starts = [0]
         for c in counts[:-1]:
             starts.append(starts[-1] + c)
-        # [n, k_max + 1] row of probs_flat for each (request, position); clamped padding
-        index = [[s + min(j, c - 1) for j in range(k_max + 1)] for s, c in zip(starts, counts)]
-        target_probs = probs_flat[torch.tensor(index, device=self.device)]
-        drafts = [
-            items[i].spec_token_ids + [0] * (k_max - len(items[i].spec_token_ids)) for i in range(n)
-        ]
-        draft_ids = torch.tensor(drafts, dtype=torch.long, device=self.device)
-        q = self._padded_draft_probs(items, draft_probs, k_max, logits.shape[-1])
-        uniforms = uniform_noise((k_max,), batch.generators, self.device, self.generator)
-        noise = None
-        if not batch.all_greedy:
-            noise = exponential_noise(
-                (logits.shape[-1],), batch.generators, self.device, self.generator
-            )
-            noise[torch.tensor(batch.is_greedy, device=self.device)] = 1.0
+        positions = [st.request.num_tokens for st in states]
+        batch = SamplingBatch.build([st.params for st in states], positions, self.device)
+        batch = batch.repeat_rows(counts)  # one row per verified position
+        probs = processed_probs(logits, batch)  # [sum(counts), V]
+        is_coupled = [st.params.seed is not None or st.params.is_greedy for st in states]
+        coupled = [i for i, c in enumerate(is_coupled) if c]
+        raced = [i for i, c in enumerate(is_coupled) if not c]
+        pieces = []  # flattened on the device, read back in one sync
+        if coupled:
+            rows = [starts[i] + j for i in coupled for j in range(counts[i])]
+            chosen = batch.select(rows)
+            noise = exponential_noise(chosen, probs.shape[-1], self.device, self.generator)
+            pieces.append((probs[rows] / noise).argmax(dim=-1))  # [len(rows)]
+        if raced:
+            pieces.append(self._rejection(probs, starts, raced, items, drafts, draft_probs))
+        flat = torch.cat(pieces).tolist()
+        out_tokens: list[list[int]] = [[] for _ in states]
+        num_accepted = [0] * len(states)
+        offset = 0
+        for i in coupled:
+            samples = flat[offset : offset + counts[i]]
+            out_tokens[i], num_accepted[i] = _couple(drafts[i], samples)
+            offset += counts[i]
+        width = 2 + max(len(drafts[i]) for i in raced) if raced else 0
+        for i in raced:
+            row = flat[offset : offset + width]
+            num_accepted[i] = row[-1]
+            out_tokens[i] = row[: row[-1] + 1]
+            offset += width
+        return out_tokens, num_accepted
+
+    def _rejection(self, probs, starts, raced, items, drafts, draft_probs) -> torch.Tensor:
+        """Rejection sampling of the unseeded requests ``raced``; returns their rows of
+        [output tokens (k_max + 1, padded with -1), num_accepted], flattened."""
+        k_max = max(len(drafts[i]) for i in raced)
+        vocab_size = probs.shape[-1]
+        # [n, k_max + 1] row of probs for each (request, position); clamped padding
+        index = [[starts[i] + min(j, len(drafts[i])) for j in range(k_max + 1)] for i in raced]
+        target_probs = probs[torch.tensor(index, device=self.device)]
+        padded = [drafts[i] + [0] * (k_max - len(drafts[i])) for i in raced]
+        draft_ids = torch.tensor(padded, dtype=torch.long, device=self.device)
+        q = None
+        if any(items[i].request_id in draft_probs for i in raced):
+            q = torch.zeros((len(raced), k_max, vocab_size), device=self.device)
+            for row, i in enumerate(raced):
+                rows = draft_probs.get(items[i].request_id)
+                if rows is not None:
+                    q[row, : rows.shape[0]] = rows
+        noise = torch.empty((len(raced), vocab_size), device=self.device)
         output, num_accepted = rejection_sample(
             target_probs,
             draft_ids,
             q,
-            torch.tensor(draft_counts, device=self.device),
-            uniforms,
-            noise,
+            torch.tensor([len(drafts[i]) for i in raced], device=self.device),
+            uniform_noise(len(raced), k_max, self.device, self.generator),
+            noise.exponential_(generator=self.generator),
         )
-        packed = torch.cat([output, num_accepted.unsqueeze(1)], dim=1).tolist()  # one sync
-        out_tokens = [row[: row[-1] + 1] for row in packed]
-        return out_tokens, [row[-1] for row in packed]
+        return torch.cat([output, num_accepted.unsqueeze(1)], dim=1).flatten()
 
-    def _padded_draft_probs(self, items, draft_probs, k_max, vocab_size):
-        if draft_probs is None:
-            return None
-        q = torch.zeros((len(items), k_max, vocab_size), device=self.device)
-        it = iter(draft_probs)
-        for i, item in enumerate(items):
-            if item.num_spec_tokens > 0:
-                probs = next(it)  # [num_drafts, V], None when the request got no drafts
-                if probs is not None:
-                    q[i, : probs.shape[0]] = probs
-        return q
-
-    def _add_logprobs(self, result, logits, items, states, draft_counts, out_tokens) -> None:
+    def _add_logprobs(self, result, logits, items, states, drafts, out_tokens) -> None:
         offset = 0
-        for item, state, count, tokens in zip(items, states, draft_counts, out_tokens):
+        for item, state, draft, tokens in zip(items, states, drafts, out_tokens):
             num_top = state.params.logprobs
             if num_top is not None:
                 rows = logits[offset : offset + len(tokens)]
@@ -119,22 +138,26 @@ class Verifier:
                         tokens, chosen.tolist(), top_i.tolist(), top_v.tolist()
                     )
                 ]
-            offset += 1 + count
+            offset += 1 + len(draft)
 
 
-def _greedy_verify(logits: torch.Tensor, items, draft_counts: list[int]):
-    """All-greedy batches: the exact-match special case of rejection sampling, without
-    building one-hot distributions. Drafts are kept while they equal the target's
-    argmax; the first mismatch (or the position after the last draft) contributes the
-    target's argmax as the recovered (or bonus) token."""
+def _couple(drafts: list[int], samples: list[int]) -> tuple[list[int], int]:
+    """Keep drafts while they equal the target's own samples; the first mismatch (or
+    the position after the last draft) contributes the target's sample."""
+    n = 0
+    while n < len(drafts) and drafts[n] == samples[n]:
+        n += 1
+    return drafts[:n] + [samples[n]], n
+
+
+def _greedy_verify(logits: torch.Tensor, drafts: list[list[int]]):
+    """All-greedy batches: coupling where every sample is the argmax, without building
+    one-hot distributions."""
     argmax = logits.argmax(dim=-1).tolist()  # [sum(1 + drafts)], the only host sync
     out_tokens, num_accepted, offset = [], [], 0
-    for item, count in zip(items, draft_counts):
-        targets = argmax[offset : offset + count + 1]
-        n = 0
-        while n < count and item.spec_token_ids[n] == targets[n]:
-            n += 1
-        out_tokens.append(item.spec_token_ids[:n] + [targets[n]])
+    for draft in drafts:
+        tokens, n = _couple(draft, argmax[offset : offset + len(draft) + 1])
+        out_tokens.append(tokens)
         num_accepted.append(n)
-        offset += count + 1
+        offset += len(draft) + 1
     return out_tokens, num_accepted

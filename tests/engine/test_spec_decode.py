@@ -217,3 +217,136 @@ def test_engine_prices_verification_from_its_own_steps(tiny_model_dir):
         tiny_model_dir, speculative_method="ngram", speculative_disable_batch_size=9
     )
     assert configured.scheduler.config.spec_disable_batch_size == 9
+
+
+# ---- limits: one source of truth each ----------------------------------------------------
+
+
+def test_a_request_cannot_ask_for_more_drafts_than_its_engine(tiny_model_dir):
+    from engine.config import EngineConfig
+    from engine.sampling_params import MAX_NUM_SPECULATIVE_TOKENS
+
+    engine = make_engine(tiny_model_dir, speculative_method="ngram", num_speculative_tokens=3)
+    with pytest.raises(ValueError, match=r"num_speculative_tokens must be in \[0, 3\] \(the eng"):
+        engine.add_request("k", [5, 6, 7], greedy(4, num_speculative_tokens=4))
+    plain = make_engine(tiny_model_dir)
+    with pytest.raises(ValueError, match="this engine does not speculate"):
+        plain.add_request("k", [5, 6, 7], greedy(4, num_speculative_tokens=1))
+    assert not engine.has_unfinished_requests() and not plain.has_unfinished_requests()
+    top = MAX_NUM_SPECULATIVE_TOKENS
+    for make in (
+        lambda: SamplingParams(num_speculative_tokens=top + 1),
+        lambda: EngineConfig(num_speculative_tokens=top + 1),
+    ):
+        with pytest.raises(ValueError, match=rf"num_speculative_tokens must be .*{top}\]"):
+            make()
+
+
+def test_the_scheduler_never_grants_more_than_the_engines_k(tiny_model_dir):
+    """The engine's limit holds in the scheduler too, whatever a Request carries."""
+    engine = make_engine(tiny_model_dir, speculative_method="ngram", num_speculative_tokens=2)
+    engine.add_request("r", [5, 6, 5, 6, 5, 6, 5, 6], greedy(30))
+    engine.scheduler.requests["r"].max_spec_tokens = 9  # bypassing add_request's check
+    schedule = engine.scheduler.schedule
+    granted: list[int] = []
+
+    def recording_schedule():
+        out = schedule()
+        granted.extend(s.num_spec_tokens for s in out.scheduled)
+        return out
+
+    engine.scheduler.schedule = recording_schedule
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert max(granted) == 2
+
+
+# ---- the draft model's cache never covers the last verified token ------------------------
+
+
+def test_a_recovered_token_equal_to_the_rejected_draft_keeps_the_engine_alive(
+    tiny_model_dir, tiny_draft_model_dir
+):
+    """Rejecting d1 and recovering d1 itself (the rejection sampler's round-off fallback
+    can do that) leaves every fed draft verified: the draft must still re-feed the last
+    verified token, or its next burst has nothing to feed."""
+    engine = make_engine(
+        tiny_model_dir,
+        speculative_method="draft",
+        draft_model=tiny_draft_model_dir,
+        speculative_disable_batch_size=64,
+    )
+    verify = engine.verifier.verify
+    forced = 0
+
+    def reject_first_but_recover_it(logits, sched, states, drafts, draft_probs):
+        nonlocal forced
+        result = verify(logits, sched, states, drafts, draft_probs)
+        items = [s for s in sched.scheduled if s.needs_sample]
+        for item, draft in zip(items, drafts):
+            if len(draft) >= 2:
+                result.sampled_token_ids[item.request_id] = draft[:1]
+                result.num_accepted[item.request_id] = 0
+                result.logprobs.pop(item.request_id, None)
+                forced += 1
+        return result
+
+    engine.verifier.verify = reject_first_but_recover_it
+    prompts = prompts_of_lengths([9, 20, 33], seed=17)
+    workload = {0: [(f"r{i}", p, greedy(30, num_speculative_tokens=3)) for i, p in
+                    enumerate(prompts)]}  # fmt: skip
+    results = run_to_completion(engine, workload)
+    assert forced > 10
+    assert all(len(r["token_ids"]) == 30 for r in results.values())
+    assert_all_blocks_released(engine)
+
+
+def test_a_draft_with_a_shorter_context_bounds_the_pair(tiny_model_dir, tiny_model_factory):
+    short_draft = tiny_model_factory(max_position_embeddings=64)
+    with pytest.raises(ValueError, match=r"max_model_len must be <= 64 \(the draft model's"):
+        make_engine(
+            tiny_model_dir, speculative_method="draft", draft_model=short_draft, max_model_len=100
+        )
+    engine = make_engine(
+        tiny_model_dir,
+        speculative_method="draft",
+        draft_model=short_draft,
+        speculative_disable_batch_size=64,
+    )
+    assert engine.max_model_len == 64
+    prompt = prompts_of_lengths([50], seed=18)[0]
+    result = run_to_completion(engine, {0: [("r", prompt, greedy(100))]})["r"]
+    assert result["finish_reason"] == "length" and len(result["token_ids"]) == 14
+    assert engine.stats.num_draft_tokens > 0
+    assert_all_blocks_released(engine)
+
+
+def test_the_draft_catch_up_shares_the_step_token_budget(tiny_model_dir, tiny_draft_model_dir):
+    """A long prompt's first burst is fed to the draft in budget-sized chunks (no drafts
+    until it has caught up), and the output is still the target's greedy output."""
+    prompts = prompts_of_lengths([60, 45], seed=19)
+    workload = {0: [(f"r{i}", p, greedy(12, num_speculative_tokens=2)) for i, p in
+                    enumerate(prompts)]}  # fmt: skip
+    reference = run_to_completion(make_engine(tiny_model_dir), {0: [
+        (rid, p, greedy(12)) for rid, p, _ in workload[0]]})  # fmt: skip
+    engine = make_engine(
+        tiny_model_dir,
+        speculative_method="draft",
+        draft_model=tiny_draft_model_dir,
+        speculative_disable_batch_size=64,
+        max_num_batched_tokens=16,
+    )
+    forward = engine.proposer.runner.forward
+    fed: list[int] = []
+
+    def counting_forward(seqs):
+        fed.append(sum(len(s.token_ids) for s in seqs))
+        return forward(seqs)
+
+    engine.proposer.runner.forward = counting_forward
+    results = run_to_completion(engine, workload)
+    assert max(fed) <= 16 and sum(fed) > 100
+    for rid, ref in reference.items():
+        assert results[rid]["token_ids"] == ref["token_ids"]
+    assert engine.stats.num_draft_tokens > 0
+    assert_all_blocks_released(engine)

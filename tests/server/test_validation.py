@@ -8,7 +8,7 @@ from engine.client import build_request
 from engine.rpc import generation_pb2 as pb
 from engine.server.validation import InvalidArgument, ModelLimits, to_engine_request
 
-LIMITS = ModelLimits(vocab_size=320, max_model_len=512)
+LIMITS = ModelLimits(vocab_size=320, max_model_len=512, max_spec_tokens=4)
 
 
 def check(request: pb.GenerateRequest):
@@ -71,8 +71,10 @@ def test_chat_messages():
         ({"prompt": "x", "stop_token_ids": [320]}, "sampling.stop_token_ids", "[0, 319]"),
         ({"prompt": "x", "stop_token_ids": [1] * 65}, "sampling.stop_token_ids", "at most 64"),
         ({"prompt": "x", "top_logprobs": 21}, "sampling.top_logprobs", "[0, 20]"),
-        ({"prompt": "x", "num_speculative_tokens": 65}, "speculation.num_speculative_tokens",
-         "[1, 64]"),
+        ({"prompt": "x", "num_speculative_tokens": 5}, "speculation.num_speculative_tokens",
+         "[1, 4] (the server's num_speculative_tokens)"),
+        ({"prompt": "x", "num_speculative_tokens": 17}, "speculation.num_speculative_tokens",
+         "[1, 4]"),
         ({"prompt": "x", "priority": 1001}, "priority", "[-1000, 1000]"),
         ({"prompt": "x", "request_id": ""}, "request_id", "1 to 128"),
         ({"prompt": "x", "request_id": "a b"}, "request_id", "printable ASCII"),
@@ -96,3 +98,17 @@ def test_bad_speculation_mode_and_stray_k():
     request.speculation.num_speculative_tokens = 3
     with pytest.raises(InvalidArgument, match=r"^speculation\.num_speculative_tokens must be 0"):
         check(request)
+
+
+def test_fixed_speculation_on_a_server_without_it_names_the_mode():
+    limits = ModelLimits(vocab_size=320, max_model_len=512, max_spec_tokens=0)
+    with pytest.raises(InvalidArgument, match=r"^speculation\.mode MODE_FIXED needs"):
+        to_engine_request(build_request("x", num_speculative_tokens=1), limits)
+    off = to_engine_request(build_request("x", num_speculative_tokens=0), limits)
+    assert off.params.num_speculative_tokens == 0
+
+
+def test_model_info_sets_the_speculation_limit():
+    info = {"vocab_size": 9, "max_model_len": 8, "num_speculative_tokens": 6}
+    assert ModelLimits.from_model_info({**info, "speculative_method": "ngram"}).max_spec_tokens == 6
+    assert ModelLimits.from_model_info({**info, "speculative_method": "none"}).max_spec_tokens == 0
