@@ -35,9 +35,6 @@ class BlockPool:
     def num_free_blocks(self) -> int:
         return self.free_block_queue.num_free_blocks
 
-    def get_cached_block(self, block_hash: bytes) -> KVCacheBlock | None:
-        return self.cached_blocks.get(block_hash)
-
     def allocate(self, num_blocks: int) -> list[KVCacheBlock]:
         """Pop `num_blocks` blocks from the LRU front, evicting any cached content.
 

@@ -88,9 +88,6 @@ class KVCacheManager:
         num_usable = self.pool.num_usable_blocks
         return (num_usable - self.pool.free_block_queue.num_free_blocks) / num_usable
 
-    def can_allocate(self, num_blocks_needed: int) -> bool:
-        return num_blocks_needed <= self.pool.free_block_queue.num_free_blocks
-
     def get_block_ids(self, request_id: str) -> list[int]:
         """A copy of the request's block table ([] if it holds no blocks)."""
         state = self._requests.get(request_id)

@@ -25,7 +25,6 @@ class Request:
 
         all_token_ids:  | prompt ............ | outputs ....... |
                         0                  num_prompt      num_tokens
-        spec_token_ids: drafts proposed after the last token, not yet verified
     """
 
     request_id: str
@@ -42,7 +41,6 @@ class Request:
 
     all_token_ids: list[int] = field(init=False)
     num_computed_tokens: int = 0
-    spec_token_ids: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: str | None = None
     stop_reason: int | str | None = None
@@ -52,7 +50,6 @@ class Request:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     spec_history: AcceptanceHistory = field(default_factory=AcceptanceHistory)
-    num_spec_tokens: int = 0  # k granted for the current step
     first_scheduled_time: float | None = None
 
     def __post_init__(self) -> None:
