@@ -105,7 +105,20 @@ def _observe(server, args: argparse.Namespace) -> None:
     server.on_rpc_failure = request_logger.on_rpc_error
     server.on_admission_rejected = metrics.on_admission_rejected
     if args.metrics_port:
-        metrics.start_http_server(args.metrics_port)
+        _start_metrics_server(metrics, args.metrics_port)
+
+
+def _start_metrics_server(metrics, port: int) -> None:
+    import errno
+
+    from engine.server.ports import PortInUseError
+
+    try:
+        metrics.start_http_server(port)
+    except OSError as exc:
+        if exc.errno != errno.EADDRINUSE:
+            raise
+        raise PortInUseError(port, "--metrics-port") from None
 
 
 command("serve", "serve the model over gRPC (specserve.v1.Generation)")((add_arguments, run))

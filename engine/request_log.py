@@ -12,7 +12,10 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 REQUEST_LOGGER_NAME = "specserve.requests"
@@ -23,13 +26,16 @@ _TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 class RequestLogger:
     """AsyncEngine step observer that logs each finished request once."""
 
-    def __init__(self, json: bool = False, log_prompts: bool = False) -> None:
+    def __init__(
+        self, json: bool = False, log_prompts: bool = False, rpc_log_limit: RateLimit | None = None
+    ) -> None:
         self.json = json
         self.log_prompts = log_prompts
         self.logger = logging.getLogger(REQUEST_LOGGER_NAME)
         # Completion tokens so far per running request (outputs are deltas).
         self._num_tokens: dict[str, int] = {}
         self._num_failures = 0
+        self._rpc_log_limit = rpc_log_limit or RateLimit()
 
     def observe_step(self, llm_engine: Any, outputs: list[Any], step: Any | None) -> None:
         """AsyncEngine step observer. Never raises: logging must not stop the engine."""
@@ -64,12 +70,65 @@ class RequestLogger:
     def on_rpc_error(
         self, code_name: str, details: str = "", request_id: str | None = None
     ) -> None:
-        """One WARNING line for an RPC that ended with a non-OK status."""
-        fields = {"code": code_name, "details": " ".join(details.split())[:500]}
+        """One line for an RPC that ended with a non-OK status: INFO when the client
+        cancelled, else WARNING; rate-limited per code (a flood of bad bodies or wrong
+        keys must not flood the log), the next logged line counting what was dropped."""
+        num_suppressed = self._rpc_log_limit.admit(code_name)
+        if num_suppressed is None:
+            return
+        fields: dict[str, Any] = {"code": code_name, "details": " ".join(details.split())[:500]}
         if request_id:
             fields["request_id"] = request_id
+        if num_suppressed:
+            fields["suppressed"] = num_suppressed
+        level = logging.INFO if code_name == "CANCELLED" else logging.WARNING
         text = " ".join(f"{k}={_text_value(v)}" for k, v in fields.items())
-        self.logger.warning("rpc failed %s", text, extra={"fields": fields})
+        self.logger.log(level, "rpc failed %s", text, extra={"fields": fields})
+
+
+@dataclass(slots=True)
+class _Window:
+    start: float
+    num_logged: int = 0
+    num_dropped: int = 0  # since the last line logged
+
+
+class RateLimit:
+    """At most ``max_lines`` per key in each ``window_s`` window.
+
+    ``admit(key)`` returns None to drop a line, else how many lines of that key were
+    dropped since the last one admitted. Thread-safe: RPC hooks run on the event loop
+    and, for sync callers, on other threads.
+    """
+
+    def __init__(
+        self,
+        max_lines: int = 10,
+        window_s: float = 10.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if max_lines < 1:
+            raise ValueError(f"max_lines must be >= 1, got {max_lines}")
+        if not window_s > 0:
+            raise ValueError(f"window_s must be > 0, got {window_s}")
+        self.max_lines = max_lines
+        self.window_s = window_s
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._windows: dict[str, _Window] = {}
+
+    def admit(self, key: str) -> int | None:
+        now = self._clock()
+        with self._lock:
+            window = self._windows.setdefault(key, _Window(now))
+            if now - window.start >= self.window_s:
+                window.start, window.num_logged = now, 0
+            if window.num_logged >= self.max_lines:
+                window.num_dropped += 1
+                return None
+            num_dropped, window.num_dropped = window.num_dropped, 0
+            window.num_logged += 1
+            return num_dropped
 
 
 def request_fields(output: Any, num_completion_tokens: int) -> dict[str, Any]:

@@ -20,8 +20,10 @@ from grpc_reflection.v1alpha import reflection
 
 from engine.rpc import generation_pb2_grpc as pb_grpc
 from engine.server.auth import ApiKeyInterceptor, server_credentials
+from engine.server.decode_guard import DecodeGuardInterceptor
 from engine.server.health import SERVICE_NAME, HealthReporter
 from engine.server.lifecycle import Lifecycle
+from engine.server.ports import ensure_port_free
 from engine.server.servicer import GenerationServicer
 
 logger = logging.getLogger(__name__)
@@ -81,6 +83,8 @@ class ServerOptions:
             ("grpc.http2.max_pings_without_data", 0),
             ("grpc.max_connection_age_ms", int(self.max_connection_age_s * ms)),
             ("grpc.max_connection_age_grace_ms", int(self.max_connection_age_grace_s * ms)),
+            # grpc's default (1) lets a second server share a busy port: refuse instead.
+            ("grpc.so_reuseport", 0),
         ]
 
     @property
@@ -111,9 +115,12 @@ class SpecserveServer:
 
     async def start(self) -> int:
         """Bind, start answering (health NOT_SERVING), start loading the model."""
-        interceptors = []
+        ensure_port_free(self.options.host, self.options.port)
+        # The first interceptor is the outermost: the API key is checked before the body.
+        interceptors: list[grpc.aio.ServerInterceptor] = []
         if self.options.api_key:
             interceptors.append(ApiKeyInterceptor(self.options.api_key, self._report_error))
+        interceptors.append(DecodeGuardInterceptor(self._report_error))
         server = grpc.aio.server(interceptors=interceptors, options=self.options.grpc_options())
         pb_grpc.add_GenerationServicer_to_server(
             GenerationServicer(self.engine, self.lifecycle, self._report_error), server
@@ -122,21 +129,29 @@ class SpecserveServer:
         if self.options.reflection:
             names = (SERVICE_NAME, "grpc.health.v1.Health", reflection.SERVICE_NAME)
             reflection.enable_server_reflection(names, server)
-        credentials = server_credentials(
-            self.options.tls_cert, self.options.tls_key, self.options.tls_client_ca
-        )
-        if credentials is None:
-            self.port = server.add_insecure_port(self.options.address)
-        else:
-            self.port = server.add_secure_port(self.options.address, credentials)
-        if not self.port:
-            raise OSError(f"could not bind {self.options.address}")
+        self.port = self._bind(server)
         await self.health.start()
         await server.start()
         self._server = server
         self.engine.start()
         self._tasks.append(asyncio.create_task(self.health.watch(), name="health-watch"))
         return self.port
+
+    def _bind(self, server: grpc.aio.Server) -> int:
+        credentials = server_credentials(
+            self.options.tls_cert, self.options.tls_key, self.options.tls_client_ca
+        )
+        try:
+            if credentials is None:
+                port = server.add_insecure_port(self.options.address)
+            else:
+                port = server.add_secure_port(self.options.address, credentials)
+        except RuntimeError as exc:  # grpc says only "Failed to bind to address ..."
+            ensure_port_free(self.options.host, self.options.port)  # taken after the probe?
+            raise OSError(f"could not bind {self.options.address}: {exc}") from None
+        if not port:
+            raise OSError(f"could not bind {self.options.address}")
+        return port
 
     async def wait_ready(self, timeout_s: float | None = None) -> None:
         """Until the model is loaded; raises EngineDeadError if loading failed."""

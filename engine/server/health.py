@@ -18,11 +18,23 @@ _SERVING = health_pb2.HealthCheckResponse.SERVING
 _NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
 
+class _HealthServicer(health.aio.HealthServicer):
+    """grpc's aio servicer plus List, which it leaves to the generated base class: a sync
+    method that answers UNIMPLEMENTED and logs an ERROR with a traceback for every call."""
+
+    async def List(self, request, context) -> health_pb2.HealthListResponse:
+        statuses = {
+            name: health_pb2.HealthCheckResponse(status=status)
+            for name, status in self._server_status.items()
+        }
+        return health_pb2.HealthListResponse(statuses=statuses)
+
+
 class HealthReporter:
     """Owns the health servicer; ``watch`` polls the engine and flips the status."""
 
     def __init__(self, engine: Any, poll_interval_s: float = 0.1) -> None:
-        self.servicer = health.aio.HealthServicer()
+        self.servicer = _HealthServicer()
         self._engine = engine
         self._poll_interval_s = poll_interval_s
         self._serving: bool | None = None

@@ -11,6 +11,7 @@ from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
 from engine.errors import EngineDeadError
 from engine.server.app import ServerOptions, SpecserveServer
+from engine.server.ports import PortInUseError
 
 logger = logging.getLogger("specserve.server")
 
@@ -40,7 +41,10 @@ async def _serve(
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    port = await server.start()
+    try:
+        port = await server.start()
+    except PortInUseError as exc:
+        raise PortInUseError(exc.port, "--port") from None
     ready = asyncio.create_task(server.wait_ready())
     stopping = asyncio.create_task(stop.wait())
     await asyncio.wait({ready, stopping}, return_when=asyncio.FIRST_COMPLETED)

@@ -9,7 +9,7 @@ import pytest
 
 from engine.llm_engine import LLMEngine
 from engine.metrics import EngineMetrics
-from engine.request_log import REQUEST_LOGGER_NAME, RequestLogger
+from engine.request_log import REQUEST_LOGGER_NAME, RateLimit, RequestLogger
 from engine.sampling_params import SamplingParams
 from tests.ops.scrape import parse, value
 
@@ -208,3 +208,28 @@ def test_one_log_line_per_finished_request_without_prompts(driven) -> None:
         assert repeat["acceptance_rate"] == round(
             repeat["accepted_tokens"] / repeat["draft_tokens"], 4
         )
+
+
+def test_rpc_failure_lines_are_rate_limited_per_code(caplog) -> None:
+    now = [0.0]
+    limit = RateLimit(max_lines=2, window_s=10.0, clock=lambda: now[0])
+    request_logger = RequestLogger(rpc_log_limit=limit)
+    caplog.set_level(logging.INFO, logger=REQUEST_LOGGER_NAME)
+    for _ in range(5):
+        request_logger.on_rpc_error("INVALID_ARGUMENT", "request body is not a valid X")
+    request_logger.on_rpc_error("CANCELLED", "cancelled by the client", "r-1")
+    now[0] = 10.0  # a new window: the next line says how many were dropped
+    request_logger.on_rpc_error("INVALID_ARGUMENT", "again")
+    request_logger.on_rpc_error("INVALID_ARGUMENT", "again")
+    lines = [(r.levelno, r.fields) for r in caplog.records if r.name == REQUEST_LOGGER_NAME]
+    codes = [fields["code"] for _, fields in lines]
+    assert codes == ["INVALID_ARGUMENT"] * 2 + ["CANCELLED"] + ["INVALID_ARGUMENT"] * 2
+    assert [fields.get("suppressed") for _, fields in lines] == [None, None, None, 3, None]
+    # The client's own cancellation is not a server warning.
+    assert [level for level, _ in lines] == [logging.WARNING] * 2 + [logging.INFO] + [
+        logging.WARNING
+    ] * 2
+    with pytest.raises(ValueError, match="max_lines"):
+        RateLimit(max_lines=0)
+    with pytest.raises(ValueError, match="window_s"):
+        RateLimit(window_s=0)
