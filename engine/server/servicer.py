@@ -171,6 +171,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         else:
             # Only calls that may reach the engine count as in flight (shutdown waits
             # for them); model info and stats calls do not.
+                    self._report_cancelled(context, args)
             tracking = self._lifecycle.track() if admit else contextlib.nullcontext()
             with tracking:
                 try:
@@ -181,6 +182,15 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                     error = self._to_rpc_error(exc)
         if context.done():  # the client is gone: nobody to tell
             return None
+    def _report_cancelled(self, context: grpc.aio.ServicerContext, args: tuple) -> None:
+        """grpc.aio cancels the handler when the client cancels or the deadline passes."""
+        remaining = context.time_remaining()
+        if remaining is not None and remaining <= 0:
+            code, details = grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded"
+        else:
+            code, details = grpc.StatusCode.CANCELLED, "cancelled by the client"
+        self._report_error(code, details, _request_id(args))
+
         self._report_error(error.code, error.details, _request_id(args))
         if error.trailing:
             context.set_trailing_metadata(error.trailing)

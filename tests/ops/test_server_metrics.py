@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import urllib.request
 from collections import Counter
 
@@ -9,7 +10,11 @@ import grpc
 import pytest
 
 from engine.client import SpecserveClient
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
 from engine.metrics import EngineMetrics
+from engine.rpc import generation_pb2 as pb
+from engine.rpc import generation_pb2_grpc as pb_grpc
 from tests.ops.scrape import parse, value
 from tests.server.helpers import InProcessServer, wait_until
 
@@ -85,3 +90,50 @@ def test_container_healthcheck_script(served) -> None:
     port = str(server.server.port)
     assert healthcheck.main(["--port", port]) == 0
     assert healthcheck.main(["--port", port, "--service", "no.such.Service"]) == 1
+
+
+class _GatedEngine:
+    """The real engine, whose step() waits until ``gate`` is set: a request stays in
+    flight, deterministically, for as long as the test needs."""
+
+    def __init__(self, inner: LLMEngine, gate: threading.Event) -> None:
+        self._inner = inner
+        self._gate = gate
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+    def step(self):
+        self._gate.wait(60)
+        return self._inner.step()
+
+
+def test_cancelled_and_expired_streams_are_counted(ops_model_dir) -> None:
+    gate = threading.Event()
+    config = EngineConfig(model=str(ops_model_dir), device="cpu", num_kv_blocks=64)
+    server = InProcessServer(config, engine_factory=lambda c: _GatedEngine(LLMEngine(c), gate))
+    metrics = EngineMetrics()
+    server.server.on_rpc_error = metrics.on_rpc_error
+    url = f"http://127.0.0.1:{metrics.start_http_server(0, addr='127.0.0.1')}/metrics"
+
+    def num_errors(code: str) -> float:
+        return scrape(url).get(("specserve_grpc_errors_total", frozenset({("code", code)})), 0)
+
+    request = pb.GenerateRequest(text="Hello", sampling=pb.SamplingOptions(max_tokens=4))
+    with server, grpc.insecure_channel(server.target) as channel:
+        try:
+            stub = pb_grpc.GenerationStub(channel)
+            stream = stub.Generate(request)  # no deadline: cancelled by the client
+            wait_until(lambda: server.server.lifecycle.num_in_flight == 1, 30, "stream in flight")
+            stream.cancel()
+            wait_until(lambda: num_errors("CANCELLED") == 1, 30, "CANCELLED counted")
+            with pytest.raises(grpc.RpcError) as expired:
+                list(stub.Generate(request, timeout=0.5))
+            assert expired.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            wait_until(
+                lambda: num_errors("DEADLINE_EXCEEDED") == 1, 30, "DEADLINE_EXCEEDED counted"
+            )
+            assert num_errors("CANCELLED") == 1
+        finally:
+            gate.set()
+            metrics.stop_http_server()
