@@ -51,9 +51,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-lookahead", type=int, default=4, help="draft slots per step")
     parser.add_argument("--steps", type=int, default=1000, help="measured steps")
     parser.add_argument("--warmup-steps", type=int, default=200, help="unmeasured steps")
-    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     parser.add_argument("--num-blocks", type=int, default=None, help="default: never full")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--seed", type=int, default=0, help="seeds the synthetic requests and acceptances"
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 
 

@@ -5,11 +5,23 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Callable
+from dataclasses import fields
 
 from engine.config import ATTENTION_BACKENDS, DTYPES, SPECULATIVE_METHODS, EngineConfig
 
 # Subcommands register here: name -> (add_arguments, run). Each run returns an exit code.
 _COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Callable]] = {}
+
+# The engine's defaults, from EngineConfig itself: flags never restate them.
+_ENGINE_DEFAULTS = {f.name: f.default for f in fields(EngineConfig)}
+
+_DESCRIPTION = (
+    "specserve: LLM serving with paged KV cache, continuous batching and batched "
+    "speculative decoding. `specserve COMMAND --help` lists a command's flags."
+)
+
+# Where _EngineFlag records the engine flags given on the command line.
+GIVEN_ENGINE_FLAGS = "given_engine_flags"
 
 
 def command(name: str, help_text: str):
@@ -20,50 +32,118 @@ def command(name: str, help_text: str):
     return register
 
 
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Appends "(default: X)" to a flag's help when X says something (not None, not an
+    off switch) and the help does not already explain its default."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        help_text = action.help or ""
+        default = action.default
+        if (
+            not action.option_strings
+            or default is None
+            or default is False
+            or default == argparse.SUPPRESS
+            or "default" in help_text
+        ):
+            return help_text
+        return f"{help_text} (default: %(default)s)"
+
+
+class _EngineFlag(argparse.Action):
+    """Stores a value (with nargs=0: ``const``) and records the flag as given, so that
+    `generate --server` can refuse engine flags, which only a local engine reads."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        setattr(namespace, self.dest, self.const if self.nargs == 0 else values)
+        given = getattr(namespace, GIVEN_ENGINE_FLAGS, ())
+        setattr(namespace, GIVEN_ENGINE_FLAGS, (*given, self.option_strings[0]))
+
+
 def add_engine_args(parser: argparse.ArgumentParser, *, with_seed: bool = True) -> None:
     """Every EngineConfig field as a flag; shared by generate, serve and bench.
     `specserve generate` uses --seed for its request, so it leaves the engine's out."""
+    d = _ENGINE_DEFAULTS
+    parser.set_defaults(**{GIVEN_ENGINE_FLAGS: ()})
     g = parser.add_argument_group("engine")
-    g.add_argument(
-        "--model",
-        default=None,
-        help="HF directory, .gguf file or hub id (default: smollm2-135m-instruct)",
+
+    def flag(name: str, help_text: str, **kwargs) -> None:
+        dest = name.removeprefix("--").replace("-", "_")
+        kwargs.setdefault("default", d.get(dest))
+        if kwargs.get("type") is int:
+            kwargs.setdefault("metavar", "N")
+        g.add_argument(name, action=_EngineFlag, help=help_text, **kwargs)
+
+    flag("--model", "HF directory, .gguf file or hub id (default: smollm2-135m-instruct)")
+    flag(
+        "--tokenizer",
+        "directory holding the tokenizer files (tokenizer.json, tokenizer_config.json ...) "
+        "for a --model without them (default: the model's own)",
     )
-    g.add_argument("--draft-model", default=None, help="small draft model sharing the tokenizer")
-    g.add_argument(
+    flag("--draft-model", "small draft model sharing the tokenizer")
+    flag(
         "--speculative-method",
+        "default: draft if --draft-model is given, else ngram",
         choices=SPECULATIVE_METHODS,
-        default=None,
-        help="default: draft if --draft-model is given, else ngram",
     )
-    g.add_argument("--num-speculative-tokens", type=int, default=4)
-    g.add_argument(
-        "--speculative-disable-batch-size",
+    flag(
+        "--num-speculative-tokens",
+        "the most draft tokens a request verifies per step",
         type=int,
-        default=None,
-        help="above this many running requests nobody speculates (default: 4 on CPU, 16 on CUDA)",
     )
-    g.add_argument("--block-size", type=int, default=16)
-    g.add_argument("--num-kv-blocks", type=int, default=None)
-    g.add_argument("--kv-cache-memory-gib", type=float, default=1.0)
-    g.add_argument("--max-num-seqs", type=int, default=256)
-    g.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    g.add_argument("--max-model-len", type=int, default=None)
-    g.add_argument("--max-waiting-requests", type=int, default=1024)
-    g.add_argument("--no-prefix-caching", action="store_true")
-    g.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
-    g.add_argument("--dtype", choices=DTYPES, default="auto")
-    g.add_argument("--attn-backend", choices=ATTENTION_BACKENDS, default="auto")
-    g.add_argument(
-        "--num-threads", type=int, default=None, help="torch CPU threads (default: one per core)"
+    flag(
+        "--speculative-disable-batch-size",
+        "above this many running requests nobody speculates (default: 4 on CPU, 16 on CUDA)",
+        type=int,
     )
+    flag("--block-size", "tokens per KV cache block: 8, 16, 32 or 64", type=int)
+    flag(
+        "--num-kv-blocks",
+        "KV cache blocks (default: as many as --kv-cache-memory-gib holds)",
+        type=int,
+    )
+    flag(
+        "--kv-cache-memory-gib",
+        "memory for all KV caches, target and draft, when --num-kv-blocks is not given",
+        type=float,
+        metavar="GIB",
+    )
+    flag("--max-num-seqs", "the most requests running at once", type=int)
+    flag("--max-num-batched-tokens", "the most tokens one engine step computes", type=int)
+    flag(
+        "--max-model-len",
+        "the most tokens (prompt + output) per request (default: the model's context length)",
+        type=int,
+    )
+    flag(
+        "--max-waiting-requests",
+        "the most requests waiting to run; further ones are refused",
+        type=int,
+    )
+    flag(
+        "--no-prefix-caching",
+        "do not reuse the KV cache of shared prompt prefixes",
+        nargs=0,
+        const=True,
+        default=False,
+    )
+    flag("--device", "auto, cpu, cuda or cuda:N")
+    flag("--dtype", "auto: float32 on CPU, bfloat16 on CUDA", choices=DTYPES)
+    flag(
+        "--attn-backend",
+        "auto: xformers on CUDA when installed, the compiled kernels for float32 on CPU, "
+        "else torch",
+        choices=ATTENTION_BACKENDS,
+    )
+    flag("--num-threads", "torch CPU threads (default: one per core)", type=int)
     if with_seed:
-        g.add_argument("--seed", type=int, default=0, help="engine seed for unseeded requests")
+        flag("--seed", "engine seed for unseeded requests", type=int)
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(
         model=args.model,
+        tokenizer=args.tokenizer,
         draft_model=args.draft_model,
         speculative_method=args.speculative_method,
         num_speculative_tokens=args.num_speculative_tokens,
@@ -79,18 +159,43 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         device=args.device,
         dtype=args.dtype,
         attn_backend=args.attn_backend,
-        seed=getattr(args, "seed", 0),
+        seed=getattr(args, "seed", _ENGINE_DEFAULTS["seed"]),
         num_threads=args.num_threads,
     )
 
 
+def version() -> str:
+    """The installed package's version; the source tree's when it is not installed."""
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as package_version
+
+    try:
+        return package_version("specserve")
+    except PackageNotFoundError:
+        return "unknown (not installed; run scripts/install.sh)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     _load_commands()
-    parser = argparse.ArgumentParser(prog="specserve", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser = argparse.ArgumentParser(prog="specserve", description=_DESCRIPTION)
+    parser.add_argument(
+        "--version", action="version", version=f"specserve {version()}", help="print the version"
+    )
+    sub = parser.add_subparsers(dest="command", required=True, help="what to run")
     for name, (help_text, add_arguments, _run) in _COMMANDS.items():
         add_arguments(sub.add_parser(name, help=help_text, description=help_text))
+    for p in iter_parsers(parser):
+        p.formatter_class = HelpFormatter
     return parser
+
+
+def iter_parsers(parser: argparse.ArgumentParser):
+    """``parser`` and every subcommand's parser below it."""
+    yield parser
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for child in action.choices.values():
+                yield from iter_parsers(child)
 
 
 def _load_commands() -> None:

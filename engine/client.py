@@ -6,16 +6,20 @@
 
 Errors are ``grpc.RpcError`` (``.code()``, ``.details()``); ``retry_after_s(error)``
 reads the server's retry hint from a RESOURCE_EXHAUSTED answer.
+
+Both clients share one request/response layer: each unary RPC is an ``_Rpc`` (what to
+call, what to send, how to read the answer), built and converted the same way for
+both; the two classes only differ in how they wait for the answer (block or await).
 """
 
 from __future__ import annotations
 
 import asyncio
-import sys
 import time
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -31,6 +35,8 @@ _FINISH_REASONS = {
     pb.FINISH_REASON_LENGTH: "length",
     pb.FINISH_REASON_ABORT: "abort",
 }
+_POLL_INTERVAL_S = 0.1  # wait_serving: between health checks
+_POLL_TIMEOUT_S = 1.0  # wait_serving: per health check
 
 
 # ---- typed results ----------------------------------------------------------------
@@ -151,6 +157,61 @@ def retry_after_s(error: grpc.RpcError) -> float | None:
     return None
 
 
+@dataclass(frozen=True, slots=True)
+class _Rpc:
+    """One unary call, whichever transport carries it."""
+
+    method: str  # the stub's method name
+    request: Any  # the request message
+    convert: Callable[[Any], Any]  # response message -> what the client returns
+    health: bool = False  # the Health service: its own stub, no API key
+
+
+def _generate_complete_rpc(prompt, request: pb.GenerateRequest | None, kwargs) -> _Rpc:
+    return _Rpc("GenerateComplete", request or build_request(prompt, **kwargs), _completion)
+
+
+def _tokenize_rpc(text: str | None, messages) -> _Rpc:
+    if messages is not None:
+        chat = pb.ChatMessages(messages=[pb.ChatMessage(**m) for m in messages])
+        request = pb.TokenizeRequest(chat=chat)
+    else:
+        request = pb.TokenizeRequest(text=text or "")
+    return _Rpc("Tokenize", request, lambda r: list(r.token_ids))
+
+
+def _model_info_rpc() -> _Rpc:
+    return _Rpc("GetModelInfo", pb.GetModelInfoRequest(), _same)
+
+
+def _server_stats_rpc() -> _Rpc:
+    return _Rpc("GetServerStats", pb.GetServerStatsRequest(), _same)
+
+
+def _health_rpc(service: str) -> _Rpc:
+    request = health_pb2.HealthCheckRequest(service=service)
+    return _Rpc("Check", request, _health_status, health=True)
+
+
+class _ServingWait:
+    """wait_serving's rule for both transports: done at SERVING, TimeoutError (naming
+    the last answer) once the deadline has passed."""
+
+    def __init__(self, target: str, timeout: float) -> None:
+        self._target, self._timeout = target, timeout
+        self._deadline = time.monotonic() + timeout
+
+    def done(self, last: str) -> bool:
+        if last == "SERVING":
+            return True
+        if time.monotonic() > self._deadline:
+            raise TimeoutError(
+                f"server {self._target} not SERVING after {self._timeout:.0f}s "
+                f"(last health answer: {last})"
+            )
+        return False
+
+
 # ---- conversions --------------------------------------------------------------------
 def _delta(r: pb.GenerateResponse) -> GenerateDelta:
     return GenerateDelta(
@@ -200,33 +261,26 @@ def _stop_reason(r) -> str | int | None:
     return None if kind is None else getattr(r, kind)
 
 
+def _health_status(response: health_pb2.HealthCheckResponse) -> str:
+    return health_pb2.HealthCheckResponse.ServingStatus.Name(response.status)
+
+
+def _same(response):
+    return response
+
+
 def _pem(value: bytes | str | None) -> bytes | None:
     if value is None or isinstance(value, bytes):
         return value
     return Path(value).read_bytes()
 
 
-def _health_status(response: health_pb2.HealthCheckResponse) -> str:
-    return health_pb2.HealthCheckResponse.ServingStatus.Name(response.status)
+# ---- transports ---------------------------------------------------------------------
+class _Transport:
+    """The channel, stubs and credentials; ``_start`` issues an ``_Rpc`` and returns
+    the call (a response for grpc, an awaitable for grpc.aio)."""
 
-
-# ---- sync client --------------------------------------------------------------------
-class GenerateStream:
-    """Iterate for deltas; ``cancel()`` aborts the request on the server."""
-
-    def __init__(self, call) -> None:
-        self._call = call
-
-    def __iter__(self) -> Iterator[GenerateDelta]:
-        for response in self._call:
-            yield _delta(response)
-
-    def cancel(self) -> None:
-        self._call.cancel()
-
-
-class SpecserveClient:
-    """Blocking client. ``tls``: False (plaintext), True (system roots) or a TlsConfig."""
+    _grpc: Any  # the grpc module (blocking) or grpc.aio
 
     def __init__(
         self,
@@ -236,62 +290,88 @@ class SpecserveClient:
         options: Sequence[tuple[str, object]] = (),
     ) -> None:
         self._target = target
-        self._channel = _make_channel(grpc, target, tls, options)
+        self._channel = _make_channel(self._grpc, target, tls, options)
         self._stub = pb_grpc.GenerationStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
         self._metadata = _auth_metadata(api_key)
 
+    def _start(self, rpc: _Rpc, timeout: float | None):
+        stub = self._health if rpc.health else self._stub
+        metadata = None if rpc.health else self._metadata
+        return getattr(stub, rpc.method)(rpc.request, timeout=timeout, metadata=metadata)
+
+    def _start_stream(self, prompt, request: pb.GenerateRequest | None, timeout, kwargs):
+        request = request or build_request(prompt, **kwargs)
+        return self._stub.Generate(request, timeout=timeout, metadata=self._metadata)
+
+
+class _Stream:
+    def __init__(self, call) -> None:
+        self._call = call
+
+    def cancel(self) -> None:
+        """Abort the request on the server."""
+        self._call.cancel()
+
+
+class GenerateStream(_Stream):
+    """Iterate for deltas; ``cancel()`` aborts the request on the server."""
+
+    def __iter__(self) -> Iterator[GenerateDelta]:
+        for response in self._call:
+            yield _delta(response)
+
+
+class AsyncGenerateStream(_Stream):
+    async def __aiter__(self) -> AsyncIterator[GenerateDelta]:
+        async for response in self._call:
+            yield _delta(response)
+
+
+class SpecserveClient(_Transport):
+    """Blocking client. ``tls``: False (plaintext), True (system roots) or a TlsConfig."""
+
+    _grpc = grpc
+
+    def _call(self, rpc: _Rpc, timeout: float | None):
+        return rpc.convert(self._start(rpc, timeout))
+
     def generate(
         self, prompt=None, *, request: pb.GenerateRequest | None = None, timeout=None, **kwargs
     ) -> GenerateStream:
-        request = request or build_request(prompt, **kwargs)
-        return GenerateStream(
-            self._stub.Generate(request, timeout=timeout, metadata=self._metadata)
-        )
+        return GenerateStream(self._start_stream(prompt, request, timeout, kwargs))
 
     def generate_complete(
         self, prompt=None, *, request: pb.GenerateRequest | None = None, timeout=None, **kwargs
     ) -> Completion:
-        request = request or build_request(prompt, **kwargs)
-        return _completion(
-            self._stub.GenerateComplete(request, timeout=timeout, metadata=self._metadata)
-        )
+        return self._call(_generate_complete_rpc(prompt, request, kwargs), timeout)
 
     def tokenize(
         self, text: str | None = None, *, messages=None, timeout: float | None = None
     ) -> list[int]:
-        request = _tokenize_request(text, messages)
-        response = self._stub.Tokenize(request, timeout=timeout, metadata=self._metadata)
-        return list(response.token_ids)
+        return self._call(_tokenize_rpc(text, messages), timeout)
 
     def model_info(self, timeout: float | None = None) -> pb.ModelInfo:
-        return self._stub.GetModelInfo(
-            pb.GetModelInfoRequest(), timeout=timeout, metadata=self._metadata
-        )
+        return self._call(_model_info_rpc(), timeout)
 
     def server_stats(self, timeout: float | None = None) -> pb.ServerStats:
-        return self._stub.GetServerStats(
-            pb.GetServerStatsRequest(), timeout=timeout, metadata=self._metadata
-        )
+        return self._call(_server_stats_rpc(), timeout)
 
     def health(self, service: str = SERVICE_NAME, timeout: float | None = 5.0) -> str:
         """'SERVING', 'NOT_SERVING', ... (health needs no API key)."""
-        request = health_pb2.HealthCheckRequest(service=service)
-        return _health_status(self._health.Check(request, timeout=timeout))
+        return self._call(_health_rpc(service), timeout)
 
     def wait_serving(self, timeout: float = 60.0) -> None:
         """Poll health until SERVING; TimeoutError (naming the last answer) otherwise."""
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                last = self.health(timeout=1.0)
-            except grpc.RpcError as exc:  # refused or unavailable while the server starts
-                last = exc.code().name
-            if last == "SERVING":
-                return
-            if time.monotonic() > deadline:
-                raise _not_serving(self._target, timeout, last)
-            time.sleep(0.1)
+        wait = _ServingWait(self._target, timeout)
+        while not wait.done(self._health_or_error()):
+            time.sleep(_POLL_INTERVAL_S)
+
+    def _health_or_error(self) -> str:
+        try:
+            return self.health(timeout=_POLL_TIMEOUT_S)
+        except grpc.RpcError as exc:  # refused or unavailable while the server starts
+            return exc.code().name
 
     def close(self) -> None:
         self._channel.close()
@@ -303,86 +383,49 @@ class SpecserveClient:
         self.close()
 
 
-# ---- async client -------------------------------------------------------------------
-class AsyncGenerateStream:
-    def __init__(self, call) -> None:
-        self._call = call
-
-    async def __aiter__(self) -> AsyncIterator[GenerateDelta]:
-        async for response in self._call:
-            yield _delta(response)
-
-    def cancel(self) -> None:
-        self._call.cancel()
-
-
-class AsyncSpecserveClient:
+class AsyncSpecserveClient(_Transport):
     """The asyncio twin of SpecserveClient (create it inside a running event loop)."""
 
-    def __init__(
-        self,
-        target: str,
-        api_key: str | None = None,
-        tls: bool | TlsConfig = False,
-        options: Sequence[tuple[str, object]] = (),
-    ) -> None:
-        self._target = target
-        self._channel = _make_channel(grpc.aio, target, tls, options)
-        self._stub = pb_grpc.GenerationStub(self._channel)
-        self._health = health_pb2_grpc.HealthStub(self._channel)
-        self._metadata = _auth_metadata(api_key)
+    _grpc = grpc.aio
+
+    async def _call(self, rpc: _Rpc, timeout: float | None):
+        return rpc.convert(await self._start(rpc, timeout))
 
     def generate(
         self, prompt=None, *, request: pb.GenerateRequest | None = None, timeout=None, **kwargs
     ) -> AsyncGenerateStream:
-        request = request or build_request(prompt, **kwargs)
-        return AsyncGenerateStream(
-            self._stub.Generate(request, timeout=timeout, metadata=self._metadata)
-        )
+        return AsyncGenerateStream(self._start_stream(prompt, request, timeout, kwargs))
 
     async def generate_complete(
         self, prompt=None, *, request: pb.GenerateRequest | None = None, timeout=None, **kwargs
     ) -> Completion:
-        request = request or build_request(prompt, **kwargs)
-        response = await self._stub.GenerateComplete(
-            request, timeout=timeout, metadata=self._metadata
-        )
-        return _completion(response)
+        return await self._call(_generate_complete_rpc(prompt, request, kwargs), timeout)
 
     async def tokenize(
         self, text: str | None = None, *, messages=None, timeout: float | None = None
     ) -> list[int]:
-        request = _tokenize_request(text, messages)
-        response = await self._stub.Tokenize(request, timeout=timeout, metadata=self._metadata)
-        return list(response.token_ids)
+        return await self._call(_tokenize_rpc(text, messages), timeout)
 
     async def model_info(self, timeout: float | None = None) -> pb.ModelInfo:
-        return await self._stub.GetModelInfo(
-            pb.GetModelInfoRequest(), timeout=timeout, metadata=self._metadata
-        )
+        return await self._call(_model_info_rpc(), timeout)
 
     async def server_stats(self, timeout: float | None = None) -> pb.ServerStats:
-        return await self._stub.GetServerStats(
-            pb.GetServerStatsRequest(), timeout=timeout, metadata=self._metadata
-        )
+        return await self._call(_server_stats_rpc(), timeout)
 
     async def health(self, service: str = SERVICE_NAME, timeout: float | None = 5.0) -> str:
-        request = health_pb2.HealthCheckRequest(service=service)
-        return _health_status(await self._health.Check(request, timeout=timeout))
+        return await self._call(_health_rpc(service), timeout)
 
     async def wait_serving(self, timeout: float = 60.0) -> None:
         """Poll health until SERVING; TimeoutError (naming the last answer) otherwise."""
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                last = await self.health(timeout=1.0)
-            except grpc.RpcError as exc:  # refused or unavailable while the server starts
-                last = exc.code().name
-            if last == "SERVING":
-                return
-            if time.monotonic() > deadline:
-                raise _not_serving(self._target, timeout, last)
-            await asyncio.sleep(0.1)
+        wait = _ServingWait(self._target, timeout)
+        while not wait.done(await self._health_or_error()):
+            await asyncio.sleep(_POLL_INTERVAL_S)
+
+    async def _health_or_error(self) -> str:
+        try:
+            return await self.health(timeout=_POLL_TIMEOUT_S)
+        except grpc.RpcError as exc:  # refused or unavailable while the server starts
+            return exc.code().name
 
     async def close(self) -> None:
         await self._channel.close()
@@ -392,12 +435,6 @@ class AsyncSpecserveClient:
 
     async def __aexit__(self, *exc) -> None:
         await self.close()
-
-
-def _not_serving(target: str, timeout: float, last: str) -> TimeoutError:
-    return TimeoutError(
-        f"server {target} not SERVING after {timeout:.0f}s (last health answer: {last})"
-    )
 
 
 def _make_channel(module, target: str, tls: bool | TlsConfig, options):
@@ -412,39 +449,3 @@ def _make_channel(module, target: str, tls: bool | TlsConfig, options):
 
 def _auth_metadata(api_key: str | None) -> tuple[tuple[str, str], ...] | None:
     return (("authorization", f"Bearer {api_key}"),) if api_key else None
-
-
-def _tokenize_request(text: str | None, messages) -> pb.TokenizeRequest:
-    if messages is not None:
-        return pb.TokenizeRequest(
-            chat=pb.ChatMessages(messages=[pb.ChatMessage(**m) for m in messages])
-        )
-    return pb.TokenizeRequest(text=text or "")
-
-
-# ---- CLI ----------------------------------------------------------------------------
-def stream_generate_cli(
-    server: str,
-    prompt: str,
-    max_tokens: int,
-    temperature: float,
-    seed: int | None,
-    chat: bool,
-    api_key: str | None,
-) -> int:
-    """``specserve generate --server HOST:PORT``: stream text to stdout; 0 on success."""
-    kwargs = {"messages": [{"role": "user", "content": prompt}]} if chat else {"prompt": prompt}
-    try:
-        with SpecserveClient(server, api_key=api_key) as client:
-            stream = client.generate(
-                **kwargs, max_tokens=max_tokens, temperature=temperature, seed=seed
-            )
-            for delta in stream:
-                sys.stdout.write(delta.text)
-                sys.stdout.flush()
-    except grpc.RpcError as exc:
-        sys.stdout.write("\n")
-        print(f"specserve generate: {exc.code().name}: {exc.details()}", file=sys.stderr)
-        return 1
-    sys.stdout.write("\n")
-    return 0

@@ -1,87 +1,207 @@
-"""`specserve generate "prompt"`: offline generation, streamed to stdout; or, with
---server, the same against a running specserve server."""
+"""`specserve generate "prompt"`: one prompt, streamed to stdout, from a local engine or,
+with --server, from a running specserve server. Both modes take the same sampling flags
+with the same defaults, the API's own (SamplingParams), and validate them the same way."""
 
 from __future__ import annotations
 
 import argparse
 import sys
+import time
+from dataclasses import MISSING, fields
+from typing import NamedTuple
 
-from engine.cli import add_engine_args, command, engine_config_from_args
+from engine.cli import GIVEN_ENGINE_FLAGS, add_engine_args, command, engine_config_from_args
+from engine.sampling_params import SamplingParams
+
+_DEFAULTS = {f.name: f.default for f in fields(SamplingParams) if f.default is not MISSING}
+
+# The sampling fields this command carries, as SamplingParams and build_request name them.
+_SAMPLING_FIELDS = ("max_tokens", "temperature", "top_k", "top_p", "min_p", "seed", "stop")
+_SAMPLING_FIELDS += ("ignore_eos",)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("prompt", help="the prompt text")
-    parser.add_argument("--max-tokens", type=int, default=128)
-    parser.add_argument("--temperature", type=float, default=0.0)
-    parser.add_argument("--top-p", type=float, default=1.0)
-    parser.add_argument("--top-k", type=int, default=0)
-    parser.add_argument(
-        "--seed", dest="request_seed", type=int, default=None, help="sampling seed for this request"
-    )
     parser.add_argument(
         "--chat",
         action="store_true",
         help="wrap the prompt as a user message in the model's chat template",
     )
     parser.add_argument(
+        "--stats",
+        action="store_true",
+        help="print tokens, time to first token, total time and speculation counts to stderr",
+    )
+    _add_sampling_args(parser)
+    g = parser.add_argument_group("server")
+    g.add_argument(
         "--server",
         default=None,
         help="HOST:PORT of a running specserve server instead of a local model",
     )
-    parser.add_argument("--api-key", default=None, help="bearer token for --server")
-    parser.add_argument("--stats", action="store_true", help="print speed and speculation stats")
+    g.add_argument("--api-key", default=None, help="bearer token for --server")
     add_engine_args(parser, with_seed=False)
 
 
-def run(args: argparse.Namespace) -> int:
-    if args.server:
-        from engine.client import stream_generate_cli
-
-        return stream_generate_cli(
-            args.server,
-            args.prompt,
-            args.max_tokens,
-            args.temperature,
-            args.request_seed,
-            args.chat,
-            args.api_key,
-        )
-    from engine.llm_engine import LLMEngine
-    from engine.sampling_params import SamplingParams
-
-    params = SamplingParams(
-        max_tokens=args.max_tokens,
-        temperature=args.temperature,
-        top_p=args.top_p,
-        top_k=args.top_k,
-        seed=args.request_seed,
+def _add_sampling_args(parser: argparse.ArgumentParser) -> None:
+    d = _DEFAULTS
+    g = parser.add_argument_group("sampling (the API's defaults, locally and with --server)")
+    g.add_argument(
+        "--max-tokens", type=int, default=d["max_tokens"], help="the most tokens to generate"
     )
-    config = engine_config_from_args(args)
-    print("loading model...", file=sys.stderr, flush=True)
-    engine = LLMEngine(config)
-    if args.chat:
-        engine.add_request("cli", None, params, messages=[{"role": "user", "content": args.prompt}])
+    g.add_argument(
+        "--temperature", type=float, default=d["temperature"], help="0 is greedy decoding"
+    )
+    g.add_argument(
+        "--top-k", type=int, default=d["top_k"], help="sample among the k likeliest tokens; 0: all"
+    )
+    g.add_argument(
+        "--top-p",
+        type=float,
+        default=d["top_p"],
+        help="sample among the likeliest tokens whose probabilities add up to p; 1: all",
+    )
+    g.add_argument(
+        "--min-p",
+        type=float,
+        default=d["min_p"],
+        help="drop tokens less likely than min-p times the likeliest; 0: none",
+    )
+    # dest differs from the flag: args.seed would be read as the engine's seed.
+    g.add_argument(
+        "--seed",
+        dest="request_seed",
+        type=int,
+        default=d["seed"],
+        metavar="SEED",
+        help="sampling seed for this request: the same seed gives the same output "
+        "(default: a fresh one each run)",
+    )
+    g.add_argument(
+        "--stop",
+        action="append",
+        default=None,
+        metavar="TEXT",
+        help="end the output at this text (repeatable)",
+    )
+    g.add_argument(
+        "--ignore-eos",
+        action="store_true",
+        help="keep generating past the end-of-sequence token, up to --max-tokens",
+    )
+
+
+class _Stats(NamedTuple):
+    finish_reason: str | None
+    num_tokens: int
+    ttft_s: float | None
+    total_s: float
+    num_draft_tokens: int
+    num_accepted_tokens: int
+
+
+def run(args: argparse.Namespace) -> int:
+    sampling = _sampling_kwargs(args)
+    SamplingParams(**sampling)  # one validation, one error text, in both modes
+    prompt = (
+        {"messages": [{"role": "user", "content": args.prompt}]}
+        if args.chat
+        else {"prompt": args.prompt}
+    )
+    if args.server:
+        _refuse_engine_flags(getattr(args, GIVEN_ENGINE_FLAGS))
+        stats = _generate_remote(args.server, args.api_key, prompt, sampling)
     else:
-        engine.add_request("cli", args.prompt, params)
-    final = None
-    while engine.has_unfinished_requests():
-        for delta in engine.step():
-            sys.stdout.write(delta.text)
-            sys.stdout.flush()
-            final = delta
-    sys.stdout.write("\n")
-    if args.stats and final is not None:
-        _print_stats(final)
+        if args.api_key is not None:
+            raise ValueError("--api-key only applies with --server")
+        stats = _generate_local(args, prompt, sampling)
+    if args.stats and stats is not None:
+        print(_stats_line(stats), file=sys.stderr)
     return 0
 
 
-def _print_stats(output) -> None:
-    m = output.metrics
-    total = m.finished_time - m.arrival_time
-    print(
-        f"[{output.finish_reason}] ttft {m.time_to_first_token * 1000:.0f} ms, "
-        f"total {total:.2f} s, drafts {m.num_draft_tokens}, accepted {m.num_accepted_tokens}",
-        file=sys.stderr,
+def _sampling_kwargs(args: argparse.Namespace) -> dict:
+    values = vars(args) | {"seed": args.request_seed, "stop": args.stop or []}
+    return {name: values[name] for name in _SAMPLING_FIELDS}
+
+
+def _refuse_engine_flags(given: tuple[str, ...]) -> None:
+    if not given:
+        return
+    flags = ", ".join(dict.fromkeys(given))
+    verb = "is an engine flag and does" if len(set(given)) == 1 else "are engine flags and do"
+    raise ValueError(f"{flags} {verb} nothing with --server (the server already loaded its model)")
+
+
+def _generate_local(args: argparse.Namespace, prompt: dict, sampling: dict) -> _Stats | None:
+    from engine.llm_engine import LLMEngine
+
+    config = engine_config_from_args(args)
+    print("loading model...", file=sys.stderr, flush=True)
+    engine = LLMEngine(config)
+    engine.add_request(
+        "cli", prompt.get("prompt"), SamplingParams(**sampling), messages=prompt.get("messages")
+    )
+    final, num_tokens = None, 0
+    try:
+        while engine.has_unfinished_requests():
+            for delta in engine.step():
+                _write(delta.text)
+                num_tokens += len(delta.token_ids)
+                final = delta
+    finally:
+        sys.stdout.write("\n")
+    if final is None:
+        return None
+    m = final.metrics
+    total = (m.finished_time or time.monotonic()) - m.arrival_time
+    return _Stats(
+        final.finish_reason,
+        num_tokens,
+        m.time_to_first_token,
+        total,
+        m.num_draft_tokens,
+        m.num_accepted_tokens,
+    )
+
+
+def _generate_remote(
+    server: str, api_key: str | None, prompt: dict, sampling: dict
+) -> _Stats | None:
+    from engine.client import SpecserveClient
+
+    start = time.monotonic()
+    final = None
+    with SpecserveClient(server, api_key=api_key) as client:
+        try:
+            for delta in client.generate(**prompt, **sampling):
+                _write(delta.text)
+                final = delta
+        finally:
+            sys.stdout.write("\n")
+    if final is None or final.usage is None:
+        return None
+    u = final.usage
+    return _Stats(
+        final.finish_reason,
+        u.completion_tokens,
+        u.time_to_first_token_s,
+        time.monotonic() - start,
+        u.draft_tokens,
+        u.accepted_draft_tokens,
+    )
+
+
+def _write(text: str) -> None:
+    sys.stdout.write(text)
+    sys.stdout.flush()
+
+
+def _stats_line(s: _Stats) -> str:
+    ttft = "-" if s.ttft_s is None else f"{s.ttft_s * 1000:.0f} ms"
+    return (
+        f"[{s.finish_reason}] {s.num_tokens} tokens, ttft {ttft}, total {s.total_s:.2f} s, "
+        f"drafts {s.num_draft_tokens}, accepted {s.num_accepted_tokens}"
     )
 
 

@@ -65,7 +65,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=30.0,
         help="calls in flight at GOAWAY get this long to finish (default 30)",
     )
-    g.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
+    g.add_argument(
+        "--log-level",
+        default="INFO",
+        choices=("DEBUG", "INFO", "WARNING", "ERROR"),
+        help="least severe log level written",
+    )
 
 
 def run(args: argparse.Namespace) -> int:

@@ -16,6 +16,8 @@ GiB = 1 << 30
 @dataclass(frozen=True)
 class EngineConfig:
     model: str | None = None
+    # A directory with the tokenizer files, for a model directory that has none.
+    tokenizer: str | None = None
     draft_model: str | None = None
     # None picks a default: "draft" when a draft model is given, else "ngram" on CPU.
     speculative_method: str | None = None

@@ -53,7 +53,11 @@ class LLMEngine:
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
         self.loaded = loaded or load_model(
-            config.model, dtype=config.dtype, device=config.device, attn_backend=config.attn_backend
+            config.model,
+            dtype=config.dtype,
+            device=config.device,
+            attn_backend=config.attn_backend,
+            tokenizer=config.tokenizer,
         )
         self.tokenizer = self.loaded.tokenizer
         self.device = torch.device(self.loaded.device)

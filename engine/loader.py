@@ -4,6 +4,7 @@
     load_model("path/to/hf_dir")        config.json + *.safetensors (+ tokenizer files)
     load_model("path/to/model.gguf")    converted once into the cache, then as an HF dir
     load_model("org/name")              snapshot_download from the Hugging Face hub
+    load_model(m, tokenizer="tok_dir")  the tokenizer from tok_dir instead of m's own
 
 Weights go straight from safetensors into our model; transformers is only used for the
 tokenizer and for the one-time GGUF dequantization.
@@ -21,7 +22,7 @@ from engine import envs
 from engine.attention import get_attention_backend, xformers_available
 from engine.default_model import DEFAULT_MODEL_NAME, ModelLoadError, default_gguf_path
 from engine.kernels.cpu import kernels_for, serves
-from engine.model_config import ModelArchConfig
+from engine.model_config import ModelArchConfig, architectures_of
 from engine.models.gguf_convert import ensure_converted
 from engine.models.registry import get_model_class
 
@@ -37,6 +38,8 @@ __all__ = [
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _HUB_PATTERNS = ["config.json", "generation_config.json", "*.safetensors", "tokenizer*", "*.jinja"]
 _HUB_PATTERNS += ["special_tokens_map.json", "vocab.json", "merges.txt"]
+# Any one of these sets makes a tokenizer (fast, sentencepiece, byte-level BPE).
+_TOKENIZER_FILES = (("tokenizer.json",), ("tokenizer.model",), ("vocab.json", "merges.txt"))
 
 
 @dataclass
@@ -99,15 +102,18 @@ def load_model(
     dtype: str = "auto",
     device: str = "auto",
     attn_backend: str = "auto",
+    tokenizer: str | None = None,
 ) -> LoadedModel:
-    """Load ``model`` (see module docstring) ready for paged serving."""
+    """Load ``model`` (see module docstring) ready for paged serving. ``tokenizer``: a
+    directory with the tokenizer files, for a model directory that has none."""
     resolved_device = resolve_device(device)
     resolved_dtype = resolve_dtype(dtype, resolved_device)
     backend = get_attention_backend(
         resolve_attn_backend(attn_backend, resolved_device, resolved_dtype), resolved_device
     )
+    tokenizer_dir = _tokenizer_dir(tokenizer)
     hf_dir, name = _locate(model)
-    return _load_hf_dir(hf_dir, name, resolved_dtype, resolved_device, backend)
+    return _load_hf_dir(hf_dir, name, resolved_dtype, resolved_device, backend, tokenizer_dir)
 
 
 def _locate(model: str | None) -> tuple[Path, str]:
@@ -152,16 +158,47 @@ def _download(repo_id: str) -> Path:
     return Path(local)
 
 
+def _tokenizer_dir(tokenizer: str | None) -> Path | None:
+    if tokenizer is None:
+        return None
+    path = Path(tokenizer).expanduser()
+    if not path.is_dir():
+        raise ModelLoadError(f"--tokenizer {tokenizer}: not a directory")
+    _check_tokenizer_files(path, "--tokenizer")
+    return path
+
+
+def _check_tokenizer_files(path: Path, flag: str) -> None:
+    """ModelLoadError naming the missing files unless ``path`` holds a tokenizer:
+    tokenizer.json (fast), tokenizer.model (sentencepiece) or vocab.json + merges.txt."""
+    if any(all((path / name).exists() for name in files) for files in _TOKENIZER_FILES):
+        return
+    alternatives = [" + ".join(files) for files in _TOKENIZER_FILES]
+    missing = f"{', '.join(alternatives[:-1])} or {alternatives[-1]}"
+    if not (path / "tokenizer_config.json").exists():
+        missing += ", nor tokenizer_config.json"
+    hint = "; add them or pass --tokenizer DIR holding them" if flag == "--model" else ""
+    raise ModelLoadError(f"{flag} {path} has no tokenizer files: no {missing}{hint}")
+
+
 def _load_hf_dir(
-    hf_dir: Path, name: str, dtype: torch.dtype, device: torch.device, backend
+    hf_dir: Path,
+    name: str,
+    dtype: torch.dtype,
+    device: torch.device,
+    backend,
+    tokenizer_dir: Path | None = None,
 ) -> LoadedModel:
     from transformers import AutoTokenizer
 
     config = _read_json(hf_dir / "config.json")
+    get_model_class(architectures_of(config))  # one line before any KeyError on odd configs
+    if tokenizer_dir is None:
+        _check_tokenizer_files(hf_dir, "--model")
     arch = ModelArchConfig.from_hf_config(config)
     model = build_model(arch, backend, dtype, device)
     model.load_weights(_iter_safetensors(hf_dir, device))
-    tokenizer = AutoTokenizer.from_pretrained(str(hf_dir))
+    tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir or hf_dir))
     eos = _eos_token_ids(arch, hf_dir, tokenizer)
     return LoadedModel(model.eval(), tokenizer, arch, name, dtype, device, eos, hf_dir)
 

@@ -78,7 +78,7 @@ class ModelArchConfig:
             max_position_embeddings=cfg.get("max_position_embeddings", 2048),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=_attention_bias(cfg),
-            architectures=_architectures(cfg),
+            architectures=architectures_of(cfg),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_id=cfg.get("eos_token_id"),
             sliding_window=_sliding_window(cfg),
@@ -93,6 +93,7 @@ def _sliding_window(cfg: dict[str, Any]) -> int | None:
     return int(window)
 
 
+# model_type -> architecture; GGUF files name these the same in general.architecture.
 _MODEL_TYPE_ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
@@ -100,7 +101,8 @@ _MODEL_TYPE_ARCHITECTURES = {
 }
 
 
-def _architectures(cfg: dict[str, Any]) -> tuple[str, ...]:
+def architectures_of(cfg: Mapping[str, Any]) -> tuple[str, ...]:
+    """The config's ``architectures``, else the one its ``model_type`` implies."""
     if cfg.get("architectures"):
         return tuple(cfg["architectures"])
     # Some converted configs carry only model_type.

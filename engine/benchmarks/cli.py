@@ -24,7 +24,7 @@ BENCHMARKS = {
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    sub = parser.add_subparsers(dest="benchmark", required=True)
+    sub = parser.add_subparsers(dest="benchmark", required=True, help="the benchmark to run")
     for name, (module_name, help_text) in BENCHMARKS.items():
         p = sub.add_parser(name, help=help_text, description=help_text)
         importlib.import_module(module_name).add_arguments(p)

@@ -26,15 +26,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--workload", default="chat", help="chat, grounded, or a JSONL file with a 'prompt' field"
     )
-    parser.add_argument("--num-prompts", type=int, default=32)
-    parser.add_argument("--output-len", type=int, default=64)
+    parser.add_argument("--num-prompts", type=int, default=32, help="requests in the workload")
+    parser.add_argument("--output-len", type=int, default=64, help="tokens generated per request")
     parser.add_argument(
         "--concurrency",
         type=int,
         default=None,
         help="requests in flight at once (default: all prompts)",
     )
-    parser.add_argument("--no-chat-template", action="store_true")
+    parser.add_argument(
+        "--no-chat-template", action="store_true", help="tokenize prompts as plain text"
+    )
     parser.add_argument(
         "--spec-modes",
         default=None,
@@ -47,7 +49,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"comma list from {','.join(BASELINES)}, or 'none'",
     )
     parser.add_argument("--json", default=None, help="write the results to this JSON file")
-    parser.add_argument("--no-progress", action="store_true")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bars on stderr")
     add_engine_args(parser)
 
 
@@ -65,6 +67,7 @@ def run(args: argparse.Namespace) -> int:
         dtype=base_config.dtype,
         device=base_config.device,
         attn_backend=base_config.attn_backend,
+        tokenizer=base_config.tokenizer,
     )
     prompts = tokenize_prompts(
         loaded.tokenizer, load_prompts(args.workload, args.num_prompts), not args.no_chat_template

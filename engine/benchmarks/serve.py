@@ -85,7 +85,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="send text prompts as plain text, not as a user chat message",
     )
-    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--temperature", type=float, default=0.0, help="0 is greedy decoding")
     g.add_argument(
         "--no-ignore-eos",
         action="store_true",

@@ -30,8 +30,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, help="default: the built-in default model")
     parser.add_argument("--workload", default="chat", help="chat, grounded or a JSONL file")
     parser.add_argument("--num-prompts", type=int, default=32, help="requests decoded together")
-    parser.add_argument("--output-len", type=int, default=64)
-    parser.add_argument("--num-threads", type=int, default=None)
+    parser.add_argument("--output-len", type=int, default=64, help="tokens decoded per request")
+    parser.add_argument(
+        "--num-threads", type=int, default=None, help="torch CPU threads (default: one per core)"
+    )
 
 
 def run(args: argparse.Namespace) -> int:

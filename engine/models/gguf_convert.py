@@ -18,6 +18,8 @@ from pathlib import Path
 
 from engine import envs
 from engine.default_model import ModelLoadError
+from engine.model_config import architectures_of
+from engine.models.registry import get_model_class
 
 
 def converted_dir(gguf_path: Path) -> Path:
@@ -29,10 +31,12 @@ def converted_dir(gguf_path: Path) -> Path:
 
 
 def ensure_converted(gguf_path: Path) -> Path:
-    """The converted HF directory for ``gguf_path``, converting on first use."""
+    """The converted HF directory for ``gguf_path``, converting on first use. An
+    architecture we cannot serve is refused before any conversion work."""
     target = converted_dir(gguf_path)
     if (target / "config.json").exists():
         return target
+    check_architecture(gguf_path)
     print(
         f"specserve: converting {gguf_path.name} to safetensors (once, ~20 s) ...",
         file=sys.stderr,
@@ -49,6 +53,27 @@ def ensure_converted(gguf_path: Path) -> Path:
         Path(tmp).rename(target)
         Path(tmp).mkdir()  # TemporaryDirectory wants something to remove
     return target
+
+
+def check_architecture(gguf_path: Path) -> None:
+    """The one-line "unsupported model architecture" ValueError unless the file's
+    ``general.architecture`` is one we serve; reads only the metadata."""
+    arch = gguf_architecture(gguf_path)
+    architectures = architectures_of({"model_type": arch})
+    get_model_class(architectures or (f"{arch!r} (GGUF general.architecture)",))
+
+
+def gguf_architecture(gguf_path: Path) -> str:
+    """``general.architecture`` from the file's header (no tensor data is read)."""
+    from gguf import GGUFReader
+
+    try:
+        field = GGUFReader(str(gguf_path)).get_field("general.architecture")
+        if field is None:
+            raise ValueError("no general.architecture in its metadata")
+        return bytes(field.parts[field.data[0]]).decode()
+    except Exception as exc:  # noqa: BLE001 - a bad file becomes one line for the user
+        raise ModelLoadError(f"cannot read {gguf_path}: {type(exc).__name__}: {exc}") from None
 
 
 def _convert(gguf_path: Path, out_dir: Path) -> None:

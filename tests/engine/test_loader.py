@@ -184,3 +184,109 @@ def test_bfloat16_load(tiny_model_dir):
     runner.add_sequence(0)
     logits = runner.step([(0, IDS)])  # [1, vocab] float32 even for a bf16 model
     assert logits.dtype == torch.float32 and logits.isfinite().all()
+
+
+def _write_gpt2_gguf(path: Path) -> str:
+    """A small, well-formed GGUF of an architecture we do not serve."""
+    import gguf
+    import numpy as np
+
+    writer = gguf.GGUFWriter(str(path), "gpt2")
+    writer.add_context_length(64)
+    writer.add_embedding_length(8)
+    writer.add_block_count(1)
+    writer.add_head_count(2)
+    writer.add_file_type(0)  # all F32
+    writer.add_tensor("token_embd.weight", np.zeros((16, 8), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return str(path)
+
+
+def test_gguf_of_unsupported_architecture_is_refused_before_converting(
+    tmp_path, cache_root, capfd, monkeypatch
+):
+    from engine.models import gguf_convert
+
+    def no_conversion(*args):
+        raise AssertionError("converted a GGUF whose architecture is refused anyway")
+
+    monkeypatch.setattr(gguf_convert, "_convert", no_conversion)
+    path = _write_gpt2_gguf(tmp_path / "gpt2.gguf")
+    with pytest.raises(ValueError) as info:
+        load_model(path)
+    message = str(info.value)
+    assert message == (
+        "unsupported model architecture 'gpt2' (GGUF general.architecture); "
+        "supported: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM"
+    )
+    assert "converting" not in capfd.readouterr().err
+    assert not (cache_root / "gguf").exists() or not any((cache_root / "gguf").iterdir())
+
+
+def test_unreadable_gguf_is_one_line(tmp_path, cache_root):
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"GGUF-but-not-really")
+    with pytest.raises(ModelLoadError, match=r"cannot read .*bad\.gguf: ") as info:
+        load_model(str(bad))
+    assert "\n" not in str(info.value)
+
+
+def test_unsupported_hf_config_is_refused_before_parsing(tiny_model_dir, tmp_path):
+    """A real GPT-2 config has none of the Llama fields: one line, not a KeyError."""
+    gpt2 = tmp_path / "gpt2-real"
+    shutil.copytree(tiny_model_dir, gpt2)
+    config = {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "n_embd": 64}
+    (gpt2 / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"^unsupported model architecture GPT2LMHeadModel;"):
+        load_model(str(gpt2))
+
+
+def _without_tokenizer(tiny_model_dir: str, path: Path) -> Path:
+    shutil.copytree(tiny_model_dir, path)
+    for file in path.iterdir():
+        if file.name.startswith("tokenizer") or file.name == "special_tokens_map.json":
+            file.unlink()
+    return path
+
+
+def test_model_dir_without_tokenizer_names_the_files(tiny_model_dir, tmp_path):
+    bare = _without_tokenizer(tiny_model_dir, tmp_path / "bare")
+    with pytest.raises(ModelLoadError) as info:
+        load_model(str(bare))
+    message = str(info.value)
+    assert message == (
+        f"--model {bare} has no tokenizer files: no tokenizer.json, tokenizer.model or "
+        "vocab.json + merges.txt, nor tokenizer_config.json; "
+        "add them or pass --tokenizer DIR holding them"
+    )
+    with pytest.raises(ModelLoadError, match=r"^--tokenizer .* has no tokenizer files: no "):
+        load_model(tiny_model_dir, tokenizer=str(bare))
+    with pytest.raises(ModelLoadError, match=r"^--tokenizer .*nowhere: not a directory$"):
+        load_model(tiny_model_dir, tokenizer=str(tmp_path / "nowhere"))
+
+
+def test_tokenizer_from_another_directory_end_to_end(tiny_model_dir, tmp_path):
+    from engine.config import EngineConfig
+    from engine.llm_engine import LLMEngine
+    from engine.sampling_params import SamplingParams
+
+    bare = _without_tokenizer(tiny_model_dir, tmp_path / "bare")
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    outputs = []
+    for model, tokenizer in ((tiny_model_dir, None), (str(bare), tiny_model_dir)):
+        config = EngineConfig(
+            model=model, tokenizer=tokenizer, device="cpu", num_kv_blocks=64, seed=0
+        )
+        engine = LLMEngine(config)
+        assert engine.eos_token_ids == {EOS_ID}
+        engine.add_request("r", "Hello", params)
+        text, ids = "", []
+        while engine.has_unfinished_requests():
+            for delta in engine.step():
+                text, ids = text + delta.text, ids + delta.token_ids
+        outputs.append((text, ids))
+    assert len(outputs[1][1]) == 8
+    assert outputs[1] == outputs[0]
