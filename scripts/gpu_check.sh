@@ -7,12 +7,18 @@
 # tests/engine/test_devices.py) and fails if CUDA is missing, so a silent skip cannot
 # pass for a GPU run.
 #
-#   bash scripts/gpu_check.sh                 # uses python3 (or $PYTHON)
+#   bash scripts/gpu_check.sh     # .venv/bin/python after scripts/install.sh, else python3
+#   PYTHON=/path/to/python bash scripts/gpu_check.sh
 #
 # Packages the machine lacks can be put in .whl/ as wheels (see the device tool's notes);
 # they are installed into a private target first.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# The README install's venv when there is one; a machine with torch preinstalled and no
+# venv (the lent device machine) has its own python3.
+if [[ -z "${PYTHON:-}" && -x .venv/bin/python ]]; then
+    PYTHON=.venv/bin/python
+fi
 PY=${PYTHON:-python3}
 if compgen -G ".whl/*.whl" > /dev/null; then
     "$PY" -m pip install -q --no-index --no-deps --no-compile --target /tmp/specserve-site .whl/*.whl
