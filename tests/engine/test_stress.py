@@ -1,0 +1,157 @@
+"""Randomized engine stress: draft and n-gram speculation x preemption x chunked prefill x
+prefix hits x stop strings x aborts x greedy, seeded and unseeded rows x per-request k.
+
+Every step: both pools pass check_integrity and no request holds a block beyond its KV
+length (check_pools); the draft cache never covers a request's last verified token.
+At the end: every pool is empty, every request ended exactly once, and every greedy or
+seeded request that was not aborted reported exactly what it reports alone in a plain
+engine (no speculation, no preemption, no chunking): token ids, text, finish reason.
+
+A few seeds run in CI; ``pytest tests/engine/test_stress.py --stress-seeds 300`` runs
+many more.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import replace
+
+from engine.sampling_params import SamplingParams
+from tests.engine.engine_helpers import assert_all_blocks_released, check_pools, make_engine
+
+
+def pytest_generate_tests(metafunc):
+    if "stress_seed" in metafunc.fixturenames:
+        num_seeds = metafunc.config.getoption("--stress-seeds")
+        metafunc.parametrize("stress_seed", range(num_seeds))
+
+
+def _stops(rng: random.Random) -> list[str]:
+    # Byte-level tiny tokenizer: one printable ASCII character is one token.
+    return rng.sample("abcdefghijklmnopqrstuvwxyz0123456789 .,!?", rng.randint(1, 3))
+
+
+def _params(rng: random.Random, max_k: int) -> tuple[str, SamplingParams]:
+    kind = rng.choice(["greedy", "seeded", "seeded", "unseeded"])
+    kw: dict = {"max_tokens": rng.randint(1, 28), "ignore_eos": rng.random() < 0.7}
+    if kind == "greedy":
+        kw["temperature"] = 0.0
+    else:
+        kw["temperature"] = rng.choice([0.05, 0.3, 0.8, 1.3])
+        kw["top_p"] = rng.choice([1.0, 0.9])
+        kw["top_k"] = rng.choice([0, 0, 20])
+        kw["min_p"] = rng.choice([0.0, 0.0, 0.05])
+    if kind == "seeded":
+        kw["seed"] = rng.randrange(2**32)
+    if rng.random() < 0.4:
+        kw["stop"] = _stops(rng)
+    if rng.random() < 0.2:
+        kw["logprobs"] = rng.randint(0, 3)
+    kw["num_speculative_tokens"] = rng.choice([None, None, 0, rng.randint(1, max_k)])
+    return kind, SamplingParams(**kw)
+
+
+def _prompts(rng: random.Random, n: int) -> list[list[int]]:
+    shared = [rng.randrange(3, 200) for _ in range(rng.choice([16, 20, 33]))]
+    prompts = []
+    for _ in range(n):
+        shape = rng.random()
+        if shape < 0.3:  # prefix hits
+            tail = [rng.randrange(3, 200) for _ in range(rng.randint(1, 12))]
+            prompts.append(shared + tail)
+        elif shape < 0.5:  # repetitive: n-gram drafts get accepted
+            prompts.append([rng.randrange(3, 200) for _ in range(rng.randint(2, 5))] * 5)
+        else:
+            prompts.append([rng.randrange(3, 200) for _ in range(rng.randint(1, 60))])
+    return prompts
+
+
+def _workload(rng: random.Random, max_k: int):
+    """(arrivals: step -> [(id, prompt, params, kind)], aborts: step -> [id])"""
+    n = rng.randint(6, 14)
+    arrivals: dict[int, list] = {}
+    aborts: dict[int, list] = {}
+    for i, prompt in enumerate(_prompts(rng, n)):
+        kind, params = _params(rng, max_k)
+        at = rng.choice([0, 0, rng.randint(0, 25)])
+        arrivals.setdefault(at, []).append((f"r{i}", prompt, params, kind))
+        if rng.random() < 0.2:
+            aborts.setdefault(at + rng.randint(0, 12), []).append(f"r{i}")
+    return arrivals, aborts
+
+
+def _engine_config(rng: random.Random, draft_dir: str) -> dict:
+    method = rng.choice(["ngram", "draft"])
+    config = dict(
+        speculative_method=method,
+        num_speculative_tokens=rng.randint(1, 5),
+        speculative_disable_batch_size=rng.choice([2, 64]),
+        num_kv_blocks=rng.choice([12, 16, 24, 64]),  # small pools preempt
+        max_num_batched_tokens=rng.choice([16, 24, 64, 2048]),  # small budgets chunk
+        max_num_seqs=rng.choice([3, 8, 256]),
+        seed=rng.randrange(1000),
+    )
+    if method == "draft":
+        config["draft_model"] = draft_dir
+    return config
+
+
+def _check_draft_cache(engine) -> None:
+    kv = getattr(engine.proposer, "kv", None)
+    if kv is None:
+        return
+    for dreq in engine.proposer._requests.values():
+        assert dreq.num_computed_tokens < dreq.num_tokens, dreq.request_id
+
+
+def _run(engine, arrivals, aborts) -> dict[str, dict]:
+    results: dict[str, dict] = {}
+    pending = dict(arrivals)
+    for step in range(5000):
+        for request_id, prompt, params, _kind in pending.pop(step, []):
+            engine.add_request(request_id, prompt, params)
+        outputs = engine.step()
+        for request_id in aborts.get(step, []):
+            aborted = engine.abort_request(request_id)
+            if aborted is not None:
+                outputs.append(aborted)
+        for out in outputs:
+            r = results.setdefault(out.request_id, {"token_ids": [], "text": "", "ends": 0})
+            assert r["ends"] == 0, f"{out.request_id} produced output after it finished"
+            r["token_ids"] += out.token_ids
+            r["text"] += out.text
+            if out.finished:
+                r["ends"] += 1
+                r["finish_reason"] = out.finish_reason
+        check_pools(engine)
+        _check_draft_cache(engine)
+        if not pending and not engine.has_unfinished_requests():
+            return results
+    raise AssertionError("the engine did not finish its work in 5000 steps")
+
+
+def test_randomized_engine_stress(tiny_model_dir, tiny_draft_model_dir, stress_seed):
+    rng = random.Random(stress_seed)
+    config = _engine_config(rng, tiny_draft_model_dir)
+    arrivals, aborts = _workload(rng, config["num_speculative_tokens"])
+    engine = make_engine(tiny_model_dir, **config)
+    results = _run(engine, arrivals, aborts)
+    assert_all_blocks_released(engine)
+
+    requests = [r for batch in arrivals.values() for r in batch]
+    aborted = {rid for ids in aborts.values() for rid in ids}
+    for request_id, _, params, _ in requests:
+        r = results[request_id]
+        assert r["ends"] == 1, request_id
+        if r["finish_reason"] == "length":
+            assert len(r["token_ids"]) == params.max_tokens, request_id
+        assert r["finish_reason"] in ("stop", "length", "abort"), request_id
+    exact = [(rid, p, params) for rid, p, params, kind in requests
+             if kind != "unseeded" and rid not in aborted]  # fmt: skip
+    reference = make_engine(tiny_model_dir, num_kv_blocks=256)
+    plain = [(rid, p, replace(params, num_speculative_tokens=None), "") for rid, p, params in exact]
+    expected = _run(reference, {0: plain}, {})
+    for request_id, _, _ in exact:
+        got, want = results[request_id], expected[request_id]
+        assert got["token_ids"] == want["token_ids"], (stress_seed, request_id, config)
+        assert (got["text"], got["finish_reason"]) == (want["text"], want["finish_reason"])
