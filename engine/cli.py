@@ -165,7 +165,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
 
 
 def version() -> str:
-    """The installed package's version; the source tree's when it is not installed."""
+    """The installed package's version; "unknown (...)" for a source tree never installed."""
     from importlib.metadata import PackageNotFoundError
     from importlib.metadata import version as package_version
 
