@@ -38,8 +38,10 @@ def cpu_weight_packing() -> bool:
 
 def kernel_cache_dir() -> Path:
     """Where compiled CPU kernels are kept: ``$SPECSERVE_KERNEL_CACHE_DIR``, else
-    ``<cache_dir>/kernels``. When that is read-only (a baked image cache), a kernel
-    built for another CPU goes to the system temp directory instead."""
+    ``<cache_dir>/kernels``. A build there is loaded only when nobody but this user or
+    root could have written it; when that fails, or the directory is read-only with no
+    build for this CPU (a baked image on another CPU kind), the process builds a private
+    copy instead (engine/kernels/build.py)."""
     explicit = os.environ.get("SPECSERVE_KERNEL_CACHE_DIR")
     if explicit:
         return Path(explicit).expanduser()

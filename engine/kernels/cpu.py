@@ -1,17 +1,13 @@
-"""Build, load and call the fp32 CPU kernels in cpu_kernels.c.
-
-The C file is compiled once per machine with the system compiler (``cc``, or ``$CC``)
-and cached in ``envs.kernel_cache_dir()`` (``<cache>/kernels``) keyed by the source,
-the compiler and the CPU's instruction-set flags (it is built with ``-march=native``,
-so a cache shared between different CPUs gets one library per CPU kind). Compiling
-takes about a second. A read-only cache (a baked container image) falls back to the
-system temp directory for a CPU it has no build for.
+"""Load and call the fp32 CPU kernels in cpu_kernels.c (built by ``build.py``).
 
 ``cpu_kernels()`` returns None, after logging one line, when the kernels are off
 (``SPECSERVE_CPU_KERNELS=0``), there is no compiler, or the build fails; callers then
-use their torch implementations. Every wrapper checks what it is given (device, dtype,
-contiguity) and raises ValueError with the offending argument, so a misuse can never
-become an out-of-bounds read in C.
+use their torch implementations. Every wrapper checks what it is given (dtype, device,
+rank, shapes that must agree, strides) and raises ValueError naming the argument; the
+C side checks every index it reads through (block ids, sequence ids, query ranges,
+positions, slots) in the loops it runs anyway and returns a status. So a misuse can
+never become an out-of-bounds access in C. The checks are attribute reads: these are
+called several times per layer per step.
 """
 
 from __future__ import annotations
@@ -19,110 +15,41 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import functools
-import hashlib
 import logging
 import os
-import shutil
-import subprocess
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 
 from engine import envs
+from engine.kernels.build import KernelBuildError, build_library
+
+__all__ = ["CpuKernels", "KernelBuildError", "build_library", "cpu_kernels", "kernels_for"]
 
 logger = logging.getLogger(__name__)
-
-_SOURCE = Path(__file__).with_name("cpu_kernels.c")
-# Compiled and linked in two steps: linking with -ffast-math (gcc < 13) adds
-# crtfastmath.o, whose constructor turns on flush-to-zero for the whole process when
-# the library loads, silently changing every other float computation (hypothesis
-# caught it). The kernels still get fast-math code (vectorised expf); nothing else does.
-_COMPILE_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-std=c11"]
-_LINK_FLAGS = ["-shared", "-fopenmp"]
 
 _P = ctypes.c_void_p
 _I64 = ctypes.c_int64
 _I32 = ctypes.c_int32
 _F32 = ctypes.c_float
+# Sizes cross as int64: ctypes truncates a Python int to a narrower type silently.
 _SIGNATURES = {
     "specserve_paged_attention": (
         ctypes.c_int,
-        [_P, _I64, _P, _I64, _P, _P, _P, _I64, _I32, _P, _P, _I32, _I64, _P, _I32]
-        + [_I32, _I32, _I32, _I32, _I32, _F32, _I32, _I32],
+        [_P, _I64, _P, _I64, _P, _P, _P, _I64, _I64, _P, _P, _I64, _I64, _P, _I64]
+        + [_I64, _I64, _I64, _I64, _I64, _F32, _I64, _I32],
     ),
     "specserve_rms_norm": (None, [_P, _P, _P, _P, _I64, _I64, _F32, _I32]),
-    "specserve_rope": (ctypes.c_int, [_P, _I64, _I64, _P, _P, _I64, _I32, _I32, _I32]),
+    "specserve_rope": (ctypes.c_int, [_P, _I64, _I64, _P, _P, _I64, _I64, _I64, _I32]),
     "specserve_write_kv": (ctypes.c_int, [_P, _I64, _P, _I64, _I64, _I64, _P, _P, _P, _I64]),
     "specserve_silu_and_mul": (None, [_P, _P, _I64, _I64, _I32]),
 }
 
 
-class KernelBuildError(RuntimeError):
-    pass
-
-
-def _cpu_flags() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return line
-    except OSError:
-        pass
-    return ""
-
-
-def _compiler() -> str | None:
-    return shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
-
-
-def build_library(out_dir: Path | None = None) -> Path:
-    """Compile cpu_kernels.c (or reuse the cached build); returns the .so path."""
-    cc = _compiler()
-    if cc is None:
-        raise KernelBuildError("no C compiler found (set $CC or install gcc)")
-    version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
-    source = _SOURCE.read_bytes()
-    key = hashlib.sha256(
-        source
-        + version.encode()
-        + _cpu_flags().encode()
-        + " ".join(_COMPILE_FLAGS + _LINK_FLAGS).encode()
-    ).hexdigest()[:16]
-    name = f"cpu_kernels-{key}.so"
-    out_dir = out_dir or envs.kernel_cache_dir()
-    if (out_dir / name).exists():
-        return out_dir / name
-    try:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        writable = os.access(out_dir, os.W_OK)
-    except OSError:
-        writable = False
-    if not writable:
-        out_dir = Path(tempfile.gettempdir()) / f"specserve-kernels-{os.getuid()}"
-        out_dir.mkdir(parents=True, exist_ok=True)
-        if (out_dir / name).exists():
-            return out_dir / name
-    target = out_dir / name
-    logger.info("building specserve's CPU kernels into %s (once per CPU kind)", out_dir)
-    with tempfile.TemporaryDirectory(dir=out_dir) as tmp:
-        obj, tmp_target = Path(tmp) / "cpu_kernels.o", Path(tmp) / target.name
-        for cmd in (
-            [cc, *_COMPILE_FLAGS, "-c", str(_SOURCE), "-o", str(obj)],
-            [cc, *_LINK_FLAGS, str(obj), "-o", str(tmp_target), "-lm"],
-        ):
-            result = subprocess.run(cmd, capture_output=True, text=True)
-            if result.returncode != 0:
-                lines = result.stderr.strip().splitlines() or ["(no output)"]
-                first = next((line for line in lines if "error" in line), lines[0])
-                raise KernelBuildError(f"{cc} failed to build {_SOURCE.name}: {first}")
-        os.replace(tmp_target, target)  # atomic: concurrent builders agree on one file
-    return target
-
-
 class CpuKernels:
-    """Typed wrappers over the loaded library."""
+    """Typed wrappers over the loaded library. ``path`` must be safe to load (loading
+    runs the library's constructors): what ``build_library`` returns."""
 
     def __init__(self, path: Path) -> None:
         # torch (imported above) has loaded libgomp.so.1; the library needs the same
@@ -146,33 +73,32 @@ class CpuKernels:
         max_query_len: int,  # over the selected sequences
         scale: float,
     ) -> None:
-        num_heads, head_dim = query.shape[1:]
+        _check_f32("query", query, 3, rows_strided=True)
+        _check_f32("out", out, 3, rows_strided=True)
+        _check_kv_cache(k_cache, v_cache)
+        num_tokens, num_heads, head_dim = query.shape
         num_blocks, block_size, num_kv_heads, kv_head_dim = k_cache.shape
-        _check_f32("query", query, rows_strided=True)
-        _check_f32("out", out, rows_strided=True)
-        _check_f32("k_cache", k_cache)
-        _check_f32("v_cache", v_cache)
+        if kv_head_dim != head_dim or num_heads % num_kv_heads:
+            raise ValueError(
+                f"query heads {tuple(query.shape[1:])} do not fit KV cache {tuple(k_cache.shape)}"
+            )
+        if out.shape != query.shape:
+            raise ValueError(f"out {tuple(out.shape)} != query {tuple(query.shape)}")
+        _check_i32("block_tables", block_tables, 2)
         for name, t in (
-            ("block_tables", block_tables),
             ("seq_lens", seq_lens),
             ("query_start_loc", query_start_loc),
             ("seq_ids", seq_ids),
         ):
-            _check_i32(name, t)
-        if kv_head_dim != head_dim or num_heads % num_kv_heads or v_cache.shape != k_cache.shape:
-            raise ValueError(
-                f"query heads {tuple(query.shape[1:])} do not fit KV cache {tuple(k_cache.shape)}"
-            )
-        if block_tables.dim() != 2 or block_tables.stride(1) != 1:
-            raise ValueError("block_tables must be [num_seqs, width], contiguous along rows")
-        num_seqs = seq_lens.numel()
-        if block_tables.shape[0] != num_seqs or query_start_loc.numel() != num_seqs + 1:
+            _check_i32(name, t, 1)
+        num_seqs = seq_lens.shape[0]
+        if block_tables.shape[0] != num_seqs or query_start_loc.shape[0] != num_seqs + 1:
             raise ValueError(
                 f"block_tables {tuple(block_tables.shape)}, seq_lens [{num_seqs}] and "
-                f"query_start_loc [{query_start_loc.numel()}] disagree on the sequences"
+                f"query_start_loc [{query_start_loc.shape[0]}] disagree on the sequences"
             )
-        if out.shape != query.shape:
-            raise ValueError(f"out {tuple(out.shape)} != query {tuple(query.shape)}")
+        if not 0 <= max_query_len <= num_tokens:
+            raise ValueError(f"max_query_len={max_query_len} must be in [0, {num_tokens}]")
         max_rows = max_query_len * (num_heads // num_kv_heads)
         status = self.lib.specserve_paged_attention(
             out.data_ptr(),
@@ -187,9 +113,9 @@ class CpuKernels:
             seq_lens.data_ptr(),
             query_start_loc.data_ptr(),
             num_seqs,
-            query.shape[0],
+            num_tokens,
             seq_ids.data_ptr(),
-            seq_ids.numel(),
+            seq_ids.shape[0],
             num_heads,
             num_kv_heads,
             head_dim,
@@ -216,10 +142,12 @@ class CpuKernels:
         eps: float,
         residual: torch.Tensor | None = None,  # [num_rows, hidden], updated in place
     ) -> torch.Tensor:
-        _check_f32("x", x)
-        _check_f32("weight", weight)
+        _check_f32("x", x, 2)
+        _check_f32("weight", weight, 1)
+        if weight.shape[0] != x.shape[1]:
+            raise ValueError(f"weight [{weight.shape[0]}] must be [{x.shape[1]}], x's width")
         if residual is not None:
-            _check_f32("residual", residual)
+            _check_f32("residual", residual, 2)
             if residual.shape != x.shape:
                 raise ValueError(f"residual {tuple(residual.shape)} != x {tuple(x.shape)}")
         out = torch.empty_like(x)
@@ -242,11 +170,17 @@ class CpuKernels:
         cos_sin: torch.Tensor,  # [max_positions, 2, head_dim // 2]
         num_rotated: int,  # heads rotated in place at the start of each row
     ) -> None:
+        _check_f32("x", x, 2, rows_strided=True)
+        _check_f32("cos_sin", cos_sin, 3)
+        if cos_sin.shape[1] != 2 or cos_sin.shape[2] < 1:
+            raise ValueError(
+                f"cos_sin {tuple(cos_sin.shape)} must be [max_positions, 2, head_dim // 2]"
+            )
         head_dim = cos_sin.shape[2] * 2
-        _check_f32("x", x, rows_strided=True)
-        _check_f32("cos_sin", cos_sin)
-        if x.dim() != 2 or num_rotated * head_dim > x.shape[1]:
-            raise ValueError(f"x {tuple(x.shape)} has no room for {num_rotated} heads")
+        if not 0 <= num_rotated * head_dim <= x.shape[1]:
+            raise ValueError(
+                f"num_rotated={num_rotated} heads of {head_dim} must fit in x {tuple(x.shape)}"
+            )
         _check_index("positions", positions, x.shape[0])
         status = self.lib.specserve_rope(
             x.data_ptr(),
@@ -270,13 +204,13 @@ class CpuKernels:
         v_cache: torch.Tensor,
         slots: torch.Tensor,  # [num_tokens] int64, -1 = padding (not written)
     ) -> None:
-        _check_f32("key", key, rows_strided=True)
-        _check_f32("value", value, rows_strided=True)
-        _check_f32("k_cache", k_cache)
-        _check_f32("v_cache", v_cache)
+        _check_f32("key", key, 3, rows_strided=True)
+        _check_f32("value", value, 3, rows_strided=True)
+        _check_kv_cache(k_cache, v_cache)
         if key.shape[1:] != k_cache.shape[2:] or value.shape != key.shape:
             raise ValueError(
-                f"key/value {tuple(key.shape)} do not fit cache {tuple(k_cache.shape)}"
+                f"key {tuple(key.shape)} / value {tuple(value.shape)} do not fit cache "
+                f"{tuple(k_cache.shape)}"
             )
         _check_index("slots", slots, key.shape[0])
         num_slots = k_cache.shape[0] * k_cache.shape[1]
@@ -296,7 +230,9 @@ class CpuKernels:
             raise ValueError(f"a slot in slots is past the cache's {num_slots} slots")
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:  # [n, 2 * inter] -> [n, inter]
-        _check_f32("x", x)
+        _check_f32("x", x, 2)
+        if x.shape[1] % 2:
+            raise ValueError(f"x's width {x.shape[1]} must be even: gate and up, side by side")
         inter = x.shape[1] // 2
         out = x.new_empty(x.shape[0], inter)
         self.lib.specserve_silu_and_mul(
@@ -305,37 +241,54 @@ class CpuKernels:
         return out
 
 
-def _check_f32(name: str, t: torch.Tensor, rows_strided: bool = False) -> None:
-    """float32 on the CPU and dense; with ``rows_strided`` only each row (dims 1..) must
-    be dense, the stride between rows is passed to C. (Called several times per layer:
-    kept to a few attribute reads.)"""
-    if t.dtype is not torch.float32 or not t.is_cpu:
-        raise ValueError(f"{name} must be a float32 CPU tensor, got {t.dtype} on {t.device}")
+def _check_f32(name: str, t: torch.Tensor, dims: int, rows_strided: bool = False) -> None:
+    """float32 on the CPU, ``dims``-D and dense; with ``rows_strided`` only each row (dims
+    1..) must be dense and rows must not overlap: the stride between rows is passed to C.
+    (Called several times per layer: kept to a few attribute reads.)"""
+    if t.dtype is not torch.float32 or not t.is_cpu or t.layout is not torch.strided:
+        raise ValueError(
+            f"{name} must be a float32 CPU tensor, got {t.dtype} ({t.layout}) on {t.device}"
+        )
+    if t.dim() != dims:
+        raise ValueError(f"{name} must be {dims}-D, got shape {tuple(t.shape)}")
     if not rows_strided:
         ok = t.is_contiguous()
     else:
         stride, shape = t.stride(), t.shape
-        ok = stride[-1] == 1 or shape[-1] == 1
-        if t.dim() == 3:
+        row = shape[1] if dims == 2 else shape[1] * shape[2]
+        ok = (stride[-1] == 1 or shape[-1] == 1) and (stride[0] >= row or shape[0] <= 1)
+        if dims == 3:
             ok = ok and (stride[1] == shape[2] or shape[1] == 1)
-        elif t.dim() != 2:
-            ok = False
     if not ok:
         raise ValueError(f"{name} must be contiguous (got strides {t.stride()})")
 
 
+def _check_kv_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+    _check_f32("k_cache", k_cache, 4)
+    _check_f32("v_cache", v_cache, 4)
+    if v_cache.shape != k_cache.shape:
+        raise ValueError(f"v_cache {tuple(v_cache.shape)} != k_cache {tuple(k_cache.shape)}")
+    if min(k_cache.shape[1:]) < 1:
+        raise ValueError(
+            f"k_cache {tuple(k_cache.shape)}: block_size, num_kv_heads and head_dim must be >= 1"
+        )
+
+
 def _check_index(name: str, t: torch.Tensor, length: int) -> None:
-    if t.dtype is not torch.int64 or not t.is_cpu or not t.is_contiguous():
-        raise ValueError(f"{name} must be a contiguous int64 CPU tensor")
-    if t.shape != (length,):
-        raise ValueError(f"{name} {tuple(t.shape)} must be [{length}]")
+    if t.dtype is not torch.int64 or not t.is_cpu or t.layout is not torch.strided:
+        raise ValueError(f"{name} must be an int64 CPU tensor, got {t.dtype} on {t.device}")
+    if t.shape != (length,) or not t.is_contiguous():
+        raise ValueError(f"{name} {tuple(t.shape)} must be [{length}] and contiguous")
 
 
-def _check_i32(name: str, t: torch.Tensor) -> None:
-    if t.dtype is not torch.int32 or not t.is_cpu:
+def _check_i32(name: str, t: torch.Tensor, dims: int) -> None:
+    """int32 on the CPU, ``dims``-D, each row contiguous (C is given the row stride)."""
+    if t.dtype is not torch.int32 or not t.is_cpu or t.layout is not torch.strided:
         raise ValueError(f"{name} must be an int32 CPU tensor, got {t.dtype} on {t.device}")
-    if t.dim() == 1 and not t.is_contiguous():
-        raise ValueError(f"{name} must be contiguous")
+    if t.dim() != dims:
+        raise ValueError(f"{name} must be {dims}-D, got shape {tuple(t.shape)}")
+    if t.stride(-1) != 1 and t.shape[-1] > 1:
+        raise ValueError(f"{name} must be contiguous along its rows (got strides {t.stride()})")
 
 
 def serves(device: torch.device | str, dtype: torch.dtype) -> bool:

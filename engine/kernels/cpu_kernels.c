@@ -67,6 +67,35 @@ static inline __attribute__((always_inline)) void attend_block(
     }
 }
 
+/* 0 when every selected sequence fits the buffers passed; else 3 when a sequence id, a
+ * length or a block id is out of range, or 2 when a sequence has more query rows than
+ * max_rows. Checked before any work, so a refused call writes nothing and its status
+ * does not depend on thread timing. 64-bit arithmetic: no sum or product of the int32
+ * inputs can wrap. */
+static int check_sequences(
+    const int32_t *block_tables, int64_t block_table_stride, int64_t table_width,
+    const int32_t *seq_lens, const int32_t *query_start_loc, int64_t num_seqs,
+    int64_t num_tokens, const int32_t *seq_ids, int64_t num_selected, int64_t group,
+    int64_t block_size, int64_t num_cache_blocks, int64_t max_rows) {
+    int status = 0;
+    for (int64_t i = 0; i < num_selected; i++) {
+        const int64_t seq = seq_ids[i];
+        if (seq < 0 || seq >= num_seqs) return 3;
+        const int64_t q_start = query_start_loc[seq];
+        const int64_t q_len = (int64_t)query_start_loc[seq + 1] - q_start;
+        const int64_t seq_len = seq_lens[seq];
+        const int64_t num_blocks = (seq_len + block_size - 1) / block_size;
+        if (q_len < 1 || q_len > seq_len || num_blocks > table_width || q_start < 0 ||
+            q_start + q_len > num_tokens)
+            return 3;
+        const int32_t *table = block_tables + seq * block_table_stride;
+        for (int64_t b = 0; b < num_blocks; b++)
+            if (table[b] < 0 || table[b] >= num_cache_blocks) return 3;
+        if (group * q_len > max_rows) status = 2;
+    }
+    return status;
+}
+
 /* Attention of the query tokens of the selected sequences over their paged context,
  * causal with offset: sequence `seq` adds q_len tokens and holds seq_lens[seq] after
  * the step, so its query j sits at position seq_len - q_len + j and sees keys
@@ -81,22 +110,30 @@ static inline __attribute__((always_inline)) void attend_block(
  * out[token, head, :] is written for every query token of the selected sequences.
  * Returns 0; 1 when scratch memory could not be allocated, 2 when a sequence has more
  * than max_rows / (num_heads / num_kv_heads) query tokens, 3 when a sequence id, a
- * block id or a length does not fit the buffers passed (nothing is read out of bounds
- * in either case).
+ * block id or a length does not fit the buffers passed, or a size is out of range
+ * (nothing is read out of bounds in any case, and for 2 and 3 nothing is written).
  */
 int specserve_paged_attention(
     float *out, int64_t out_token_stride,
     const float *q, int64_t q_token_stride,
     const float *k_cache, const float *v_cache,
-    const int32_t *block_tables, int64_t block_table_stride, int32_t table_width,
-    const int32_t *seq_lens, const int32_t *query_start_loc, int32_t num_seqs,
-    int64_t num_tokens, const int32_t *seq_ids, int32_t num_selected,
-    int32_t num_heads, int32_t num_kv_heads, int32_t head_dim, int32_t block_size,
-    int32_t num_cache_blocks, float scale, int32_t max_rows, int32_t num_threads) {
-    const int group = num_heads / num_kv_heads;
-    const int64_t kv_stride = (int64_t)num_kv_heads * head_dim;
-    const int64_t num_items = (int64_t)num_selected * num_kv_heads;
-    int failed = 0;
+    const int32_t *block_tables, int64_t block_table_stride, int64_t table_width,
+    const int32_t *seq_lens, const int32_t *query_start_loc, int64_t num_seqs,
+    int64_t num_tokens, const int32_t *seq_ids, int64_t num_selected,
+    int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
+    int64_t num_cache_blocks, float scale, int64_t max_rows, int32_t num_threads) {
+    /* The wrapper checks these; checked again because C must not divide by zero or
+     * truncate a size whatever it is given. */
+    if (num_kv_heads < 1 || num_heads < 0 || num_heads % num_kv_heads || head_dim < 1 ||
+        head_dim > INT32_MAX || block_size < 1 || block_size > INT32_MAX || max_rows < 1)
+        return 3;
+    const int64_t group = num_heads / num_kv_heads;
+    const int64_t kv_stride = num_kv_heads * head_dim;
+    const int64_t num_items = num_selected * num_kv_heads;
+    int failed = check_sequences(block_tables, block_table_stride, table_width, seq_lens,
+                                 query_start_loc, num_seqs, num_tokens, seq_ids, num_selected,
+                                 group, block_size, num_cache_blocks, max_rows);
+    if (failed) return failed;
 
 #pragma omp parallel num_threads(num_threads)
     {
@@ -114,44 +151,28 @@ int specserve_paged_attention(
 #pragma omp atomic read
             stop = failed;
             if (stop) continue;
-            const int seq = seq_ids[item / num_kv_heads];
-            const int kv_head = (int)(item % num_kv_heads);
-            if (seq < 0 || seq >= num_seqs) {
-#pragma omp atomic write
-                failed = 3;
-                continue;
-            }
-            const int q_start = query_start_loc[seq];
-            const int q_len = query_start_loc[seq + 1] - q_start;
-            const int seq_len = seq_lens[seq];
+            const int64_t seq = seq_ids[item / num_kv_heads];
+            const int64_t kv_head = item % num_kv_heads;
+            const int64_t q_start = query_start_loc[seq];
+            const int64_t q_len = (int64_t)query_start_loc[seq + 1] - q_start;
+            const int64_t seq_len = seq_lens[seq];
             /* rows: query head (of this KV head's group) major, query token minor */
-            const int rows = group * q_len;
-            const int32_t *table = block_tables + (int64_t)seq * block_table_stride;
-            const int num_blocks = (seq_len + block_size - 1) / block_size;
-            int bad = rows > max_rows ? 2 : 0;
-            if (q_len < 1 || q_len > seq_len || num_blocks > table_width || q_start < 0 ||
-                q_start + q_len > num_tokens)
-                bad = 3;
-            for (int b = 0; !bad && b < num_blocks; b++)
-                if (table[b] < 0 || table[b] >= num_cache_blocks) bad = 3;
-            if (bad) {
-#pragma omp atomic write
-                failed = bad;
-                continue;
-            }
-            for (int r = 0; r < rows; r++) {
+            const int64_t rows = group * q_len;
+            const int32_t *table = block_tables + seq * block_table_stride;
+            const int64_t num_blocks = (seq_len + block_size - 1) / block_size;
+            for (int64_t r = 0; r < rows; r++) {
                 row_max[r] = NEG_BIG;
                 row_sum[r] = 0.0f;
             }
             memset(acc, 0, sizeof(float) * (size_t)rows * head_dim);
-            const int first_head = kv_head * group;
-            for (int b = 0; b < num_blocks; b++) {
+            const int64_t first_head = kv_head * group;
+            for (int64_t b = 0; b < num_blocks; b++) {
                 const int64_t base =
-                    (int64_t)table[b] * block_size * kv_stride + (int64_t)kv_head * head_dim;
-                const int first_key = b * block_size;
+                    (int64_t)table[b] * block_size * kv_stride + kv_head * head_dim;
+                const int64_t first_key = b * block_size;
                 if (b + 1 < num_blocks) { /* the next block is elsewhere: fetch it early */
-                    const int64_t next = (int64_t)table[b + 1] * block_size * kv_stride +
-                                         (int64_t)kv_head * head_dim;
+                    const int64_t next =
+                        (int64_t)table[b + 1] * block_size * kv_stride + kv_head * head_dim;
                     for (int t = 0; t < block_size; t++) {
                         for (int d = 0; d < head_dim; d += 16) {
                             __builtin_prefetch(k_cache + next + t * kv_stride + d);
@@ -159,17 +180,16 @@ int specserve_paged_attention(
                         }
                     }
                 }
-                for (int hl = 0; hl < group; hl++) {
-                    const int head = first_head + hl;
-                    for (int j = 0; j < q_len; j++) {
+                for (int64_t hl = 0; hl < group; hl++) {
+                    const int64_t head = first_head + hl;
+                    for (int64_t j = 0; j < q_len; j++) {
                         /* keys first_key .. seq_len - q_len + j are visible to query j */
-                        int n = seq_len - q_len + j + 1 - first_key;
-                        if (n <= 0) continue;
-                        if (n > block_size) n = block_size;
-                        const int r = hl * q_len + j;
-                        const float *qr = q + (int64_t)(q_start + j) * q_token_stride +
-                                          (int64_t)head * head_dim;
-                        float *ar = acc + (int64_t)r * head_dim;
+                        const int64_t visible = seq_len - q_len + j + 1 - first_key;
+                        if (visible <= 0) continue;
+                        const int n = (int)(visible < block_size ? visible : block_size);
+                        const int64_t r = hl * q_len + j;
+                        const float *qr = q + (q_start + j) * q_token_stride + head * head_dim;
+                        float *ar = acc + r * head_dim;
                         const float *kb = k_cache + base, *vb = v_cache + base;
                         /* constant head sizes let the compiler unroll the row loops */
                         if (head_dim == 64)
@@ -179,20 +199,20 @@ int specserve_paged_attention(
                             attend_block(qr, kb, vb, n, kv_stride, 128, scale, scores,
                                          row_max + r, row_sum + r, ar);
                         else
-                            attend_block(qr, kb, vb, n, kv_stride, head_dim, scale, scores,
+                            attend_block(qr, kb, vb, n, kv_stride, (int)head_dim, scale, scores,
                                          row_max + r, row_sum + r, ar);
                     }
                 }
             }
-            for (int hl = 0; hl < group; hl++) {
-                for (int j = 0; j < q_len; j++) {
-                    const int r = hl * q_len + j;
-                    float *o = out + (int64_t)(q_start + j) * out_token_stride +
-                               (int64_t)(first_head + hl) * head_dim;
+            for (int64_t hl = 0; hl < group; hl++) {
+                for (int64_t j = 0; j < q_len; j++) {
+                    const int64_t r = hl * q_len + j;
+                    float *o = out + (q_start + j) * out_token_stride +
+                               (first_head + hl) * head_dim;
                     const float inv = 1.0f / row_sum[r];
-                    const float *ar = acc + (int64_t)r * head_dim;
+                    const float *ar = acc + r * head_dim;
 #pragma omp simd
-                    for (int d = 0; d < head_dim; d++) o[d] = ar[d] * inv;
+                    for (int64_t d = 0; d < head_dim; d++) o[d] = ar[d] * inv;
                 }
             }
         }
@@ -240,14 +260,14 @@ void specserve_rms_norm(
 }
 
 static inline void rope_row(float *restrict row, const float *restrict cos_sin,
-                            int num_rotated, int head_dim) {
-    const int half = head_dim / 2;
+                            int64_t num_rotated, int64_t head_dim) {
+    const int64_t half = head_dim / 2;
     const float *c = cos_sin, *s = cos_sin + half;
-    for (int h = 0; h < num_rotated; h++) {
-        float *x1 = row + (int64_t)h * head_dim;
+    for (int64_t h = 0; h < num_rotated; h++) {
+        float *x1 = row + h * head_dim;
         float *x2 = x1 + half;
 #pragma omp simd
-        for (int d = 0; d < half; d++) {
+        for (int64_t d = 0; d < half; d++) {
             const float a = x1[d], b = x2[d];
             x1[d] = a * c[d] - b * s[d];
             x2[d] = b * c[d] + a * s[d];
@@ -261,7 +281,7 @@ static inline void rope_row(float *restrict row, const float *restrict cos_sin,
  * nothing, when a position is outside the table. */
 int specserve_rope(
     float *x, int64_t row_stride, int64_t num_tokens, const int64_t *positions,
-    const float *cos_sin, int64_t num_positions, int32_t num_rotated, int32_t head_dim,
+    const float *cos_sin, int64_t num_positions, int64_t num_rotated, int64_t head_dim,
     int32_t num_threads) {
     for (int64_t i = 0; i < num_tokens; i++) {
         if (positions[i] < 0 || positions[i] >= num_positions) return 1;

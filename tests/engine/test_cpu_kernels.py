@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+from engine.kernels import build as build_mod
 from engine.kernels import cpu as cpu_mod
 from engine.kernels.cpu import CpuKernels, KernelBuildError, build_library, cpu_kernels
 from engine.models.layers import apply_rope
@@ -217,7 +219,7 @@ def test_silu_and_mul(kernels, rows):
 
 def test_build_failure_is_one_line_and_falls_back(monkeypatch, tmp_path, caplog):
     monkeypatch.setenv("CC", "definitely-not-a-compiler")
-    monkeypatch.setattr(cpu_mod.shutil, "which", lambda name: None)
+    monkeypatch.setattr(build_mod.shutil, "which", lambda name: None)
     with pytest.raises(KernelBuildError, match="no C compiler found"):
         build_library(tmp_path)
     cpu_kernels.cache_clear()
@@ -262,29 +264,34 @@ def test_loading_the_kernels_leaves_subnormals_alone(kernels):
     assert (tiny * 1.0).item() != 0.0  # 0.0 under flush-to-zero / denormals-are-zero
 
 
-def test_read_only_cache_falls_back_to_temp(tmp_path, monkeypatch):
+def test_read_only_cache_falls_back_to_a_private_build(tmp_path, monkeypatch):
+    """A baked read-only cache with no build for this CPU: a build for this process,
+    loaded through its descriptor, and nothing left behind in either directory."""
     read_only = tmp_path / "baked"
     read_only.mkdir()
     read_only.chmod(0o555)
-    monkeypatch.setattr(cpu_mod.tempfile, "gettempdir", lambda: str(tmp_path / "tmp"))
+    temp = tmp_path / "tmp"
+    temp.mkdir()
+    monkeypatch.setattr(build_mod.tempfile, "tempdir", str(temp))
     try:
         if os.access(read_only, os.W_OK):  # root ignores permission bits
             real_access = os.access
             monkeypatch.setattr(
-                cpu_mod.os,
+                build_mod.os,
                 "access",
                 lambda path, mode: path != read_only and real_access(path, mode),
             )
         built = build_library(read_only)
     finally:
         read_only.chmod(0o755)
-    assert built.parent.parent == tmp_path / "tmp" and built.exists()
-    assert not any(read_only.iterdir())
+    assert built.parent == Path("/proc/self/fd") and built.exists()
+    assert not any(read_only.iterdir()) and not any(temp.iterdir())
+    x = torch.randn(3, 8)
+    gate, up = x.split(4, dim=1)
+    torch.testing.assert_close(CpuKernels(built).silu_and_mul(x), F.silu(gate) * up)
 
 
 def test_kernel_source_ships_as_package_data():
-    from pathlib import Path
-
     import tomllib
 
     root = Path(__file__).resolve().parents[2]

@@ -1,0 +1,248 @@
+"""Compile cpu_kernels.c, and find a build that is safe to load.
+
+The library is compiled once per machine with the system compiler (``cc``, or ``$CC``)
+and cached in ``envs.kernel_cache_dir()`` (``<cache>/kernels``) under a name keyed by
+the source, the compiler and the CPU's instruction-set flags (it is built with
+``-march=native``, so a cache shared between different CPUs gets one library per CPU
+kind). Compiling takes about a second.
+
+Loading a shared library runs its constructors, so a cached build is loaded only when
+nobody but this user or root could have written it (``untrusted_reason``, the rule of
+ssh's StrictModes). A cache that fails the rule, or that is read-only and has no build
+for this CPU (a baked container image on another CPU kind), gets a private build for
+this process instead: compiled in a new 0700 directory and loaded through its open file
+descriptor (``_build_private``). Nothing is ever loaded from a path someone else can
+redirect.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import logging
+import os
+import shutil
+import stat
+import subprocess
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+from engine import envs
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("cpu_kernels.c")
+# Compiled and linked in two steps: linking with -ffast-math (gcc < 13) adds
+# crtfastmath.o, whose constructor turns on flush-to-zero for the whole process when
+# the library loads, silently changing every other float computation (hypothesis
+# caught it). The kernels still get fast-math code (vectorised expf); nothing else does.
+_COMPILE_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-std=c11"]
+_LINK_FLAGS = ["-shared", "-fopenmp"]
+_PROC_FD = Path("/proc/self/fd")
+
+
+class KernelBuildError(RuntimeError):
+    pass
+
+
+def build_library(out_dir: Path | None = None) -> Path:
+    """A compiled cpu_kernels.c that is safe to load: the cached build in ``out_dir``
+    (default ``envs.kernel_cache_dir()``) when it passes ``untrusted_reason``, else a new
+    build there when that directory passes it and is writable, else ``_build_private``."""
+    cc = _compiler()
+    if cc is None:
+        raise KernelBuildError("no C compiler found (set $CC or install gcc)")
+    source = SOURCE.read_bytes()
+    name = library_name(cc, source)
+    cache = _canonical(out_dir or envs.kernel_cache_dir())
+    found = os.path.lexists(cache / name)
+    if found:
+        reason = untrusted_reason(cache / name)
+        if reason is None:
+            return cache / name
+        logger.warning("not loading %s: %s; building a private copy", cache / name, reason)
+    problem = _cache_problem(cache)
+    if problem is None:
+        return _build_cached(cc, source, cache, name)
+    level, why = problem
+    if not found:  # else already warned about
+        logger.log(level, "kernel cache %s %s; building a private copy", cache, why)
+    return _build_private(cc, source, name)
+
+
+def _build_cached(cc: str, source: bytes, cache: Path, name: str) -> Path:
+    logger.info("building specserve's CPU kernels into %s (once per CPU kind)", cache)
+    with _build_dir(cache) as build_dir:
+        _compile(cc, source, build_dir, name)
+        dir_fd = build_dir[1]
+        os.close(_open_build(dir_fd, name))
+        # atomic: concurrent builders agree on one file, and an untrusted one is replaced
+        os.replace(name, cache / name, src_dir_fd=dir_fd)
+    return cache / name
+
+
+def _build_private(cc: str, source: bytes, name: str) -> Path:
+    """A build for this process alone, in a new 0700 directory under the system temp
+    directory that is removed again. The path returned, ``/proc/self/fd/N``, names the
+    built file itself (held open for the life of the process), so nobody who can write
+    the temp directory (a Kubernetes emptyDir /tmp is 0777, not sticky) can swap it
+    before it is loaded."""
+    if not _PROC_FD.is_dir():
+        raise KernelBuildError("no trusted, writable kernel cache, and no /proc to load from")
+    logger.info("building specserve's CPU kernels for this process (about a second)")
+    with _build_dir(Path(tempfile.gettempdir())) as build_dir:
+        _compile(cc, source, build_dir, name)
+        fd = _open_build(build_dir[1], name)
+    return _PROC_FD / str(fd)
+
+
+def library_name(cc: str, source: bytes) -> str:
+    """The cached build's file name: keyed by source, compiler, flags and CPU kind."""
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
+    key = hashlib.sha256(
+        source
+        + version.encode()
+        + _cpu_flags().encode()
+        + " ".join(_COMPILE_FLAGS + _LINK_FLAGS).encode()
+    ).hexdigest()[:16]
+    return f"cpu_kernels-{key}.so"
+
+
+def untrusted_reason(path: Path) -> str | None:
+    """Why ``path`` (a library, or a directory for one) could hold code written by
+    someone other than this user or root; None when it cannot. ``path``, and the
+    directory holding it when it is a file, must be no symlink, owned by us or root and
+    not writable by group or others. Every directory above must be owned by us or root
+    and not writable by group or others unless sticky (like /tmp: others may add
+    entries there but not move or replace ours)."""
+    try:
+        leaf = [path] if stat.S_ISDIR(os.lstat(path).st_mode) else [path, path.parent]
+        for p in leaf:
+            st = os.lstat(p)
+            if stat.S_ISLNK(st.st_mode):
+                return f"{p} is a symlink"
+            reason = _permission_problem(p, st, sticky_ok=False)
+            if reason is not None:
+                return reason
+        above = Path(os.path.realpath(leaf[-1].parent))
+        for p in (above, *above.parents):
+            reason = _permission_problem(p, os.stat(p), sticky_ok=True)
+            if reason is not None:
+                return reason
+    except OSError as exc:
+        return f"cannot check {exc.filename}: {exc.strerror}"
+    return None
+
+
+def _permission_problem(path: Path, st: os.stat_result, sticky_ok: bool) -> str | None:
+    if not _trusted_owner(st.st_uid):
+        return f"{path} is owned by uid {st.st_uid}"
+    if st.st_mode & 0o022 and not (sticky_ok and st.st_mode & stat.S_ISVTX):
+        return f"{path} is writable by group or others (mode {stat.S_IMODE(st.st_mode):04o})"
+    return None
+
+
+def _trusted_owner(uid: int) -> bool:
+    return uid == 0 or uid == os.geteuid()
+
+
+def _cache_problem(cache: Path) -> tuple[int, str] | None:
+    """None when new builds may go into ``cache``; else a log level and why not."""
+    try:
+        _make_dirs(cache)
+    except OSError as exc:
+        return logging.INFO, f"cannot be created ({exc.strerror})"
+    reason = untrusted_reason(cache)
+    if reason is not None:
+        return logging.WARNING, f"is not trusted ({reason})"
+    if not os.access(cache, os.W_OK):
+        return logging.INFO, "is read-only and has no build for this CPU"
+    return None
+
+
+def _make_dirs(path: Path) -> None:
+    """``mkdir -p``, each new directory 0755 whatever the umask: under the common umask
+    002 the default mode would be group-writable, and fail the trust rule at once."""
+    if path.is_dir():
+        return
+    _make_dirs(path.parent)
+    with contextlib.suppress(FileExistsError):
+        os.mkdir(path, 0o755)
+
+
+def _canonical(path: Path) -> Path:
+    """``path`` made absolute with every symlink above it resolved, so that the trust
+    rule checks the directories the loader will go through. A symlink at ``path``
+    itself is kept, for the rule to refuse."""
+    path = Path(os.path.abspath(path))
+    return Path(os.path.realpath(path.parent)) / path.name
+
+
+@contextlib.contextmanager
+def _build_dir(parent: Path) -> Iterator[tuple[Path, int]]:
+    """A new 0700 directory under ``parent`` and a descriptor open on it; removed on
+    exit. Builds work through the descriptor, so a writable ``parent`` cannot swap the
+    directory under the compiler or the loader."""
+    path = Path(tempfile.mkdtemp(prefix=".specserve-build-", dir=parent))
+    dir_fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    try:
+        st = os.fstat(dir_fd)
+        if st.st_uid != os.geteuid() or st.st_mode & 0o077:
+            raise KernelBuildError(f"{path} was replaced while building the CPU kernels")
+        yield path, dir_fd
+    finally:
+        for entry in os.listdir(dir_fd):
+            with contextlib.suppress(OSError):
+                os.unlink(entry, dir_fd=dir_fd)
+        os.close(dir_fd)
+        with contextlib.suppress(OSError):
+            os.rmdir(path)
+
+
+def _compile(cc: str, source: bytes, build_dir: tuple[Path, int], name: str) -> None:
+    """Compile ``source`` (the bytes hashed into ``name``) into ``name`` inside
+    ``build_dir``. The compiler runs in that directory through its descriptor
+    (/proc/self/fd/N) with relative names and TMPDIR=., so every file it reads or writes
+    besides headers and libraries is in the directory we opened."""
+    path, dir_fd = build_dir
+    fd = os.open(SOURCE.name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600, dir_fd=dir_fd)
+    with os.fdopen(fd, "wb") as f:
+        f.write(source)
+    # Without /proc (only reached for a cache whose directories passed the rule) the
+    # path is as safe: nobody else can move it.
+    cwd = _PROC_FD / str(dir_fd) if _PROC_FD.is_dir() else path
+    env = {**os.environ, "TMPDIR": "."}
+    for cmd in (
+        [cc, *_COMPILE_FLAGS, "-c", SOURCE.name, "-o", "cpu_kernels.o"],
+        [cc, *_LINK_FLAGS, "cpu_kernels.o", "-o", name, "-lm"],
+    ):
+        result = subprocess.run(
+            cmd, capture_output=True, text=True, cwd=cwd, env=env, pass_fds=(dir_fd,)
+        )
+        if result.returncode != 0:
+            lines = result.stderr.strip().splitlines() or ["(no output)"]
+            first = next((line for line in lines if "error" in line), lines[0])
+            raise KernelBuildError(f"{cc} failed to build {SOURCE.name}: {first}")
+
+
+def _open_build(dir_fd: int, name: str) -> int:
+    """A descriptor on the built library, made 0755 whatever the umask (a group- or
+    world-writable build would fail the trust rule, and rightly)."""
+    fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW, dir_fd=dir_fd)
+    os.fchmod(fd, 0o755)
+    return fd
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return ""
+
+
+def _compiler() -> str | None:
+    return shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")

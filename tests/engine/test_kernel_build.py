@@ -1,0 +1,299 @@
+"""Which compiled kernel library specserve agrees to load (engine/kernels/build.py).
+
+A library planted where the loader looks has a constructor that writes a marker file:
+if specserve ever loads it, the marker appears. The rule under test (ssh's StrictModes):
+the library and its directory are no symlinks, owned by us or root and not writable by
+group or others; every directory above is owned by us or root and not writable by group
+or others unless sticky.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine.kernels import build as build_mod
+from engine.kernels.cpu import CpuKernels, build_library, cpu_kernels
+
+_PLANTED_C = r"""
+#include <stdio.h>
+#include <stdlib.h>
+__attribute__((constructor)) static void planted(void) {
+    const char *marker = getenv("SPECSERVE_TEST_MARKER");
+    FILE *f = marker ? fopen(marker, "w") : NULL;
+    if (f) {
+        fputs("planted code ran\n", f);
+        fclose(f);
+    }
+}
+"""
+_OTHER_UID = 65534  # nobody
+
+
+@pytest.fixture(scope="module")
+def planted_library(tmp_path_factory) -> Path:
+    """A shared library whose load-time constructor writes $SPECSERVE_TEST_MARKER."""
+    d = tmp_path_factory.mktemp("planted-src")
+    (d / "planted.c").write_text(_PLANTED_C)
+    cc = build_mod._compiler()
+    assert cc is not None, "the kernel tests need a C compiler"
+    subprocess.run(
+        [cc, "-shared", "-fPIC", str(d / "planted.c"), "-o", str(d / "planted.so")], check=True
+    )
+    return d / "planted.so"
+
+
+@pytest.fixture
+def marker(tmp_path, monkeypatch) -> Path:
+    path = tmp_path / "marker"
+    monkeypatch.setenv("SPECSERVE_TEST_MARKER", str(path))
+    return path
+
+
+def _library_name() -> str:
+    return build_mod.library_name(build_mod._compiler(), build_mod.SOURCE.read_bytes())
+
+
+def _plant(planted_library: Path, directory: Path) -> Path:
+    directory.mkdir(parents=True, exist_ok=True)
+    target = directory / _library_name()
+    shutil.copyfile(planted_library, target)
+    target.chmod(0o755)
+    return target
+
+
+def _give_away(path: Path, monkeypatch) -> None:
+    """Make ``path`` another user's: for real as root, else by making only root trusted
+    (then everything of ours looks foreign too, which the rule must also refuse)."""
+    if os.geteuid() == 0:
+        os.chown(path, _OTHER_UID, _OTHER_UID, follow_symlinks=False)
+    else:
+        monkeypatch.setattr(build_mod, "_trusted_owner", lambda uid: uid == 0)
+
+
+def _assert_works(kernels: CpuKernels) -> None:
+    x = torch.randn(3, 8)
+    gate, up = x.split(4, dim=1)
+    torch.testing.assert_close(kernels.silu_and_mul(x), F.silu(gate) * up)
+
+
+def test_the_planted_library_runs_when_loaded(planted_library, marker, tmp_path):
+    """The control: a planted library that passes the rule (ours, 0755, in a directory
+    of ours) is loaded, and its constructor writes the marker. So the tests below, where
+    the marker stays absent, would catch a load; today's code loaded every one."""
+    cache = tmp_path / "cache"
+    planted = _plant(planted_library, cache)
+    assert build_library(cache) == planted
+    with pytest.raises(AttributeError):  # no specserve_* symbols in it
+        CpuKernels(planted)
+    assert marker.exists()
+
+
+def _writable_cache(cache, planted, monkeypatch):
+    cache.chmod(0o777)
+    return "writable by group or others (mode 0777)"
+
+
+def _group_writable_cache(cache, planted, monkeypatch):
+    cache.chmod(0o775)
+    return "writable by group or others (mode 0775)"
+
+
+def _writable_library(cache, planted, monkeypatch):
+    planted.chmod(0o666)
+    return "writable by group or others (mode 0666)"
+
+
+def _symlinked_library(cache, planted, monkeypatch):
+    elsewhere = cache.parent / "elsewhere.so"
+    planted.rename(elsewhere)
+    planted.symlink_to(elsewhere)
+    return "is a symlink"
+
+
+def _foreign_cache(cache, planted, monkeypatch):
+    _give_away(cache, monkeypatch)
+    return "owned by uid"
+
+
+def _foreign_library(cache, planted, monkeypatch):
+    _give_away(planted, monkeypatch)
+    return "owned by uid"
+
+
+def _writable_ancestor(cache, planted, monkeypatch):
+    cache.parent.chmod(0o777)  # no sticky bit: others could move our cache away
+    return f"{cache.parent} is writable by group or others (mode 0777)"
+
+
+def _foreign_ancestor(cache, planted, monkeypatch):
+    _give_away(cache.parent, monkeypatch)
+    return "owned by uid"
+
+
+@pytest.mark.parametrize(
+    "make_hostile",
+    [
+        _writable_cache,
+        _group_writable_cache,
+        _writable_library,
+        _symlinked_library,
+        _foreign_cache,
+        _foreign_library,
+        _writable_ancestor,
+        _foreign_ancestor,
+    ],
+)
+def test_a_planted_library_is_never_loaded(
+    planted_library, marker, tmp_path, monkeypatch, caplog, make_hostile
+):
+    cache = tmp_path / "shared" / "cache"
+    planted = _plant(planted_library, cache)
+    why = make_hostile(cache, planted, monkeypatch)
+    with caplog.at_level(logging.WARNING, logger="engine.kernels.build"):
+        built = build_library(cache)
+    _assert_works(CpuKernels(built))
+    assert not marker.exists()
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warnings) == 1 and "\n" not in warnings[0]
+    assert str(planted) in warnings[0] and why in warnings[0]
+
+
+def test_the_old_shared_temp_fallback_is_not_consulted(
+    planted_library, marker, tmp_path, monkeypatch
+):
+    """Today's code fell back to <temp>/specserve-kernels-<uid>, a name anyone can
+    compute, and loaded what it found there."""
+    temp = tmp_path / "tmp"
+    temp.mkdir()
+    temp.chmod(0o1777)
+    monkeypatch.setattr(build_mod.tempfile, "tempdir", str(temp))
+    _plant(planted_library, temp / f"specserve-kernels-{os.getuid()}")
+    read_only = _read_only_cache(tmp_path / "baked", monkeypatch)
+    _assert_works(CpuKernels(build_library(read_only)))
+    assert not marker.exists()
+
+
+def test_cpu_kernels_end_to_end_refuse_a_planted_cache(
+    planted_library, marker, tmp_path, monkeypatch
+):
+    cache = tmp_path / "kernels"
+    _plant(planted_library, cache)
+    cache.chmod(0o777)
+    monkeypatch.setenv("SPECSERVE_KERNEL_CACHE_DIR", str(cache))
+    cpu_kernels.cache_clear()
+    try:
+        kernels = cpu_kernels()
+        assert kernels is not None
+        _assert_works(kernels)
+    finally:
+        cpu_kernels.cache_clear()
+    assert not marker.exists()
+
+
+def _read_only_cache(path: Path, monkeypatch) -> Path:
+    """``path`` as the serving user sees a baked image's cache: not writable. (Root
+    ignores permission bits, so for root os.access is told the truth it would see.)"""
+    path.mkdir(parents=True, exist_ok=True)
+    real_access = os.access
+    monkeypatch.setattr(
+        build_mod.os,
+        "access",
+        lambda p, mode: not (Path(p) == path and mode & os.W_OK) and real_access(p, mode),
+    )
+    return path
+
+
+def test_a_root_owned_read_only_baked_cache_is_used(tmp_path, monkeypatch, caplog):
+    """The container image: the cache was built as root at image build time and the
+    server runs as uid 10001, for whom it is read-only. Root-owned counts as trusted."""
+    baked = tmp_path / "baked"
+    built = build_library(baked)
+    mtime = built.stat().st_mtime_ns
+    if os.geteuid() == 0:
+        monkeypatch.setattr(build_mod.os, "geteuid", lambda: 10001)
+    else:  # we own the build; make it look like root's instead
+        monkeypatch.setattr(build_mod, "_trusted_owner", lambda uid: uid in (0, 10001))
+        monkeypatch.setattr(build_mod.os, "geteuid", lambda: 10001)
+    _read_only_cache(baked, monkeypatch)
+    baked.chmod(0o555)
+    try:
+        with caplog.at_level(logging.INFO, logger="engine.kernels.build"):
+            again = build_library(baked)
+    finally:
+        baked.chmod(0o755)
+    assert again == built and built.stat().st_mtime_ns == mtime  # reused, not rebuilt
+    assert not caplog.records
+
+
+@pytest.mark.parametrize("temp_mode", [0o1777, 0o777])  # 0777: a Kubernetes emptyDir /tmp
+def test_private_build_when_the_cache_is_unusable(tmp_path, monkeypatch, temp_mode):
+    """A private build is loaded through its descriptor even when the temp directory
+    is writable by anyone, and the temp directory is left as it was."""
+    temp = tmp_path / "tmp"
+    temp.mkdir()
+    temp.chmod(temp_mode)
+    monkeypatch.setattr(build_mod.tempfile, "tempdir", str(temp))
+    built = build_library(_read_only_cache(tmp_path / "baked", monkeypatch))
+    assert built.parent == Path("/proc/self/fd")
+    assert os.stat(built).st_mode & 0o022 == 0
+    _assert_works(CpuKernels(built))
+    assert not any(temp.iterdir()) and not any((tmp_path / "baked").iterdir())
+
+
+@pytest.mark.parametrize("umask", [0o000, 0o002])
+def test_builds_are_never_group_or_world_writable(tmp_path, umask):
+    """Directories created for the cache and the library itself, whatever the umask:
+    else the next start would (rightly) refuse its own cache."""
+    cache = tmp_path / "new" / "kernels"
+    old = os.umask(umask)
+    try:
+        built = build_library(cache)
+    finally:
+        os.umask(old)
+    assert built == cache / _library_name()
+    for path in (built, cache, cache.parent):
+        assert path.stat().st_mode & 0o022 == 0, oct(path.stat().st_mode)
+    mtime = built.stat().st_mtime_ns
+    assert build_library(cache) == built and built.stat().st_mtime_ns == mtime
+
+
+def test_a_sticky_world_writable_ancestor_is_fine(tmp_path):
+    """Like /tmp: others may add entries but not move ours, so a cache of ours inside
+    it is trusted and reused."""
+    sticky = tmp_path / "sticky"
+    sticky.mkdir()
+    sticky.chmod(0o1777)
+    built = build_library(sticky / "kernels")
+    assert built == sticky / "kernels" / _library_name()
+    assert build_mod.untrusted_reason(built) is None
+    mtime = built.stat().st_mtime_ns
+    assert build_library(sticky / "kernels") == built and built.stat().st_mtime_ns == mtime
+
+
+def test_untrusted_reason_walks_every_ancestor(tmp_path):
+    deep = tmp_path / "a" / "b" / "c"
+    deep.mkdir(parents=True)
+    library = deep / "lib.so"
+    library.write_bytes(b"")
+    assert build_mod.untrusted_reason(library) is None
+    (tmp_path / "a").chmod(0o757)
+    assert build_mod.untrusted_reason(library) == (
+        f"{tmp_path / 'a'} is writable by group or others (mode 0757)"
+    )
+    (tmp_path / "a").chmod(0o1757)  # sticky above the holding directory: fine
+    assert build_mod.untrusted_reason(library) is None
+    deep.chmod(0o1777)  # but not for the directory holding the library
+    assert "mode 1777" in build_mod.untrusted_reason(library)
+    deep.chmod(0o755)
+    link = tmp_path / "link"
+    link.symlink_to(tmp_path / "a")  # a symlink above is resolved, then checked
+    assert build_mod.untrusted_reason(link / "b" / "c" / "lib.so") is None
+    assert "cannot check" in build_mod.untrusted_reason(deep / "missing.so")
