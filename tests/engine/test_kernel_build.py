@@ -217,11 +217,10 @@ def test_a_root_owned_read_only_baked_cache_is_used(tmp_path, monkeypatch, caplo
     baked = tmp_path / "baked"
     built = build_library(baked)
     mtime = built.stat().st_mtime_ns
-    if os.geteuid() == 0:
-        monkeypatch.setattr(build_mod.os, "geteuid", lambda: 10001)
-    else:  # we own the build; make it look like root's instead
-        monkeypatch.setattr(build_mod, "_trusted_owner", lambda uid: uid in (0, 10001))
-        monkeypatch.setattr(build_mod.os, "geteuid", lambda: 10001)
+    real_euid = os.geteuid()
+    monkeypatch.setattr(build_mod.os, "geteuid", lambda: 10001)
+    if real_euid != 0:  # we cannot make root-owned files: our uid stands in for root's
+        monkeypatch.setattr(build_mod, "_trusted_owner", lambda uid: uid in (real_euid, 10001))
     _read_only_cache(baked, monkeypatch)
     baked.chmod(0o555)
     try:
