@@ -266,11 +266,12 @@ def _check_f32(name: str, t: torch.Tensor, dims: int, rows_strided: bool = False
 def _check_kv_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
     _check_f32("k_cache", k_cache, 4)
     _check_f32("v_cache", v_cache, 4)
-    if v_cache.shape != k_cache.shape:
-        raise ValueError(f"v_cache {tuple(v_cache.shape)} != k_cache {tuple(k_cache.shape)}")
-    if min(k_cache.shape[1:]) < 1:
+    shape = k_cache.shape
+    if v_cache.shape != shape:
+        raise ValueError(f"v_cache {tuple(v_cache.shape)} != k_cache {tuple(shape)}")
+    if shape[1] < 1 or shape[2] < 1 or shape[3] < 1:
         raise ValueError(
-            f"k_cache {tuple(k_cache.shape)}: block_size, num_kv_heads and head_dim must be >= 1"
+            f"k_cache {tuple(shape)}: block_size, num_kv_heads and head_dim must be >= 1"
         )
 
 
