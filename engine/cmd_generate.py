@@ -74,8 +74,9 @@ def _add_sampling_args(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=d["seed"],
         metavar="SEED",
-        help="sampling seed for this request: the same seed gives the same output "
-        "(default: a fresh one each run)",
+        help="sampling seed for this request: the same seed gives the same output, "
+        "with or without speculation and whatever else a server runs (default: none, "
+        "not reproducible)",
     )
     g.add_argument(
         "--stop",
