@@ -28,9 +28,6 @@ class ScheduledRequest:
 class SchedulerOutput:
     scheduled: list[ScheduledRequest]
     num_batched_tokens: int
-    # Requests that left the running set since the last step, so the runner can
-    # drop their per-request state (generators, draft caches).
-    finished_request_ids: list[str] = field(default_factory=list)
     preempted_request_ids: list[str] = field(default_factory=list)
 
     @property

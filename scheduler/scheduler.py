@@ -46,23 +46,22 @@ class Scheduler:
         self.cost_model = StepCostModel()
         self.requests: dict[str, Request] = {}
         self.running: list[Request] = []  # kept sorted by Request.sort_key
-        self._waiting: list[tuple[int, float, int, Request]] = []  # heap
-        self._num_waiting = 0
+        # Heap of waiting and preempted requests; a finished request leaves it at once.
+        self._waiting: list[tuple[int, float, int, Request]] = []
         self._tiebreak = itertools.count()
-        self._finished_ids: list[str] = []
         self.num_preemptions = 0
 
     # ---- queue management ----------------------------------------------------------
     @property
     def num_waiting(self) -> int:
-        return self._num_waiting
+        return len(self._waiting)
 
     @property
     def num_running(self) -> int:
         return len(self.running)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.running) or self._num_waiting > 0
+        return bool(self.running) or bool(self._waiting)
 
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
@@ -84,22 +83,24 @@ class Scheduler:
         if request.status is RequestStatus.RUNNING:
             self.running.remove(request)
         else:
-            self._num_waiting -= 1  # lazily dropped from the heap when popped
+            self._remove_waiting(request)
         request.status = RequestStatus.FINISHED
         request.finish_reason = request.finish_reason or reason
         self.kv.free(request)
         self.requests.pop(request.request_id, None)
-        self._finished_ids.append(request.request_id)
 
     def _push_waiting(self, request: Request) -> None:
         heapq.heappush(
             self._waiting, (request.priority, request.arrival_time, next(self._tiebreak), request)
         )
-        self._num_waiting += 1
+
+    def _remove_waiting(self, request: Request) -> None:
+        # O(waiting) per abort, against lazy deletion's dead entries that an idle
+        # scheduler would keep (with their prompts) until the next admission.
+        self._waiting = [entry for entry in self._waiting if entry[3] is not request]
+        heapq.heapify(self._waiting)
 
     def _peek_waiting(self) -> Request | None:
-        while self._waiting and self._waiting[0][3].status is RequestStatus.FINISHED:
-            heapq.heappop(self._waiting)
         return self._waiting[0][3] if self._waiting else None
 
     # ---- schedule ---------------------------------------------------------------------
@@ -125,11 +126,9 @@ class Scheduler:
             i += 1
         if not preempted:
             budget = self._admit_waiting(budget, scheduled)
-        finished, self._finished_ids = self._finished_ids, []
         return SchedulerOutput(
             scheduled=scheduled,
             num_batched_tokens=self.config.max_num_batched_tokens - budget,
-            finished_request_ids=finished,
             preempted_request_ids=preempted,
         )
 
@@ -187,7 +186,6 @@ class Scheduler:
             if self.kv.allocate_slots(request, num_new, 0, cached_block_ids) is None:
                 break  # admission only when the pool can hold the next tokens
             heapq.heappop(self._waiting)
-            self._num_waiting -= 1
             if request.num_preemptions == 0:
                 request.num_cached_prompt_tokens = num_cached
             request.num_computed_tokens = num_cached

@@ -125,3 +125,36 @@ def test_stop_token_inside_an_accepted_run_truncates_there():
     s.add_request(r)
     step(s)  # prefill samples token 7 = stop
     assert r.finish_reason == "stop" and r.output_token_ids == [7]
+
+
+def test_aborted_waiting_requests_leave_the_heap_at_once():
+    """An idle scheduler never steps again to pop them lazily: they must go right away."""
+    s = make_scheduler(max_num_seqs=1)
+    s.add_request(make_request("running", 5, max_tokens=100))
+    for i in range(50):
+        s.add_request(make_request(f"w{i}", 5, priority=i % 3))
+    step(s)
+    for i in range(0, 50, 2):
+        s.abort(f"w{i}")
+    waiting_ids = [entry[3].request_id for entry in s._waiting]
+    assert sorted(waiting_ids) == sorted(f"w{i}" for i in range(1, 50, 2))
+    assert s.num_waiting == 25
+    s.abort("running")
+    for i in range(1, 50, 2):
+        s.abort(f"w{i}")
+    assert s._waiting == [] and s.num_waiting == 0 and not s.has_unfinished_requests()
+
+
+def test_admission_order_survives_aborts_in_the_middle_of_the_heap():
+    s = make_scheduler(max_num_seqs=1)
+    s.add_request(make_request("running", 5, max_tokens=2))
+    for priority in [5, 1, 3, 0, 4, 2]:
+        s.add_request(make_request(f"p{priority}", 5, max_tokens=2, priority=priority))
+    step(s)
+    s.abort("p0")
+    s.abort("p3")
+    admitted = []
+    while s.has_unfinished_requests():
+        sched = step(s)
+        admitted += [i.request_id for i in sched.scheduled if i.request_id not in admitted]
+    assert [r for r in admitted if r != "running"] == ["p1", "p2", "p4", "p5"]
