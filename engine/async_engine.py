@@ -2,14 +2,19 @@
 
 The loop thread owns the LLMEngine (model, KV cache, scheduler, tokenizer for
 detokenization). The asyncio side talks to it only through a command queue (add /
-abort) and per-request output queues filled with ``call_soon_threadsafe``.
+abort) and per-request output queues filled with ``call_soon_threadsafe``. Text and
+chat prompts are encoded on the PromptEncoder's worker threads, neither here nor there.
+
+Every request gets an internal key, unique for the engine's lifetime; outputs, aborts
+and the engine's own bookkeeping use that key. The caller's ``request_id`` is only a
+label (logs, responses, ``abort``): two requests with the same label never see each
+other's outputs.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import copy
 import itertools
 import logging
 import queue
@@ -27,6 +32,7 @@ from engine.errors import (
     EngineShutdownError,
 )
 from engine.outputs import RequestOutput
+from engine.prompt_encoder import PromptEncoder
 from engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -36,29 +42,30 @@ _IDLE_WAIT_S = 0.05
 
 @dataclass(slots=True)
 class _AddCommand:
-    request_id: str
+    stream: _RequestStream
     prompt: str | list[int] | None
     messages: list[dict[str, str]] | None
     params: SamplingParams
     priority: int
-    stream: _RequestStream
 
 
 @dataclass(slots=True)
 class _AbortCommand:
-    request_id: str
+    key: str
 
 
 class _RequestStream:
     """Per-request output queue; items are RequestOutput or an exception to raise."""
 
-    __slots__ = ("request_id", "queue", "loop", "finished")
+    __slots__ = ("key", "label", "queue", "loop", "finished", "aborted")
 
-    def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop) -> None:
-        self.request_id = request_id
+    def __init__(self, key: str, label: str, loop: asyncio.AbstractEventLoop) -> None:
+        self.key = key  # internal, unique: what the LLMEngine knows the request by
+        self.label = label  # the caller's request_id
         self.queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self.loop = loop
         self.finished = False
+        self.aborted = False  # set by abort(label); read by the loop thread
 
     def put_threadsafe(self, item: RequestOutput | BaseException) -> None:
         # A closed event loop raises RuntimeError: nobody is listening any more.
@@ -73,6 +80,10 @@ class AsyncEngine:
     ``generate()`` yields ``RequestOutput`` deltas; leaving the iterator early
     (``break``, cancellation) aborts the request and frees its KV blocks within one
     engine step.
+
+    Admission: at most ``max_num_seqs + max_waiting_requests`` requests are in flight
+    (admitted and not yet finished, failed or cancelled); more are refused with
+    EngineOverloadedError. A request leaves the count the moment its iterator ends.
     """
 
     def __init__(
@@ -87,20 +98,25 @@ class AsyncEngine:
         # step, and with (LLMEngine, [abort output], None) after an abort: the metrics
         # exporter and request logging hang here.
         self.step_observers = list(step_observers or [])
+        # Called in the loop thread with the exception once, when the engine fails.
+        self.failure_observers: list[Callable[[BaseException], None]] = []
         self._engine: Any = None
         self._commands: queue.SimpleQueue[_AddCommand | _AbortCommand | None] = queue.SimpleQueue()
+        # In-flight requests by key. The lock also makes admission atomic with the
+        # flags below: a request is either registered before _end_all takes its list,
+        # or sees the engine dead / stopping.
         self._streams: dict[str, _RequestStream] = {}
         self._streams_lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self._ready = threading.Event()
         self._stopping = False
         self._dead_error: BaseException | None = None
-        self._num_waiting = 0
-        self._id_counter = itertools.count()
-        # A tokenizer for the front end (chat templates, Tokenize RPC); the loop thread
-        # keeps its own so the two never share a Rust tokenizer across threads.
-        self.tokenizer: Any = None
+        self._ended = False  # _end_all ran: nobody will ever serve a new stream
+        self._keys = itertools.count()
+        self._encoder: PromptEncoder | None = None
         self.model_info: dict[str, Any] = {}
+        # An EngineStats snapshot, replaced (never mutated) by the loop thread after
+        # every step and abort; None until the model is loaded.
         self.stats: Any = None
 
     # ---- lifecycle ---------------------------------------------------------------
@@ -135,12 +151,19 @@ class AsyncEngine:
     def num_in_flight(self) -> int:
         return len(self._streams)
 
+    @property
+    def max_in_flight(self) -> int:
+        return self.config.max_num_seqs + self.config.max_waiting_requests
+
     def shutdown(self, timeout: float = 10.0) -> None:
         """Stop the loop; requests still in flight end with EngineShutdownError."""
-        self._stopping = True
+        with self._streams_lock:
+            self._stopping = True
         self._commands.put(None)
         if self._thread is not None:
             self._thread.join(timeout)
+        if self._encoder is not None:
+            self._encoder.shutdown()
 
     # ---- requests ----------------------------------------------------------------
     async def generate(
@@ -154,14 +177,27 @@ class AsyncEngine:
     ) -> AsyncIterator[RequestOutput]:
         """Submit one request and yield its output deltas until it finishes.
 
-        Raises ValueError for bad input (before any output), EngineOverloadedError
-        when the waiting queue is full, EngineDeadError when the engine has failed,
-        EngineShutdownError while shutting down.
+        ``request_id`` is the caller's label for the request (generated when None): it
+        comes back as each output's ``client_request_id`` and is what ``abort`` takes.
+        Labels need not be unique: requests sharing one run independently, each output
+        reaches only its own iterator (``RequestOutput.request_id`` is the internal key).
+
+        Text and chat prompts are encoded on a worker thread. Raises ValueError for bad
+        input (before any output), EngineOverloadedError when the engine already holds
+        ``max_num_seqs + max_waiting_requests`` requests, EngineDeadError when the
+        engine has failed, EngineShutdownError while loading or shutting down.
         """
-        request_id = request_id or f"req-{uuid.uuid4().hex[:16]}"
-        stream = self._admit(request_id)
-        self._commands.put(_AddCommand(request_id, prompt, messages, params, priority, stream))
+        if messages is not None and prompt:
+            raise ValueError("give either prompt or messages, not both")
+        label = request_id or f"req-{uuid.uuid4().hex[:16]}"
+        stream = self._admit(label)
+        submitted = False
         try:
+            if isinstance(prompt, str) or messages is not None:
+                prompt = await self._encode(prompt, messages)
+                messages = None
+            self._commands.put(_AddCommand(stream, prompt, messages, params, priority))
+            submitted = True
             while True:
                 item = await stream.queue.get()
                 if isinstance(item, BaseException):
@@ -172,37 +208,66 @@ class AsyncEngine:
                     return
         finally:
             with self._streams_lock:
-                self._streams.pop(request_id, None)
-            if not stream.finished:
-                self._commands.put(_AbortCommand(request_id))
+                self._streams.pop(stream.key, None)
+            if submitted and not stream.finished:
+                self._commands.put(_AbortCommand(stream.key))
 
-    async def abort(self, request_id: str) -> None:
-        self._commands.put(_AbortCommand(request_id))
-
-    def _admit(self, request_id: str) -> _RequestStream:
-        if self._stopping:
-            raise EngineShutdownError("engine is shutting down")
-        if self._dead_error is not None:
-            raise EngineDeadError(f"engine has failed: {self._dead_error}")
-        if not self._ready.is_set():
+    async def tokenize(
+        self, prompt: str | None = None, messages: list[dict[str, str]] | None = None
+    ) -> list[int]:
+        """``prompt``, or ``messages`` through the chat template, as token ids; encoded
+        on a worker thread exactly as ``generate`` encodes them."""
+        if self._encoder is None:
             raise EngineShutdownError("engine is still loading the model")
-        limit = self.config.max_waiting_requests
-        if self._num_waiting >= limit:
-            raise EngineOverloadedError(self._num_waiting, limit)
-        stream = _RequestStream(request_id, asyncio.get_running_loop())
+        return await self._encoder.encode(prompt, messages)
+
+    async def abort(self, request_id: str) -> int:
+        """Abort every in-flight request labelled ``request_id``; returns how many.
+        Each ends with a last output whose finish_reason is "abort"."""
         with self._streams_lock:
-            if request_id in self._streams:
-                raise ValueError(f"request_id {request_id!r} is already in flight")
-            self._streams[request_id] = stream
-        self._num_waiting += 1
+            streams = [s for s in self._streams.values() if s.label == request_id]
+            for stream in streams:
+                stream.aborted = True
+                self._commands.put(_AbortCommand(stream.key))
+        return len(streams)
+
+    def _admit(self, label: str) -> _RequestStream:
+        with self._streams_lock:
+            if self._dead_error is not None:
+                raise EngineDeadError(f"engine has failed: {self._dead_error}")
+            if self._stopping or self._ended:
+                raise EngineShutdownError("engine is shutting down")
+            if not self._ready.is_set():
+                raise EngineShutdownError("engine is still loading the model")
+            num_in_flight = len(self._streams)
+            if num_in_flight >= self.max_in_flight:
+                # Running slots are full, so at least this many requests are waiting.
+                raise EngineOverloadedError(
+                    num_in_flight - self.config.max_num_seqs, self.config.max_waiting_requests
+                )
+            stream = _RequestStream(f"a{next(self._keys)}", label, asyncio.get_running_loop())
+            self._streams[stream.key] = stream
         return stream
+
+    async def _encode(self, prompt: str | None, messages: list[dict[str, str]] | None) -> list[int]:
+        prompt_ids = await self.tokenize(prompt, messages)
+        max_model_len = int(self.model_info.get("max_model_len") or 0)
+        if max_model_len and len(prompt_ids) >= max_model_len:
+            # Refused here: the engine thread would spend time validating every id.
+            what = "chat: the templated prompt" if messages is not None else "the prompt"
+            raise ValueError(
+                f"{what} has {len(prompt_ids)} tokens; the context window allows at most "
+                f"{max_model_len - 1} prompt tokens (max_model_len {max_model_len})"
+            )
+        return prompt_ids
 
     # ---- loop thread -------------------------------------------------------------
     def _run(self) -> None:
         try:
             self._engine = self._build_engine()
-            self.tokenizer = copy.deepcopy(self._engine.tokenizer)
+            self._encoder = PromptEncoder(self._engine.tokenizer)
             self.model_info = self._engine.model_info()
+            self.model_info["max_token_chars"] = self._encoder.max_token_chars
             self._refresh_stats()
             self._ready.set()
             self._loop()
@@ -229,8 +294,7 @@ class AsyncEngine:
             if not engine.has_unfinished_requests():
                 continue
             outputs = engine.step()
-            self.stats = engine.stats
-            self._num_waiting = engine.num_waiting_requests + self._commands.qsize()
+            self._publish_stats()
             for output in outputs:
                 self._deliver(output)
             for observe in self.step_observers:
@@ -251,43 +315,53 @@ class AsyncEngine:
             if command is None:
                 return False
             if isinstance(command, _AbortCommand):
-                output = self._engine.abort_request(command.request_id)
-                self._refresh_stats()
-                if output is not None:
-                    for observe in self.step_observers:
-                        observe(self._engine, [output], None)
-                continue
-            self._add(command)
+                self._abort(command.key)
+            else:
+                self._add(command)
+
+    def _abort(self, key: str) -> None:
+        output = self._engine.abort_request(key)
+        self._refresh_stats()
+        if output is None:
+            return
+        self._deliver(output)  # reaches only a stream still listening: abort(label)
+        for observe in self.step_observers:
+            observe(self._engine, [output], None)
 
     def _refresh_stats(self) -> None:
         # An abort frees KV blocks outside step(); publish that now, because an idle
         # engine may not step again for a long time (the stats RPC would show a leak).
-        engine = self._engine
-        refresh = getattr(engine, "refresh_stats", None)
+        refresh = getattr(self._engine, "refresh_stats", None)
         if refresh is not None:
             refresh()
-        self.stats = engine.stats
+        self._publish_stats()
+
+    def _publish_stats(self) -> None:
+        # Readers on other threads get a copy: the engine keeps mutating its own.
+        self.stats = self._engine.stats.snapshot()
 
     def _add(self, command: _AddCommand) -> None:
+        stream = command.stream
         try:
             self._engine.add_request(
-                command.request_id,
+                stream.key,
                 command.prompt,
                 command.params,
                 priority=command.priority,
                 messages=command.messages,
+                client_request_id=stream.label,
             )
         except ValueError as exc:
-            self._num_waiting = max(0, self._num_waiting - 1)
-            command.stream.put_threadsafe(exc)
+            stream.put_threadsafe(exc)
+            return
         except Exception as exc:  # noqa: BLE001 - one bad prompt must not stop the loop
-            logger.warning(
-                "request %s rejected: %s: %s", command.request_id, type(exc).__name__, exc
-            )
-            self._num_waiting = max(0, self._num_waiting - 1)
-            command.stream.put_threadsafe(
+            logger.warning("request %s rejected: %s: %s", stream.label, type(exc).__name__, exc)
+            stream.put_threadsafe(
                 ValueError(f"prompt could not be processed: {type(exc).__name__}: {exc}")
             )
+            return
+        if stream.aborted:  # abort(label) came before the request reached the engine
+            self._abort(stream.key)
 
     def _deliver(self, output: RequestOutput) -> None:
         with self._streams_lock:
@@ -296,11 +370,18 @@ class AsyncEngine:
             stream.put_threadsafe(output)
 
     def _fail_all(self, exc: BaseException) -> None:
-        self._dead_error = exc
+        with self._streams_lock:
+            self._dead_error = exc
         self._end_all(EngineDeadError(f"engine failed: {type(exc).__name__}: {exc}"))
+        for observe in self.failure_observers:
+            try:
+                observe(exc)
+            except Exception:  # an observer bug must not hide the engine's failure
+                logger.exception("engine failure observer failed")
 
     def _end_all(self, error: BaseException) -> None:
         with self._streams_lock:
+            self._ended = True
             streams = list(self._streams.values())
         for stream in streams:
             stream.put_threadsafe(error)

@@ -106,6 +106,7 @@ def _observe(server, args: argparse.Namespace) -> None:
     metrics = EngineMetrics()
     request_logger = RequestLogger(json=args.log_format == "json", log_prompts=args.log_prompts)
     server.engine.step_observers += [metrics.observe_step, request_logger.observe_step]
+    server.engine.failure_observers.append(metrics.on_engine_failed)
     server.on_rpc_error = metrics.on_rpc_error
     server.on_rpc_failure = request_logger.on_rpc_error
     server.on_admission_rejected = metrics.on_admission_rejected

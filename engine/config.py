@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.sampling_params import check_int
+from engine.sampling_params import MAX_NUM_SPECULATIVE_TOKENS, check_int
 
 SPECULATIVE_METHODS = ("none", "draft", "ngram")
 ATTENTION_BACKENDS = ("auto", "cpu", "torch", "xformers")
@@ -50,7 +50,9 @@ class EngineConfig:
         _in("speculative_method", self.speculative_method, (None, *SPECULATIVE_METHODS))
         _in("attn_backend", self.attn_backend, ATTENTION_BACKENDS)
         _in("dtype", self.dtype, DTYPES)
-        check_int("num_speculative_tokens", self.num_speculative_tokens, 1, 16)
+        check_int(
+            "num_speculative_tokens", self.num_speculative_tokens, 1, MAX_NUM_SPECULATIVE_TOKENS
+        )
         if self.speculative_disable_batch_size is not None:
             check_int(
                 "speculative_disable_batch_size", self.speculative_disable_batch_size, 1, None

@@ -34,8 +34,21 @@ class _RequestState:
     params: SamplingParams
     detokenizer: IncrementalDetokenizer
     metrics: RequestMetrics
-    generator: torch.Generator | None
+    client_request_id: str  # the caller's label; request_id is the engine's key
     num_emitted_tokens: int = 0
+
+
+def _detokenize(state: _RequestState, new_ids: list[int]) -> tuple[str, str | None, list[int]]:
+    """(text to emit, the stop string hit or None, the tokens up to the one that completed
+    it). Tokens go in one at a time, as plain decoding pushes them, so the text and where
+    a stop string ends depend on the tokens alone, not on how many drafts a step kept."""
+    texts = []
+    for i, token_id in enumerate(new_ids):
+        text, stop_hit = state.detokenizer.push([token_id])
+        texts.append(text)
+        if stop_hit is not None:
+            return "".join(texts), stop_hit, new_ids[: i + 1]
+    return "".join(texts), None, new_ids
 
 
 def resolve_spec_disable_batch_size(value: int | None, device: torch.device) -> int:
@@ -97,7 +110,10 @@ class LLMEngine:
         )
         self.eos_token_ids = frozenset(self.loaded.eos_token_ids)
         self.vocab_size = self.loaded.arch.vocab_size
-        self.input_processor = InputProcessor(self.tokenizer, self.vocab_size, self.max_model_len)
+        max_spec_tokens = config.num_speculative_tokens if self.proposer is not None else 0
+        self.input_processor = InputProcessor(
+            self.tokenizer, self.vocab_size, self.max_model_len, max_spec_tokens
+        )
         self._states: dict[str, _RequestState] = {}
         self.stats = EngineStats()
         self.last_step: StepRecord | None = None
@@ -112,8 +128,15 @@ class LLMEngine:
         priority: int = 0,
         messages: list[dict[str, str]] | None = None,
         arrival_time: float | None = None,
+        client_request_id: str | None = None,
     ) -> None:
-        """Queue a request. Raises ValueError (naming the field) for bad input."""
+        """Queue a request. Raises ValueError (naming the field) for bad input.
+
+        ``request_id`` must be unique among the engine's unfinished requests: it is how
+        outputs and aborts find the request. ``client_request_id`` (default: the
+        request_id) is a label only, carried into every RequestOutput for logs and
+        replies; any number of requests may share it.
+        """
         params = params or SamplingParams()
         prompt_ids = self.input_processor.prompt_token_ids(prompt, messages, params)
         if request_id in self._states:
@@ -131,9 +154,6 @@ class LLMEngine:
             max_spec_tokens=params.num_speculative_tokens,
             sampling_params=params,
         )
-        generator = None
-        if params.seed is not None:
-            generator = torch.Generator(self.device).manual_seed(params.seed)
         self._states[request_id] = _RequestState(
             request=request,
             params=params,
@@ -141,7 +161,7 @@ class LLMEngine:
             metrics=RequestMetrics(
                 arrival_time=request.arrival_time, num_prompt_tokens=len(prompt_ids)
             ),
-            generator=generator,
+            client_request_id=request_id if client_request_id is None else client_request_id,
         )
         self.scheduler.add_request(request)
 
@@ -169,13 +189,11 @@ class LLMEngine:
         t1 = time.perf_counter()
         draft_probs = self._propose(sched)
         t2 = time.perf_counter()
-        seqs, sample_states, draft_counts = self._build_inputs(sched)
+        seqs, sample_states, drafts = self._build_inputs(sched)
         prepared = self.runner.prepare(seqs)
         t3 = time.perf_counter()
         logits = self.runner.execute(prepared)  # [sum(1 + drafts) of sampling requests, vocab]
-        runner_output = self.verifier.verify(
-            logits, sched, sample_states, draft_counts, draft_probs
-        )
+        runner_output = self.verifier.verify(logits, sched, sample_states, drafts, draft_probs)
         t4 = time.perf_counter()
         changed = self.scheduler.update(sched, runner_output)
         if self.proposer is not None:
@@ -203,21 +221,29 @@ class LLMEngine:
             for request_id in sched.preempted_request_ids:
                 self.proposer.free(request_id)
 
-    def _propose(self, sched: SchedulerOutput) -> torch.Tensor | None:
+    def _propose(self, sched: SchedulerOutput) -> dict[str, torch.Tensor]:
+        """Fill each speculating request's drafts; returns the draft model's
+        distributions by request id ([num_drafts, vocab_size]; none for n-gram drafts)."""
         speculating = [s for s in sched.scheduled if s.num_spec_tokens > 0]
         if not speculating or self.proposer is None:
-            return None
+            return {}
         requests = [self._states[s.request_id] for s in speculating]
         drafts, draft_probs = self.proposer.propose(speculating, requests)
         for item, tokens in zip(speculating, drafts):
             item.spec_token_ids = tokens
             item.num_scheduled_tokens += len(tokens)
-        return draft_probs
+        if draft_probs is None:
+            return {}
+        return {
+            item.request_id: probs
+            for item, probs in zip(speculating, draft_probs)
+            if probs is not None
+        }
 
     def _build_inputs(self, sched: SchedulerOutput):
         seqs: list[SeqInput] = []
         sample_states: list[_RequestState] = []
-        draft_counts: list[int] = []
+        drafts: list[list[int]] = []
         for item in sched.scheduled:
             state = self._states[item.request_id]
             request = state.request
@@ -230,22 +256,29 @@ class LLMEngine:
             seqs.append(SeqInput(tokens, start, item.block_ids, num_logits))
             if item.needs_sample:
                 sample_states.append(state)
-                draft_counts.append(len(item.spec_token_ids))
-        return seqs, sample_states, draft_counts
+                drafts.append(item.spec_token_ids)
+        return seqs, sample_states, drafts
 
     # ---- outputs ----------------------------------------------------------------------
     def _emit(self, state: _RequestState, runner_output: ModelRunnerOutput) -> RequestOutput | None:
         request = state.request
         new_ids = request.output_token_ids[state.num_emitted_tokens :]
+        text, stop_hit, kept_ids = _detokenize(state, new_ids)
+        if len(kept_ids) < len(new_ids):
+            # The stop string ended inside this step's tokens (accepted drafts): drop the
+            # tokens after it as if never sampled, so token ids, usage and logprobs
+            # match the same request without speculation; the stop string came first.
+            del request.all_token_ids[len(kept_ids) - len(new_ids) :]
+            new_ids = kept_ids
+            request.finish_reason = request.stop_reason = None
         state.num_emitted_tokens = request.num_output_tokens
         self.stats.num_generation_tokens += len(new_ids)
         now = time.monotonic()
         if state.metrics.first_token_time is None and new_ids:
             state.metrics.first_token_time = now
             self.stats.num_prompt_tokens += request.num_prompt_tokens
-        text, stop_hit = state.detokenizer.push(new_ids)
         logprobs = runner_output.logprobs.get(request.request_id)
-        if stop_hit is not None and not request.is_finished:
+        if stop_hit is not None and request.finish_reason is None:
             request.stop_reason = stop_hit
             request.finish_reason = "stop"
             self.scheduler.finish(request, "stop")
@@ -285,6 +318,7 @@ class LLMEngine:
             metrics=state.metrics,
             stop_reason=request.stop_reason if finished else None,
             logprobs=logprobs[: len(new_ids)] if logprobs else None,
+            client_request_id=state.client_request_id,
         )
 
     def _record_step(

@@ -222,6 +222,15 @@ class EngineMetrics:
             self._observe_step_record(step)
         self._set_gauges(llm_engine, stats, step)
 
+    def on_engine_failed(self, exc: BaseException) -> None:
+        """AsyncEngine failure observer: the engine will never step again, so its last
+        queue and KV numbers are not current: the per-pool series go away and the
+        others read NaN (unknown) from now on."""
+        for gauge in (self.requests_running, self.requests_waiting, self.speculative_length):
+            gauge.set(float("nan"))
+        self.kv_cache_usage.clear()
+        self.kv_cache_free_blocks.clear()
+
     def on_rpc_error(self, code_name: str) -> None:
         """An RPC ended with status ``code_name`` ("INVALID_ARGUMENT", ...)."""
         self.grpc_errors.labels(code_name).inc()

@@ -58,3 +58,12 @@ class RequestOutput:
     stop_reason: str | int | None = None
     logprobs: list[TokenLogprob] | None = None
     error: str | None = None
+    # The id the caller gave the request, a label for logs and replies; several requests
+    # may share one. ``request_id`` is the engine's own key, unique among its requests.
+    # None: the same as request_id.
+    client_request_id: str | None = None
+
+    @property
+    def label(self) -> str:
+        """The caller's id for the request: what logs and replies show."""
+        return self.request_id if self.client_request_id is None else self.client_request_id

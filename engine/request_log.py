@@ -136,7 +136,7 @@ def request_fields(output: Any, num_completion_tokens: int) -> dict[str, Any]:
     m = output.metrics
     e2e = None if m.finished_time is None else m.finished_time - m.arrival_time
     fields: dict[str, Any] = {
-        "request_id": output.request_id,
+        "request_id": getattr(output, "label", output.request_id),  # the caller's id
         "finish_reason": output.finish_reason,
         "prompt_tokens": m.num_prompt_tokens,
         "completion_tokens": num_completion_tokens,

@@ -1,12 +1,13 @@
 """Engine-wide counters and gauges, updated by the loop thread after every step.
 
-Read by the metrics exporter and the gRPC stats RPC. Counters only grow.
+Counters only grow. The engine mutates its own EngineStats; other threads (the gRPC
+stats RPC) read only ``snapshot()`` copies, published whole and never changed after.
 """
 
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 
 @dataclass(slots=True)
@@ -65,3 +66,12 @@ class EngineStats:
     num_accepted_tokens: int = 0
     num_requests_finished: Counter = field(default_factory=Counter)  # by finish reason
     mean_speculative_length: float = 0.0
+
+    def snapshot(self) -> EngineStats:
+        """A deep copy (pools and counters too) for readers on other threads."""
+        return replace(
+            self,
+            target_pool=replace(self.target_pool),
+            draft_pool=None if self.draft_pool is None else replace(self.draft_pool),
+            num_requests_finished=Counter(self.num_requests_finished),
+        )

@@ -149,9 +149,9 @@ class Scheduler:
             request.max_tokens - request.num_output_tokens,
             self.config.max_model_len - request.num_tokens,
         )
-        if request.max_spec_tokens is not None:
-            return max(0, min(request.max_spec_tokens, remaining - 1))
         max_k = min(self.config.num_spec_tokens, remaining - 1)
+        if request.max_spec_tokens is not None:  # fixed k, never above the engine's
+            return max(0, min(request.max_spec_tokens, max_k))
         return choose_num_spec_tokens(request.spec_history, max_k, spec_cost)
 
     def _allocate_or_preempt(
@@ -170,7 +170,6 @@ class Scheduler:
         self.running.remove(request)
         self.kv.free(request)
         request.num_computed_tokens = 0
-        request.spec_token_ids = []
         request.status = RequestStatus.PREEMPTED
         request.num_preemptions += 1
         self.num_preemptions += 1
@@ -198,7 +197,6 @@ class Scheduler:
         return budget
 
     def _scheduled(self, request: Request, num_new: int, num_spec: int) -> ScheduledRequest:
-        request.num_spec_tokens = num_spec
         return ScheduledRequest(
             request_id=request.request_id,
             num_computed_tokens=request.num_computed_tokens,
@@ -230,7 +228,6 @@ class Scheduler:
                 request.spec_history.record(num_drafts, num_accepted)
                 request.num_draft_tokens += num_drafts
                 request.num_accepted_tokens += num_accepted
-            request.spec_token_ids = []
             request.append_output_tokens(runner_output.sampled_token_ids[item.request_id])
             if request.finish_reason is None and request.num_tokens >= self.config.max_model_len:
                 request.finish_reason = "length"

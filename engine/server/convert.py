@@ -18,8 +18,9 @@ FINISH_REASONS = {
 
 def to_response(output: RequestOutput, num_completion_tokens: int) -> pb.GenerateResponse:
     """One streamed delta; usage and finish reason only on the last one."""
+    # The caller's id, echoed; request_id is the engine's internal key.
     response = pb.GenerateResponse(
-        request_id=output.request_id, text=output.text, token_ids=output.token_ids
+        request_id=output.label, text=output.text, token_ids=output.token_ids
     )
     if output.logprobs:
         response.logprobs.extend(_logprobs(output.logprobs))

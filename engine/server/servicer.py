@@ -25,7 +25,6 @@ from engine.rpc import generation_pb2 as pb
 from engine.rpc import generation_pb2_grpc as pb_grpc
 from engine.server import convert
 from engine.server.lifecycle import Lifecycle
-from engine.server.tokenize import chat_prompt_ids, text_prompt_ids
 from engine.server.validation import (
     EngineRequest,
     InvalidArgument,
@@ -105,7 +104,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         req = self._validate(request)
         async with contextlib.aclosing(self._submit(req)) as outputs:
             collected = [output async for output in outputs]
-        request_id = collected[-1].request_id if collected else (req.request_id or "")
+        request_id = collected[-1].label if collected else (req.request_id or "")
         return convert.to_complete_response(request_id, collected)
 
     async def _tokenize(self, request: pb.TokenizeRequest) -> pb.TokenizeResponse:
@@ -114,11 +113,11 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         kind = request.WhichOneof("input")
         if kind == "text":
             check_text_length("text", len(request.text), limits)
-            ids = text_prompt_ids(engine.tokenizer, request.text)
+            ids = await engine.tokenize(request.text)
         elif kind == "chat":
             messages = to_chat_messages(request.chat)
             check_text_length("chat", sum(len(m["content"]) for m in messages), limits)
-            ids = chat_prompt_ids(engine.tokenizer, messages)
+            ids = await engine.tokenize(messages=messages)
         else:
             raise InvalidArgument("input must be set: one of text, chat")
         return pb.TokenizeResponse(token_ids=ids, num_tokens=len(ids))
@@ -127,23 +126,19 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         return convert.to_model_info(self._ready_engine().model_info)
 
     async def _server_stats(self) -> pb.ServerStats:
-        return convert.to_server_stats(self._engine.stats, self._lifecycle.num_in_flight)
+        engine = self._engine
+        if engine.dead_error is not None:
+            # The last numbers the engine published are not current any more.
+            raise EngineDeadError(f"engine failed: {_one_line(engine.dead_error)}")
+        return convert.to_server_stats(engine.stats, self._lifecycle.num_in_flight)
 
     # ---- helpers -----------------------------------------------------------------
     def _validate(self, request: pb.GenerateRequest) -> EngineRequest:
+        # Cheap checks only: the engine encodes text and chat prompts off this loop,
+        # and a template that refuses the messages or a prompt too long for the
+        # context comes back from it as a ValueError (INVALID_ARGUMENT).
         engine = self._ready_engine()
-        limits = ModelLimits.from_model_info(engine.model_info)
-        req = to_engine_request(request, limits)
-        if req.messages is not None:
-            # Apply the template here too: a template that rejects these messages, or a
-            # prompt too long for the context, is the caller's error, not the engine's.
-            num_prompt_tokens = len(chat_prompt_ids(engine.tokenizer, req.messages))
-            if num_prompt_tokens >= limits.max_model_len:
-                raise InvalidArgument(
-                    f"chat: the templated prompt has {num_prompt_tokens} tokens; it must "
-                    f"have fewer than max_model_len ({limits.max_model_len})"
-                )
-        return req
+        return to_engine_request(request, ModelLimits.from_model_info(engine.model_info))
 
     def _submit(self, req: EngineRequest):
         return self._engine.generate(

@@ -20,11 +20,14 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_LEN = 256
 MAX_STOP_TOKEN_IDS = 64
 MAX_CHAT_MESSAGES = 1024
-MAX_NUM_SPECULATIVE_TOKENS = 64
 PRIORITY_RANGE = (-1000, 1000)
-# Text longer than this many characters per context token cannot fit the context window
-# with any real tokenizer; refusing it up front keeps huge prompts off the tokenizer.
-MAX_CHARS_PER_TOKEN = 64
+# One token covers at most the tokenizer's longest vocabulary entry in characters
+# (ModelInfo's max_token_chars, measured at startup), so text longer than max_model_len
+# times that cannot fit the context window: it is refused before any tokenization.
+# The floor keeps the bound loose for vocabularies of single characters (a normalizer
+# may drop characters); the default serves when the tokenizer is unknown.
+MIN_CHARS_PER_TOKEN = 4
+DEFAULT_CHARS_PER_TOKEN = 64
 CHAT_ROLES = ("system", "user", "assistant", "tool")
 _REQUEST_ID_RE = re.compile(r"[\x21-\x7e]+")
 
@@ -53,10 +56,32 @@ class ModelLimits:
 
     vocab_size: int
     max_model_len: int
+    max_token_chars: int = DEFAULT_CHARS_PER_TOKEN  # the longest token, in characters
+    # The most drafts per step a request may ask for: the engine's
+    # num_speculative_tokens, 0 when it does not speculate.
+    max_spec_tokens: int = 0
 
     @classmethod
     def from_model_info(cls, info: dict[str, Any]) -> ModelLimits:
-        return cls(vocab_size=int(info["vocab_size"]), max_model_len=int(info["max_model_len"]))
+        return cls(
+            vocab_size=int(info["vocab_size"]),
+            max_model_len=int(info["max_model_len"]),
+            max_spec_tokens=(
+                0
+                if info.get("speculative_method") in (None, "", "none")
+                else int(info.get("num_speculative_tokens") or 0)
+            ),
+            max_token_chars=int(info.get("max_token_chars") or DEFAULT_CHARS_PER_TOKEN),
+        )
+
+    @property
+    def chars_per_token(self) -> int:
+        return max(self.max_token_chars, MIN_CHARS_PER_TOKEN)
+
+    @property
+    def max_prompt_chars(self) -> int:
+        """More characters than this cannot encode to fewer than max_model_len tokens."""
+        return self.max_model_len * self.chars_per_token
 
 
 @dataclass(slots=True)
@@ -116,7 +141,7 @@ def to_sampling_params(request: pb.GenerateRequest, limits: ModelLimits) -> Samp
             f"got {len(s.stop_token_ids)}"
         )
     kwargs["ignore_eos"] = s.ignore_eos
-    kwargs["num_speculative_tokens"] = _speculation(request)
+    kwargs["num_speculative_tokens"] = _speculation(request, limits)
     try:
         return SamplingParams(**kwargs)
     except ValueError as exc:
@@ -165,11 +190,12 @@ def _prompt(
 
 
 def check_text_length(field: str, num_chars: int, limits: ModelLimits) -> None:
-    max_chars = limits.max_model_len * MAX_CHARS_PER_TOKEN
+    max_chars = limits.max_prompt_chars
     if num_chars > max_chars:
         raise InvalidArgument(
-            f"{field} must have at most {max_chars} characters "
-            f"(max_model_len * {MAX_CHARS_PER_TOKEN}), got {num_chars}"
+            f"{field} must have at most {max_chars} characters (max_model_len "
+            f"{limits.max_model_len} x {limits.chars_per_token}, the most characters one "
+            f"token covers), got {num_chars}"
         )
 
 
@@ -196,16 +222,21 @@ def _stop_strings(s: pb.SamplingOptions) -> list[str]:
     return list(s.stop)
 
 
-def _speculation(request: pb.GenerateRequest) -> int | None:
+def _speculation(request: pb.GenerateRequest, limits: ModelLimits) -> int | None:
     if not request.HasField("speculation"):
         return None
     spec = request.speculation
     k = spec.num_speculative_tokens
     if spec.mode == pb.SpeculationOptions.MODE_FIXED:
-        if not 1 <= k <= MAX_NUM_SPECULATIVE_TOKENS:
+        if not limits.max_spec_tokens:
             raise InvalidArgument(
-                f"speculation.num_speculative_tokens must be in [1, "
-                f"{MAX_NUM_SPECULATIVE_TOKENS}] with MODE_FIXED, got {k}"
+                "speculation.mode MODE_FIXED needs speculative decoding; this server runs "
+                "without it (speculative_method none)"
+            )
+        if not 1 <= k <= limits.max_spec_tokens:
+            raise InvalidArgument(
+                f"speculation.num_speculative_tokens must be in [1, {limits.max_spec_tokens}] "
+                f"(the server's num_speculative_tokens) with MODE_FIXED, got {k}"
             )
         return k
     if spec.mode not in (pb.SpeculationOptions.MODE_UNSPECIFIED, pb.SpeculationOptions.MODE_OFF):

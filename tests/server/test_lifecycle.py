@@ -109,6 +109,12 @@ def test_engine_failure_is_internal_one_line_and_not_serving(engine_config):
         assert info.value.code() == grpc.StatusCode.INTERNAL
         assert "\n" not in info.value.details()
         assert "INTERNAL" in srv.errors
+        # The last numbers the engine published are not current: no stats, the failure.
+        with pytest.raises(grpc.RpcError) as info:
+            client.server_stats()
+        assert info.value.code() == grpc.StatusCode.INTERNAL
+        assert info.value.details().startswith("engine failed: ")
+        assert "injected device fault" in info.value.details()
 
 
 def test_graceful_drain_lets_running_streams_finish(engine_config):

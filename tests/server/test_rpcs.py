@@ -110,13 +110,12 @@ def test_unary_deadline_frees_blocks(client: SpecserveClient):
     wait_no_blocks_in_use(client)
 
 
-def test_duplicate_request_id_in_flight(client: SpecserveClient):
+def test_duplicate_request_id_in_flight_is_allowed(client: SpecserveClient):
     stream = client.generate("Hello", max_tokens=400, ignore_eos=True, request_id="dup")
     first = next(iter(stream))
     assert first.request_id == "dup"
-    with pytest.raises(grpc.RpcError) as info:
-        client.generate_complete("Hello", max_tokens=1, request_id="dup")
-    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    second = client.generate_complete("Hello", max_tokens=1, request_id="dup")
+    assert second.request_id == "dup" and len(second.token_ids) == 1
     stream.cancel()
     wait_no_blocks_in_use(client)
 
