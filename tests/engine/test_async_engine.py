@@ -13,9 +13,10 @@ import pytest
 from engine import async_engine
 from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
-from engine.errors import EngineDeadError, EngineOverloadedError
+from engine.errors import EngineDeadError, EngineOverloadedError, EngineShutdownError
 from engine.llm_engine import LLMEngine
 from engine.metrics import EngineMetrics
+from engine.prompt_encoder import PromptEncoder
 from tests.engine.engine_helpers import greedy
 from tests.engine.wrapped_engines import FailingEngine, GatedEngine, recording_engine
 from tests.ops.scrape import parse, value
@@ -157,6 +158,45 @@ def test_too_long_text_is_refused_before_the_engine_sees_it(tiny_model_dir):
             await _collect(aengine.generate(None, greedy(1), messages=chat))
         assert aengine.stats.num_steps == 0 and aengine.num_in_flight == 0
         aengine.shutdown()
+
+    asyncio.run(main())
+
+
+class _BlockingTokenizer:
+    """Encodes one id per character once ``release`` is set."""
+
+    def __init__(self) -> None:
+        self.release = threading.Event()
+        self.started = threading.Event()
+
+    def get_vocab(self) -> dict[str, int]:
+        return {"a": 0, "<|long|>": 1}
+
+    def encode(self, text: str) -> list[int]:
+        self.started.set()
+        self.release.wait(30)
+        return [0] * len(text)
+
+    def __deepcopy__(self, memo) -> _BlockingTokenizer:
+        return self  # one object: the test holds its events
+
+
+def test_prompts_still_queued_at_shutdown_end_with_engine_shutdown_error():
+    async def main():
+        tokenizer = _BlockingTokenizer()
+        encoder = PromptEncoder(tokenizer)
+        assert encoder.max_token_chars == 8
+        running = asyncio.create_task(encoder.encode("abc"))
+        queued = asyncio.create_task(encoder.encode("de"))
+        while not tokenizer.started.is_set():
+            await asyncio.sleep(0.01)
+        encoder.shutdown()
+        tokenizer.release.set()
+        assert await asyncio.wait_for(running, 10) == [0, 0, 0]
+        with pytest.raises(EngineShutdownError):
+            await asyncio.wait_for(queued, 10)
+        with pytest.raises(EngineShutdownError):
+            await encoder.encode("f")
 
     asyncio.run(main())
 
