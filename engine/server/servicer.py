@@ -29,7 +29,7 @@ from engine.server.validation import (
     EngineRequest,
     InvalidArgument,
     ModelLimits,
-    check_text_length,
+    check_tokenize_length,
     to_chat_messages,
     to_engine_request,
 )
@@ -112,11 +112,11 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         limits = ModelLimits.from_model_info(engine.model_info)
         kind = request.WhichOneof("input")
         if kind == "text":
-            check_text_length("text", len(request.text), limits)
+            check_tokenize_length("text", len(request.text), limits)
             ids = await engine.tokenize(request.text)
         elif kind == "chat":
             messages = to_chat_messages(request.chat)
-            check_text_length("chat", sum(len(m["content"]) for m in messages), limits)
+            check_tokenize_length("chat", sum(len(m["content"]) for m in messages), limits)
             ids = await engine.tokenize(messages=messages)
         else:
             raise InvalidArgument("input must be set: one of text, chat")

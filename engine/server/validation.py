@@ -25,7 +25,8 @@ PRIORITY_RANGE = (-1000, 1000)
 # (ModelInfo's max_token_chars, measured at startup), so text longer than max_model_len
 # times that cannot fit the context window: it is refused before any tokenization.
 # The floor keeps the bound loose for vocabularies of single characters (a normalizer
-# may drop characters); the default serves when the tokenizer is unknown.
+# may drop characters); the default serves when the tokenizer is unknown, and as the
+# Tokenize RPC's bound (it may count text longer than the context).
 MIN_CHARS_PER_TOKEN = 4
 DEFAULT_CHARS_PER_TOKEN = 64
 CHAT_ROLES = ("system", "user", "assistant", "tool")
@@ -82,6 +83,12 @@ class ModelLimits:
     def max_prompt_chars(self) -> int:
         """More characters than this cannot encode to fewer than max_model_len tokens."""
         return self.max_model_len * self.chars_per_token
+
+    @property
+    def max_tokenize_chars(self) -> int:
+        """Tokenize may count text longer than the context (to decide where to cut it);
+        its bound only limits the work."""
+        return self.max_model_len * max(self.chars_per_token, DEFAULT_CHARS_PER_TOKEN)
 
 
 @dataclass(slots=True)
@@ -196,6 +203,16 @@ def check_text_length(field: str, num_chars: int, limits: ModelLimits) -> None:
             f"{field} must have at most {max_chars} characters (max_model_len "
             f"{limits.max_model_len} x {limits.chars_per_token}, the most characters one "
             f"token covers), got {num_chars}"
+        )
+
+
+def check_tokenize_length(field: str, num_chars: int, limits: ModelLimits) -> None:
+    max_chars = limits.max_tokenize_chars
+    if num_chars > max_chars:
+        per_token = max_chars // limits.max_model_len
+        raise InvalidArgument(
+            f"{field} must have at most {max_chars} characters (max_model_len "
+            f"{limits.max_model_len} x {per_token}), got {num_chars}"
         )
 
 

@@ -77,6 +77,28 @@ def test_too_long_prompt_is_invalid_argument(client: SpecserveClient):
     assert "max_model_len" in info.value.details()
 
 
+def test_text_that_cannot_fit_is_refused_before_tokenization(client: SpecserveClient, model_dir):
+    from transformers import AutoTokenizer
+
+    from engine.prompt_encoder import longest_token_chars
+
+    longest = longest_token_chars(AutoTokenizer.from_pretrained(model_dir))
+    max_chars = client.model_info().max_model_len * longest
+    for request in (
+        dict(prompt="x" * (max_chars + 1)),
+        dict(messages=[{"role": "user", "content": "x" * (max_chars + 1)}]),
+    ):
+        with pytest.raises(grpc.RpcError) as info:
+            client.generate_complete(max_tokens=1, **request)
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        field = "text" if "prompt" in request else "chat"
+        assert info.value.details().startswith(
+            f"{field} must have at most {max_chars} characters (max_model_len "
+        )
+    # Tokenize counts text longer than the context: a caller may want to know by how much.
+    assert len(client.tokenize("x" * (max_chars + 1))) == max_chars + 1
+
+
 def test_cancel_mid_stream_frees_blocks(client: SpecserveClient):
     stream = client.generate("Hello world", max_tokens=400, ignore_eos=True, temperature=0.0)
     received = 0
