@@ -166,17 +166,22 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         else:
             # Only calls that may reach the engine count as in flight (shutdown waits
             # for them); model info and stats calls do not.
-                    self._report_cancelled(context, args)
             tracking = self._lifecycle.track() if admit else contextlib.nullcontext()
             with tracking:
                 try:
                     return await handler(*args)
                 except asyncio.CancelledError:
+                    self._report_cancelled(context, args)
                     raise
                 except Exception as exc:
                     error = self._to_rpc_error(exc)
         if context.done():  # the client is gone: nobody to tell
             return None
+        self._report_error(error.code, error.details, _request_id(args))
+        if error.trailing:
+            context.set_trailing_metadata(error.trailing)
+        await context.abort(error.code, error.details)
+
     def _report_cancelled(self, context: grpc.aio.ServicerContext, args: tuple) -> None:
         """grpc.aio cancels the handler when the client cancels or the deadline passes."""
         remaining = context.time_remaining()
@@ -185,11 +190,6 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         else:
             code, details = grpc.StatusCode.CANCELLED, "cancelled by the client"
         self._report_error(code, details, _request_id(args))
-
-        self._report_error(error.code, error.details, _request_id(args))
-        if error.trailing:
-            context.set_trailing_metadata(error.trailing)
-        await context.abort(error.code, error.details)
 
     def _to_rpc_error(self, exc: Exception) -> RpcError:
         if isinstance(exc, RpcError):
