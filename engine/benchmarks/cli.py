@@ -18,6 +18,10 @@ BENCHMARKS = {
         "engine.benchmarks.step",
         "where a CPU decode step's time goes: compiled kernels vs torch ops",
     ),
+    "acceptance": (
+        "engine.benchmarks.acceptance",
+        "draft acceptance of seeded (coupled) vs unseeded (rejection-sampled) requests",
+    ),
     "blocks": ("block_manager.bench", "block manager operations per second"),
     "serve": ("engine.benchmarks.serve", "load-test a running server over gRPC"),
 }
