@@ -8,6 +8,8 @@ from pathlib import Path
 
 import grpc
 
+from engine.server.handlers import same_shape_handler
+
 # Kubernetes probes and grpcurl's discovery must work without a key.
 EXEMPT_PREFIXES = (
     "/grpc.health.v1.Health/",
@@ -66,10 +68,6 @@ _DETAILS = "missing or invalid API key: send metadata 'authorization: Bearer <ke
 
 def _unauthenticated_handler(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
     """A handler of the same shape as ``handler`` that refuses the call."""
-    kwargs = {
-        "request_deserializer": handler.request_deserializer,
-        "response_serializer": handler.response_serializer,
-    }
 
     async def refuse(request_or_iterator, context):
         await context.abort(grpc.StatusCode.UNAUTHENTICATED, _DETAILS)
@@ -78,13 +76,7 @@ def _unauthenticated_handler(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHa
         await context.abort(grpc.StatusCode.UNAUTHENTICATED, _DETAILS)
         yield  # unreachable: makes this an async generator, as streaming handlers are
 
-    if handler.request_streaming and handler.response_streaming:
-        return grpc.stream_stream_rpc_method_handler(refuse_stream, **kwargs)
-    if handler.request_streaming:
-        return grpc.stream_unary_rpc_method_handler(refuse, **kwargs)
-    if handler.response_streaming:
-        return grpc.unary_stream_rpc_method_handler(refuse_stream, **kwargs)
-    return grpc.unary_unary_rpc_method_handler(refuse, **kwargs)
+    return same_shape_handler(handler, refuse_stream if handler.response_streaming else refuse)
 
 
 def server_credentials(

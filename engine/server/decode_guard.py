@@ -18,6 +18,8 @@ from typing import Any
 
 import grpc
 
+from engine.server.handlers import same_shape_handler
+
 ReportError = Callable[[grpc.StatusCode, str, str | None], None]
 
 
@@ -61,17 +63,7 @@ def guard_handler(handler: grpc.RpcMethodHandler, refuse: Refuse) -> grpc.RpcMet
         guarded = _guard_request_stream(behaviour, refuse)
     else:
         guarded = _guard_unary_request(behaviour, refuse)
-    kwargs = {
-        "request_deserializer": _safe_deserializer(handler.request_deserializer),
-        "response_serializer": handler.response_serializer,
-    }
-    if handler.request_streaming and handler.response_streaming:
-        return grpc.stream_stream_rpc_method_handler(guarded, **kwargs)
-    if handler.request_streaming:
-        return grpc.stream_unary_rpc_method_handler(guarded, **kwargs)
-    if handler.response_streaming:
-        return grpc.unary_stream_rpc_method_handler(guarded, **kwargs)
-    return grpc.unary_unary_rpc_method_handler(guarded, **kwargs)
+    return same_shape_handler(handler, guarded, _safe_deserializer(handler.request_deserializer))
 
 
 def _behaviour(handler: grpc.RpcMethodHandler) -> Callable:
