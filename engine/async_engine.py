@@ -250,16 +250,13 @@ class AsyncEngine:
         return stream
 
     async def _encode(self, prompt: str | None, messages: list[dict[str, str]] | None) -> list[int]:
-        prompt_ids = await self.tokenize(prompt, messages)
+        """Token ids for generate(); a prompt too long for the context is refused here,
+        often from a prefix, rather than on the engine thread."""
+        if self._encoder is None:
+            raise EngineShutdownError("engine is still loading the model")
         max_model_len = int(self.model_info.get("max_model_len") or 0)
-        if max_model_len and len(prompt_ids) >= max_model_len:
-            # Refused here: the engine thread would spend time validating every id.
-            what = "chat: the templated prompt" if messages is not None else "the prompt"
-            raise ValueError(
-                f"{what} has {len(prompt_ids)} tokens; the context window allows at most "
-                f"{max_model_len - 1} prompt tokens (max_model_len {max_model_len})"
-            )
-        return prompt_ids
+        max_tokens = max_model_len - 1 if max_model_len else None
+        return await self._encoder.encode(prompt, messages, max_tokens)
 
     # ---- loop thread -------------------------------------------------------------
     def _run(self) -> None:

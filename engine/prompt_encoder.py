@@ -31,8 +31,10 @@ from typing import Any
 
 from engine.errors import EngineShutdownError
 
-# Encoding this many characters takes about 10 ms.
-LARGE_PROMPT_CHARS = 16384
+# Encoding this many characters takes about 40 ms; it is about the most an 8k context
+# holds (8 characters per token). Longer prompts go to the low-priority lane: mostly
+# ones that are refused as too long, from a prefix, after waiting for idle CPU.
+LARGE_PROMPT_CHARS = 65536
 
 
 def longest_token_chars(tokenizer: Any) -> int:
@@ -41,11 +43,21 @@ def longest_token_chars(tokenizer: Any) -> int:
     return max((len(token) for token in tokenizer.get_vocab()), default=1)
 
 
-def encode_text(tokenizer: Any, text: str) -> list[int]:
-    return list(tokenizer.encode(text))
+# A text longer than this many characters per allowed token is first encoded in part:
+# when that prefix alone has the margin more tokens than allowed, the whole text has
+# too many (cutting a text changes its tokens only next to the cut), and the rest is
+# never encoded. A 522k-character prompt for an 8k context costs a tenth of its encoding.
+_PREFIX_CHARS_PER_TOKEN = 8
+_PREFIX_MARGIN_TOKENS = 64
 
 
-def encode_chat(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
+def encode_text(tokenizer: Any, text: str, max_tokens: int | None = None) -> list[int]:
+    return _encode(tokenizer, text, True, max_tokens, "the prompt")
+
+
+def encode_chat(
+    tokenizer: Any, messages: list[dict[str, str]], max_tokens: int | None = None
+) -> list[int]:
     """The chat template applied with a generation prompt, as token ids."""
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError("chat: this model has no chat template; send a text or token-id prompt")
@@ -55,7 +67,31 @@ def encode_chat(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
         reason = " ".join(str(exc).split())[:200]
         message = f"chat: the model's chat template rejected the messages: {reason}"
         raise ValueError(message) from None
-    return list(tokenizer.encode(text, add_special_tokens=False))
+    return _encode(tokenizer, text, False, max_tokens, "chat: the templated prompt")
+
+
+def _encode(
+    tokenizer: Any, text: str, special: bool, max_tokens: int | None, what: str
+) -> list[int]:
+    """``text`` as token ids; ValueError when it has more than ``max_tokens``."""
+    if max_tokens is not None:
+        cut = (max_tokens + _PREFIX_MARGIN_TOKENS) * _PREFIX_CHARS_PER_TOKEN
+        if len(text) > cut:
+            cut = text.rfind(" ", 0, cut) + 1 or cut  # where tokenizers split anyway
+            num_tokens = len(tokenizer.encode(text[:cut], add_special_tokens=special))
+            if num_tokens >= max_tokens + _PREFIX_MARGIN_TOKENS:
+                raise _too_long(what, f"more than {num_tokens}", max_tokens)
+    ids = list(tokenizer.encode(text, add_special_tokens=special))
+    if max_tokens is not None and len(ids) > max_tokens:
+        raise _too_long(what, str(len(ids)), max_tokens)
+    return ids
+
+
+def _too_long(what: str, num_tokens: str, max_tokens: int) -> ValueError:
+    return ValueError(
+        f"{what} has {num_tokens} tokens; the context window allows at most {max_tokens} "
+        f"prompt tokens (max_model_len {max_tokens + 1})"
+    )
 
 
 def _lower_priority() -> None:
@@ -86,10 +122,15 @@ class PromptEncoder:
         ]
 
     async def encode(
-        self, prompt: str | None, messages: list[dict[str, str]] | None = None
+        self,
+        prompt: str | None,
+        messages: list[dict[str, str]] | None = None,
+        max_tokens: int | None = None,
     ) -> list[int]:
         """``messages`` through the chat template, else ``prompt``; ValueError for a
-        template that refuses the messages (the message names the field)."""
+        template that refuses the messages (the message names the field) and for a
+        prompt of more than ``max_tokens`` tokens (a long one is refused from a
+        prefix, without encoding the rest)."""
         if messages is not None:
             num_chars = sum(len(m.get("content") or "") for m in messages)
             encode, prompt_or_messages = encode_chat, messages
@@ -99,7 +140,9 @@ class PromptEncoder:
         pool, tokenizer = self._lanes[num_chars > LARGE_PROMPT_CHARS]
         loop = asyncio.get_running_loop()
         try:
-            future = loop.run_in_executor(pool, self._run, encode, tokenizer, prompt_or_messages)
+            future = loop.run_in_executor(
+                pool, self._run, encode, tokenizer, prompt_or_messages, max_tokens
+            )
         except RuntimeError:  # the pool is shut down
             raise EngineShutdownError("engine is shutting down") from None
         return await future
@@ -110,7 +153,7 @@ class PromptEncoder:
         for pool, _ in self._lanes:
             pool.shutdown(wait=False)
 
-    def _run(self, encode, tokenizer: Any, prompt: Any) -> list[int]:
+    def _run(self, encode, tokenizer: Any, prompt: Any, max_tokens: int | None) -> list[int]:
         if self._closed:
             raise EngineShutdownError("engine is shutting down")
-        return encode(tokenizer, prompt)
+        return encode(tokenizer, prompt, max_tokens)

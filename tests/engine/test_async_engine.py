@@ -172,7 +172,7 @@ class _BlockingTokenizer:
     def get_vocab(self) -> dict[str, int]:
         return {"a": 0, "<|long|>": 1}
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         self.started.set()
         self.release.wait(30)
         return [0] * len(text)
@@ -285,3 +285,32 @@ def test_metrics_gauges_stop_looking_live_after_the_engine_dies(tiny_model_dir):
         aengine.shutdown()
 
     asyncio.run(main())
+
+
+def test_a_prompt_far_too_long_is_refused_from_a_prefix(tiny_model_dir):
+    """Byte-level tiny tokenizer: one character is one token. A 20k-character prompt for
+    511 allowed tokens is refused after encoding a prefix, never the whole text."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    encoded: list[int] = []
+    encode = tokenizer.encode
+
+    def recording_encode(text, **kw):
+        encoded.append(len(text))
+        return encode(text, **kw)
+
+    tokenizer.encode = recording_encode
+    encoder = PromptEncoder(tokenizer)
+    encoder._lanes = [(pool, tokenizer) for pool, _ in encoder._lanes]  # the recording one
+
+    async def main():
+        with pytest.raises(ValueError, match=r"^the prompt has more than \d+ tokens; .* 511 "):
+            await encoder.encode("ab " * 7000, max_tokens=511)
+        assert encoded and max(encoded) < 5000
+        with pytest.raises(ValueError, match=r"^the prompt has 600 tokens; .*at most 511"):
+            await encoder.encode("x" * 600, max_tokens=511)
+        assert len(await encoder.encode("y" * 511, max_tokens=511)) == 511
+
+    asyncio.run(main())
+    encoder.shutdown()
