@@ -18,22 +18,15 @@ import argparse
 import sys
 from dataclasses import replace
 
-from engine.benchmarks.offline import _spec_stats, tokenize_prompts
+from engine.benchmarks.offline import add_workload_args, spec_stats, tokenize_prompts
 from engine.benchmarks.workloads import load_prompts
 from engine.cli import add_engine_args, engine_config_from_args
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--workload", default="chat", help="chat, grounded, or a JSONL file with a 'prompt' field"
-    )
-    parser.add_argument("--num-prompts", type=int, default=16, help="requests in the workload")
-    parser.add_argument("--output-len", type=int, default=64, help="tokens generated per request")
+    add_workload_args(parser, num_prompts=16)
     parser.add_argument(
         "--temperature", type=float, default=0.7, help="sampling temperature of every request"
-    )
-    parser.add_argument(
-        "--no-chat-template", action="store_true", help="tokenize prompts as plain text"
     )
     add_engine_args(parser)
 
@@ -51,7 +44,11 @@ def run(args: argparse.Namespace) -> int:
     config = replace(config, speculative_disable_batch_size=max(config.max_num_seqs, 1))
     print(f"loading {config.model or 'the default model'}...", file=sys.stderr, flush=True)
     loaded = load_model(
-        config.model, dtype=config.dtype, device=config.device, attn_backend=config.attn_backend
+        config.model,
+        dtype=config.dtype,
+        device=config.device,
+        attn_backend=config.attn_backend,
+        tokenizer=config.tokenizer,
     )
     prompts = tokenize_prompts(
         loaded.tokenizer, load_prompts(args.workload, args.num_prompts), not args.no_chat_template
@@ -81,7 +78,7 @@ def _run(engine, prompts, output_len: int, temperature: float, seeded: bool) -> 
         engine.step()
         if engine.last_step is not None:
             steps.append(engine.last_step)
-    return _spec_stats(steps)
+    return spec_stats(steps)
 
 
 def _print(config, args, rows) -> None:

@@ -22,20 +22,27 @@ from scheduler.spec_length import expected_tokens_per_step
 BASELINES = ("generate", "generate_batch", "assisted")
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
+def add_workload_args(parser: argparse.ArgumentParser, num_prompts: int) -> None:
+    """The prompt set and its size: shared by the offline benchmarks."""
     parser.add_argument(
         "--workload", default="chat", help="chat, grounded, or a JSONL file with a 'prompt' field"
     )
-    parser.add_argument("--num-prompts", type=int, default=32, help="requests in the workload")
+    parser.add_argument(
+        "--num-prompts", type=int, default=num_prompts, help="requests in the workload"
+    )
     parser.add_argument("--output-len", type=int, default=64, help="tokens generated per request")
+    parser.add_argument(
+        "--no-chat-template", action="store_true", help="tokenize prompts as plain text"
+    )
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_workload_args(parser, num_prompts=32)
     parser.add_argument(
         "--concurrency",
         type=int,
         default=None,
         help="requests in flight at once (default: all prompts)",
-    )
-    parser.add_argument(
-        "--no-chat-template", action="store_true", help="tokenize prompts as plain text"
     )
     parser.add_argument(
         "--spec-modes",
@@ -152,12 +159,12 @@ def _run_engine(engine, prompts, output_len, concurrency, bar, name="specserve")
                 if bar is not None:
                     bar.update(1)
     result = summarize(name, time.perf_counter() - start, list(timings.values()))
-    result.spec = _spec_stats(steps)
+    result.spec = spec_stats(steps)
     result.step_overhead_ms = 1e3 * overhead / max(len(steps), 1)
     return result
 
 
-def _spec_stats(steps) -> dict[str, float]:
+def spec_stats(steps) -> dict[str, float]:
     drafts = [d for s in steps for d in s.drafts_per_verification]
     accepted = [a for s in steps for a in s.accepted_per_verification]
     if not drafts:
