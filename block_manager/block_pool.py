@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from block_manager.block import FreeKVCacheBlockQueue, KVCacheBlock
+from block_manager.kv_events import KVEventRecorder
 
 NULL_BLOCK_ID = 0
 
@@ -18,7 +19,7 @@ class BlockPool:
     reused as-is on a prefix hit or evicted (hash dropped) when allocated.
     """
 
-    def __init__(self, num_blocks: int) -> None:
+    def __init__(self, num_blocks: int, event_sink: KVEventRecorder | None = None) -> None:
         if num_blocks < 2:
             raise ValueError(f"num_blocks must be >= 2 (block 0 is reserved), got {num_blocks}")
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
@@ -26,6 +27,8 @@ class BlockPool:
         self.free_block_queue = FreeKVCacheBlockQueue(self.blocks[1:])
         # hash -> the one block that holds this content (in use or free-but-cached).
         self.cached_blocks: dict[bytes, KVCacheBlock] = {}
+        # Told of every hash that enters or leaves cached_blocks (see kv_events.py).
+        self.event_sink = event_sink
 
     @property
     def num_usable_blocks(self) -> int:
@@ -41,10 +44,13 @@ class BlockPool:
         The caller has checked num_blocks <= num_free_blocks.
         """
         cached = self.cached_blocks
+        sink = self.event_sink
         blocks = self.free_block_queue.popleft_n(num_blocks)
         for block in blocks:
             if block.block_hash is not None:
                 del cached[block.block_hash]
+                if sink is not None:
+                    sink.removed(block.block_hash)
                 block.block_hash = None
             block.ref_cnt = 1
         return blocks
@@ -69,21 +75,38 @@ class BlockPool:
                 num_freed += 1
         return num_freed
 
-    def cache_block(self, block: KVCacheBlock, block_hash: bytes) -> bool:
+    def cache_block(
+        self,
+        block: KVCacheBlock,
+        block_hash: bytes,
+        parent_hash: bytes | None = None,
+        token_ids: tuple[int, ...] = (),
+    ) -> bool:
         """Commit `block` under `block_hash` unless that content is already cached
-        elsewhere (then the block stays un-hashed). Returns whether it was hashed."""
+        elsewhere (then the block stays un-hashed). Returns whether it was hashed.
+        ``parent_hash`` and ``token_ids`` describe the content for the event sink."""
         if block_hash in self.cached_blocks:
             return False
         block.block_hash = block_hash
         self.cached_blocks[block_hash] = block
+        if self.event_sink is not None:
+            self.event_sink.stored(block_hash, parent_hash, token_ids)
         return True
 
     def reset_prefix_cache(self) -> int:
-        """Drop the hash of every free block; returns how many were dropped."""
-        num_dropped = 0
+        """Drop the hash of every free block; returns how many were dropped. Blocks
+        in use keep theirs (a request is still reading them)."""
+        dropped = []
         for block in self.free_block_queue:
             if block.block_hash is not None:
                 del self.cached_blocks[block.block_hash]
+                dropped.append(block.block_hash)
                 block.block_hash = None
-                num_dropped += 1
-        return num_dropped
+        sink = self.event_sink
+        if sink is not None and dropped:
+            if self.cached_blocks:
+                for block_hash in dropped:
+                    sink.removed(block_hash)
+            else:
+                sink.cleared()
+        return len(dropped)

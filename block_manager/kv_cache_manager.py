@@ -9,6 +9,7 @@ from block_manager.block_pool import BlockPool
 from block_manager.hashing import BlockHasher, root_hash
 from block_manager.integrity import check_integrity
 from block_manager.interfaces import CacheRequest
+from block_manager.kv_events import KVEventRecorder
 
 
 @dataclass(slots=True)
@@ -52,13 +53,15 @@ class KVCacheManager:
         block_size: int = 16,
         enable_caching: bool = True,
         cache_key: str = "",
+        event_sink: KVEventRecorder | None = None,
     ) -> None:
+        """``event_sink`` hears every block that enters or leaves the prefix cache."""
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.cache_key = cache_key
-        self.pool = BlockPool(num_blocks)
+        self.pool = BlockPool(num_blocks, event_sink)
         # Hot-path aliases (the pool never replaces these objects).
         self._blocks = self.pool.blocks
         self._free_queue = self.pool.free_block_queue
@@ -252,6 +255,8 @@ class KVCacheManager:
         blocks = self._blocks
         block_ids = state.block_ids
         cached = self.pool.cached_blocks
+        sink = self.pool.event_sink
+        bs = self.block_size
         for i in range(state.num_committed_blocks, num_full):
             block = blocks[block_ids[i]]
             # A prefix hit is already hashed; content already cached in another block
@@ -259,6 +264,9 @@ class KVCacheManager:
             if block.block_hash is None and hashes[i] not in cached:
                 block.block_hash = hashes[i]
                 cached[hashes[i]] = block
+                if sink is not None:
+                    parent = hashes[i - 1] if i else None
+                    sink.stored(hashes[i], parent, token_ids[i * bs : (i + 1) * bs])
         state.num_committed_blocks = num_full
 
     # ---- release --------------------------------------------------------------------
