@@ -4,7 +4,12 @@ Text is decoded over a sliding window of token ids (a few tokens of context befo
 the new ones, so tokenizers that drop a leading space when decoding a token alone
 still get it right). A delta that ends in U+FFFD is an incomplete multi-byte
 character and is held back until the next token completes it. Text that could be the
-start of a stop string is held back until it is resolved either way.
+start of a stop string is held back until it is resolved either way (unless the stop
+string stays in the output: then everything emitted is a prefix of the final text).
+
+A stop string counts only when it ends in text pushed with ``check_stop`` (the engine
+turns it on once ``min_tokens`` tokens are out), so an occurrence that ended earlier
+never stops the request later.
 """
 
 from __future__ import annotations
@@ -13,19 +18,27 @@ _CONTEXT_TOKENS = 6
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer, prompt_token_ids: list[int], stop: list[str]) -> None:
+    def __init__(
+        self,
+        tokenizer,
+        prompt_token_ids: list[int],
+        stop: list[str],
+        include_stop: bool = False,
+    ) -> None:
         self._tokenizer = tokenizer
         self._ids = list(prompt_token_ids[-_CONTEXT_TOKENS:])
         self._prefix_offset = 0
         self._read_offset = len(self._ids)
         self._stop = stop
+        self._include_stop = include_stop
         self._max_stop_len = max((len(s) for s in stop), default=0)
         self._pending = ""  # decoded but held back (partial stop string)
         self.text = ""  # everything emitted so far
 
-    def push(self, token_ids: list[int]) -> tuple[str, str | None]:
+    def push(self, token_ids: list[int], check_stop: bool = True) -> tuple[str, str | None]:
         """Add new tokens. Returns (text to emit now, the stop string hit or None).
-        After a stop string is hit the request is over; the emitted text excludes it."""
+        After a stop string is hit the request is over; the emitted text excludes it
+        (includes it, with ``include_stop``)."""
         self._ids.extend(token_ids)
         decode = self._tokenizer.decode
         prefix = decode(
@@ -37,32 +50,50 @@ class IncrementalDetokenizer:
         delta = full[len(prefix) :]
         self._prefix_offset = self._read_offset
         self._read_offset = len(self._ids)
-        return self._apply_stop(delta)
+        if not self._stop:
+            return self._emit(delta), None
+        if self._include_stop:
+            return self._apply_stop_included(delta, check_stop)
+        return self._apply_stop(delta, check_stop)
 
     def flush(self) -> str:
         """Release held-back text when the request ends for another reason."""
         out, self._pending = self._pending, ""
+        return self._emit(out)
+
+    def _emit(self, out: str) -> str:
         self.text += out
         return out
 
-    def _apply_stop(self, delta: str) -> tuple[str, str | None]:
-        if not self._stop:
-            self.text += delta
-            return delta, None
+    def _apply_stop(self, delta: str, check_stop: bool) -> tuple[str, str | None]:
         buf = self._pending + delta
-        hit, hit_at = None, len(buf)
-        for stop in self._stop:
-            at = buf.find(stop)
-            if at != -1 and at < hit_at:
-                hit, hit_at = stop, at
-        if hit is not None:
-            out, self._pending = buf[:hit_at], ""
-            self.text += out
-            return out, hit
+        if check_stop:
+            hit, at = self._find_stop(buf, len(self._pending))
+            if hit is not None:
+                self._pending = ""
+                return self._emit(buf[:at]), hit
         keep = self._held_back_len(buf)
         out, self._pending = buf[: len(buf) - keep], buf[len(buf) - keep :]
-        self.text += out
-        return out, None
+        return self._emit(out), None
+
+    def _apply_stop_included(self, delta: str, check_stop: bool) -> tuple[str, str | None]:
+        if check_stop:
+            # The stop string may start in text already emitted.
+            tail = self.text[max(0, len(self.text) - self._max_stop_len + 1) :]
+            hit, at = self._find_stop(tail + delta, len(tail))
+            if hit is not None:
+                return self._emit(delta[: at + len(hit) - len(tail)]), hit
+        return self._emit(delta), None
+
+    def _find_stop(self, buf: str, num_old: int) -> tuple[str | None, int]:
+        """The stop string that starts first among those ending after ``buf[:num_old]``
+        (text searched before), and where it starts."""
+        hit, hit_at = None, len(buf)
+        for stop in self._stop:
+            at = buf.find(stop, max(0, num_old - len(stop) + 1))
+            if at != -1 and at < hit_at:
+                hit, hit_at = stop, at
+        return hit, hit_at
 
     def _held_back_len(self, buf: str) -> int:
         """Length of the longest suffix of buf that is a proper prefix of a stop string."""

@@ -22,8 +22,12 @@ class InputProcessor:
         params: SamplingParams,
     ) -> list[int]:
         """The request's prompt as token ids; ValueError naming the field otherwise.
-        ``messages`` (chat) go through the model's chat template."""
+        ``messages`` (chat) go through the model's chat template. With
+        ``truncate_prompt_tokens`` only its last n tokens are kept, before the length
+        check."""
         prompt_ids = self._encode(prompt, messages)
+        if params.truncate_prompt_tokens is not None:
+            prompt_ids = prompt_ids[-params.truncate_prompt_tokens :]
         self._validate(prompt_ids, params)
         return prompt_ids
 
@@ -65,12 +69,16 @@ class InputProcessor:
                 f"prompt has {len(prompt_ids)} tokens; the context window allows at most "
                 f"{self.max_model_len - 1} prompt tokens (max_model_len {self.max_model_len})"
             )
-        for token_id in params.stop_token_ids:
-            if token_id >= self.vocab_size:
-                raise ValueError(
-                    f"stop_token_ids contains {token_id}, outside the vocabulary "
-                    f"[0, {self.vocab_size - 1}]"
-                )
+        for field, token_ids in (
+            ("stop_token_ids", params.stop_token_ids),
+            ("logit_bias", params.logit_bias),
+        ):
+            for token_id in token_ids:
+                if token_id >= self.vocab_size:
+                    raise ValueError(
+                        f"{field} contains token id {token_id}, outside the vocabulary "
+                        f"[0, {self.vocab_size - 1}]"
+                    )
         k = params.num_speculative_tokens
         if k and k > self.max_spec_tokens:
             if not self.max_spec_tokens:

@@ -43,8 +43,10 @@ def _detokenize(state: _RequestState, new_ids: list[int]) -> tuple[str, str | No
     it). Tokens go in one at a time, as plain decoding pushes them, so the text and where
     a stop string ends depend on the tokens alone, not on how many drafts a step kept."""
     texts = []
+    # Stop strings count from the token that brings the output to min_tokens.
+    num_before, min_tokens = state.num_emitted_tokens, state.params.min_tokens
     for i, token_id in enumerate(new_ids):
-        text, stop_hit = state.detokenizer.push([token_id])
+        text, stop_hit = state.detokenizer.push([token_id], num_before + i + 1 >= min_tokens)
         texts.append(text)
         if stop_hit is not None:
             return "".join(texts), stop_hit, new_ids[: i + 1]
@@ -157,7 +159,9 @@ class LLMEngine:
         self._states[request_id] = _RequestState(
             request=request,
             params=params,
-            detokenizer=IncrementalDetokenizer(self.tokenizer, prompt_ids, params.stop),
+            detokenizer=IncrementalDetokenizer(
+                self.tokenizer, prompt_ids, params.stop, params.include_stop_str_in_output
+            ),
             metrics=RequestMetrics(
                 arrival_time=request.arrival_time, num_prompt_tokens=len(prompt_ids)
             ),

@@ -8,6 +8,10 @@ _MAX_SEED = 2**63 - 1
 # The most draft tokens per step anything may ask for (an engine's
 # num_speculative_tokens); a request may ask for at most its engine's value.
 MAX_NUM_SPECULATIVE_TOKENS = 16
+# logit_bias: at most this many entries, each value in [-LOGIT_BIAS_LIMIT, LOGIT_BIAS_LIMIT]
+# (OpenAI's limits).
+MAX_LOGIT_BIAS_ENTRIES = 1024
+LOGIT_BIAS_LIMIT = 100.0
 
 
 @dataclass
@@ -17,6 +21,15 @@ class SamplingParams:
     ``temperature == 0`` is greedy. ``top_k == 0`` and ``top_p == 1`` and ``min_p == 0``
     switch those filters off. ``num_speculative_tokens`` overrides the engine's
     speculation length for this request (``0`` turns speculation off for it).
+
+    Logit processing, in this order, on the raw logits before temperature and the
+    filters (greedy is the argmax of the result): ``logit_bias`` (token id -> value) is
+    added; until ``min_tokens`` tokens are out, EOS (unless ``ignore_eos``) and
+    ``stop_token_ids`` are masked and stop strings are not checked; a token seen in the
+    prompt or the output has a positive logit divided by ``repetition_penalty`` and a
+    negative one multiplied; a token generated ``c`` times loses
+    ``frequency_penalty * c + presence_penalty * (c > 0)``. Reported logprobs stay the
+    raw model's. ``truncate_prompt_tokens`` keeps only the last n prompt tokens.
     """
 
     max_tokens: int = 16
@@ -30,6 +43,13 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     num_speculative_tokens: int | None = None
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_tokens: int = 0
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    include_stop_str_in_output: bool = False
+    truncate_prompt_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -54,10 +74,40 @@ class SamplingParams:
             check_int(
                 "num_speculative_tokens", self.num_speculative_tokens, 0, MAX_NUM_SPECULATIVE_TOKENS
             )
+        self._check_logit_processing()
+
+    def _check_logit_processing(self) -> None:
+        _check_float("frequency_penalty", self.frequency_penalty, -2.0, 2.0, "[-2, 2]")
+        _check_float("presence_penalty", self.presence_penalty, -2.0, 2.0, "[-2, 2]")
+        _check_float("repetition_penalty", self.repetition_penalty, 0.0, 2.0, "(0, 2]")
+        if self.repetition_penalty == 0.0:
+            raise ValueError("repetition_penalty must be in (0, 2], got 0.0")
+        check_int("min_tokens", self.min_tokens, 0, self.max_tokens)
+        self.logit_bias = _checked_logit_bias(self.logit_bias)
+        if not isinstance(self.include_stop_str_in_output, bool):
+            raise ValueError(
+                "include_stop_str_in_output must be true or false, "
+                f"got {self.include_stop_str_in_output!r}"
+            )
+        if self.truncate_prompt_tokens is not None:
+            check_int("truncate_prompt_tokens", self.truncate_prompt_tokens, 1, None)
 
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def has_penalties(self) -> bool:
+        return (
+            self.frequency_penalty != 0.0
+            or self.presence_penalty != 0.0
+            or self.repetition_penalty != 1.0
+        )
+
+    @property
+    def processes_logits(self) -> bool:
+        """Whether any penalty, bias or min_tokens changes this request's logits."""
+        return self.has_penalties or bool(self.logit_bias) or self.min_tokens > 0
 
 
 def check_int(name: str, value: object, lo: int, hi: int | None) -> None:
@@ -74,3 +124,21 @@ def _check_float(name: str, value: object, lo: float, hi: float | None, allowed:
         raise ValueError(f"{name} must be a number in {allowed}, got {value!r}")
     if value < lo or (hi is not None and value > hi):
         raise ValueError(f"{name} must be in {allowed}, got {value}")
+
+
+def _checked_logit_bias(bias: object) -> dict[int, float]:
+    """A copy of ``bias`` with float values; ValueError naming the field otherwise. Token
+    ids are checked against the vocabulary when the request reaches an engine."""
+    if not isinstance(bias, dict):
+        raise ValueError(f"logit_bias must be a mapping of token id to number, got {bias!r}")
+    if len(bias) > MAX_LOGIT_BIAS_ENTRIES:
+        raise ValueError(
+            f"logit_bias must have at most {MAX_LOGIT_BIAS_ENTRIES} entries, got {len(bias)}"
+        )
+    limit = LOGIT_BIAS_LIMIT
+    checked: dict[int, float] = {}
+    for token_id, value in bias.items():
+        check_int("logit_bias token id", token_id, 0, None)
+        _check_float(f"logit_bias[{token_id}]", value, -limit, limit, "[-100, 100]")
+        checked[token_id] = float(value)
+    return checked

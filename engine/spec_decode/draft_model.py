@@ -27,6 +27,7 @@ import torch
 
 from block_manager import KVCacheManager
 from engine.config import EngineConfig
+from engine.logits_processor import LogitsAdjustment
 from engine.model_runner import ModelRunner, SeqInput
 from engine.sampler import SamplingBatch, processed_probs, sample_from_probs
 from engine.stats import PoolStats
@@ -116,7 +117,10 @@ class DraftModelProposer:
                 [states[i].request.num_tokens + step for i, _, _ in active],
                 self.device,
             )
-            q = processed_probs(logits, batch)  # [len(active), vocab_size]
+            # Processed as the verifier processes this position (penalties counting
+            # the drafts before it), so a draft model that agrees with the target
+            # proposes what the target would sample
+            q = processed_probs(self._adjusted(logits, active, states, drafts), batch)
             tokens = sample_from_probs(q, batch, self.generator).tolist()
             for row, ((i, _, _), token) in enumerate(zip(active, tokens)):
                 drafts[i].append(token)
@@ -127,6 +131,19 @@ class DraftModelProposer:
                 logits = self.runner.forward([self._feed(d, drafts[i][-1]) for i, d, _ in active])
         draft_probs = [torch.stack(p) if p else None for p in probs]
         return drafts, draft_probs
+
+    def _adjusted(self, logits, active, states, drafts) -> torch.Tensor:
+        """logits [len(active), vocab_size] under each request's penalties, logit bias
+        and min_tokens, with its drafts so far counted as generated."""
+        adjustment = LogitsAdjustment.build(
+            [states[i].request for i, _, _ in active],
+            [states[i].params for i, _, _ in active],
+            [drafts[i] for i, _, _ in active],
+            [1] * len(active),
+            logits.shape[-1],
+            self.device,
+        )
+        return logits if adjustment is None else adjustment.apply(logits)
 
     def _draft_request(self, request) -> _DraftRequest:
         dreq = self._requests.get(request.request_id)

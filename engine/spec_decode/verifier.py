@@ -12,12 +12,17 @@ without drafts). Rows are verified one of two ways:
 - rejection sampling, for unseeded random requests (rejection_sampler.py): the most
   drafts accepted for a given draft distribution, with noise from the engine's
   generator.
+
+Penalties, logit bias and min_tokens adjust each row under the tokens before it
+(engine/logits_processor.py) before either form runs, so both stay exact with them.
+Logprobs are the raw model's.
 """
 
 from __future__ import annotations
 
 import torch
 
+from engine.logits_processor import LogitsAdjustment
 from engine.outputs import TokenLogprob
 from engine.sampler import (
     SamplingBatch,
@@ -48,10 +53,19 @@ class Verifier:
         items = [s for s in sched.scheduled if s.needs_sample]
         if not items:
             return ModelRunnerOutput(sampled_token_ids={})
+        adjustment = LogitsAdjustment.build(
+            [st.request for st in states],
+            [st.params for st in states],
+            drafts,
+            [1 + len(d) for d in drafts],
+            logits.shape[-1],
+            self.device,
+        )
+        adjusted = logits if adjustment is None else adjustment.apply(logits)
         if all(st.params.is_greedy for st in states):
-            out_tokens, num_accepted = _greedy_verify(logits, drafts)
+            out_tokens, num_accepted = _greedy_verify(adjusted, drafts)
         else:
-            out_tokens, num_accepted = self._sample(logits, items, states, drafts, draft_probs)
+            out_tokens, num_accepted = self._sample(adjusted, items, states, drafts, draft_probs)
         result = ModelRunnerOutput(
             sampled_token_ids={s.request_id: t for s, t in zip(items, out_tokens)},
             num_accepted={s.request_id: n for s, n in zip(items, num_accepted)},

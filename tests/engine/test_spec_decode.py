@@ -15,6 +15,8 @@ from tests.engine.engine_helpers import (
     prompts_of_lengths,
     run_to_completion,
 )
+from tests.engine.penalty_reference import adjust, stop_ids_of
+from tests.tiny_models import EOS_ID
 
 LENGTHS = [1, 15, 16, 17, 33, 50, 7, 24]
 
@@ -118,27 +120,36 @@ NUM_TOKENS = 4  # the first from prefill, then 2 drafts + a bonus in one verific
 NUM_SAMPLES = 4000
 
 
-def _exact_distribution(model_dir, prompt):
-    """P(t1 .. t4) of the target with temperature 1 and top-k 2, by enumeration."""
+def _exact_distribution(model_dir, prompt, features=None):
+    """P(t1 .. t4) of the target with temperature 1 and top-k 2, by enumeration. With
+    ``features`` (penalties, logit_bias, min_tokens, stop_token_ids) the reference
+    applies them at each step first, and a stop token ends a sequence early."""
     model = _hf_model(model_dir)
+    params = SamplingParams(ignore_eos=True, **(features or {}))
+    stop_ids = stop_ids_of(params, {EOS_ID})
 
     def next_probs(seq):
         with torch.no_grad():
-            logits = model(torch.tensor([seq])).logits[0, -1]
-        top = logits.topk(TOP_K)
+            logits = model(torch.tensor([prompt + seq])).logits[0, -1]
+        top = adjust(logits, prompt, seq, params, stop_ids).topk(TOP_K)
         return dict(zip(top.indices.tolist(), torch.softmax(top.values, -1).tolist()))
 
     exact = {(): 1.0}
     for _ in range(NUM_TOKENS):
-        exact = {
-            seq + (t,): p * q
-            for seq, p in exact.items()
-            for t, q in next_probs(prompt + list(seq)).items()
-        }
+        longer = {}
+        for seq, p in exact.items():
+            if seq and seq[-1] in stop_ids:
+                longer[seq] = p
+                continue
+            for t, q in next_probs(list(seq)).items():
+                longer[seq + (t,)] = p * q
+        exact = longer
     return exact
 
 
-def _sample_sequences(model_dir, draft_dir, prompt, monkeypatch=None, broken=None):
+def _sample_sequences(
+    model_dir, draft_dir, prompt, monkeypatch=None, broken=None, features=None, seeded=False
+):
     engine = make_engine(
         model_dir,
         speculative_method="draft",
@@ -156,8 +167,10 @@ def _sample_sequences(model_dir, draft_dir, prompt, monkeypatch=None, broken=Non
             top_k=TOP_K,
             ignore_eos=True,
             num_speculative_tokens=2,
+            seed=i if seeded else None,
+            **(features or {}),
         )
-        for _ in range(NUM_SAMPLES)
+        for i in range(NUM_SAMPLES)
     ]
     results = run_to_completion(engine, {0: [(f"s{i}", prompt, p) for i, p in enumerate(params)]})
     assert engine.stats.num_draft_tokens >= 2 * NUM_SAMPLES
@@ -169,8 +182,11 @@ def _tv(samples, exact):
     counts = {}
     for s in samples:
         counts[s] = counts.get(s, 0) + 1
-    support = set(exact) | set(counts)
-    return 0.5 * sum(abs(counts.get(s, 0) / len(samples) - exact.get(s, 0.0)) for s in support)
+    return _tv_exact({s: c / len(samples) for s, c in counts.items()}, exact)
+
+
+def _tv_exact(p, q):
+    return 0.5 * sum(abs(p.get(s, 0.0) - q.get(s, 0.0)) for s in set(p) | set(q))
 
 
 # 16 outcomes, 4000 samples: a correct sampler's TV distance is about 0.02-0.03 under
@@ -183,6 +199,36 @@ def test_sampled_sequences_follow_the_target_distribution(tiny_model_dir, tiny_d
     prompt = [5, 9, 14, 3]
     exact = _exact_distribution(tiny_model_dir, prompt)
     samples = _sample_sequences(tiny_model_dir, tiny_draft_model_dir, prompt)
+    assert set(samples) <= set(exact)
+    assert _tv(samples, exact) < ENGINE_TV_BOUND
+
+
+# Two tokens favoured by a bias, penalties that make repeats less likely, and a stop
+# token that may end a sequence only from its third token on: verification rows must
+# count the drafts before them and judge min_tokens at their own position.
+PENALIZED = {
+    "frequency_penalty": 0.3,
+    "presence_penalty": 0.3,
+    "repetition_penalty": 1.1,
+    "logit_bias": {49: 1.5, 218: 1.5},
+    "min_tokens": 2,
+    "stop_token_ids": [218],
+}
+
+
+@pytest.mark.parametrize("seeded", [False, True], ids=["rejection", "coupling"])
+def test_penalized_sampled_sequences_follow_the_penalized_distribution(
+    tiny_model_dir, tiny_draft_model_dir, seeded
+):
+    """Unseeded: rejection sampling against the draft model's penalized distribution;
+    seeded (one seed per request): coupling. Both exact samples of the target under
+    penalties applied at each step."""
+    prompt = [5, 9, 14, 3]
+    exact = _exact_distribution(tiny_model_dir, prompt, PENALIZED)
+    assert _tv_exact(exact, _exact_distribution(tiny_model_dir, prompt)) > 0.5
+    samples = _sample_sequences(
+        tiny_model_dir, tiny_draft_model_dir, prompt, features=PENALIZED, seeded=seeded
+    )
     assert set(samples) <= set(exact)
     assert _tv(samples, exact) < ENGINE_TV_BOUND
 

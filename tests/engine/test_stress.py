@@ -1,5 +1,6 @@
 """Randomized engine stress: draft and n-gram speculation x preemption x chunked prefill x
-prefix hits x stop strings x aborts x greedy, seeded and unseeded rows x per-request k.
+prefix hits x stop strings x aborts x greedy, seeded and unseeded rows x per-request k x
+penalties, logit bias, min_tokens, include_stop_str_in_output, truncate_prompt_tokens.
 
 Every step: both pools pass check_integrity and no request holds a block beyond its KV
 length (check_pools); the draft cache never covers a request's last verified token.
@@ -48,7 +49,29 @@ def _params(rng: random.Random, max_k: int) -> tuple[str, SamplingParams]:
     if rng.random() < 0.2:
         kw["logprobs"] = rng.randint(0, 3)
     kw["num_speculative_tokens"] = rng.choice([None, None, 0, rng.randint(1, max_k)])
+    if rng.random() < 0.4:
+        kw.update(_logit_features(rng, kw["max_tokens"]))
     return kind, SamplingParams(**kw)
+
+
+def _logit_features(rng: random.Random, max_tokens: int) -> dict:
+    """Some of penalties, logit bias, min_tokens (with stop token ids), keeping the stop
+    string in the output, prompt truncation."""
+    choices = {
+        "frequency_penalty": lambda: rng.choice([-1.0, 0.5, 1.5]),
+        "presence_penalty": lambda: rng.choice([-0.5, 0.8, 2.0]),
+        "repetition_penalty": lambda: rng.choice([0.8, 1.2, 1.7]),
+        "logit_bias": lambda: {
+            rng.randrange(3, 259): rng.choice([-100.0, -2.0, 3.0, 8.0])
+            for _ in range(rng.randint(1, 4))
+        },
+        "min_tokens": lambda: rng.randint(1, max_tokens),
+        "stop_token_ids": lambda: [rng.randrange(3, 259) for _ in range(rng.randint(1, 3))],
+        "include_stop_str_in_output": lambda: True,
+        "truncate_prompt_tokens": lambda: rng.randint(1, 40),
+    }
+    names = rng.sample(sorted(choices), rng.randint(1, 4))
+    return {name: choices[name]() for name in names}
 
 
 def _prompts(rng: random.Random, n: int) -> list[list[int]]:
