@@ -1,27 +1,32 @@
-"""`specserve bench serve --server HOST:PORT`: load-test a running server over gRPC.
+"""`specserve bench serve --server HOST:PORT`: load-test a running server over gRPC, or
+through an OpenAI-compatible HTTP server such as the Shepherd Model Gateway.
 
     specserve bench serve --server localhost:50051 --concurrency 8 --num-requests 200
+    specserve bench serve --backend openai --base-url http://localhost:30000 \\
+        --dataset chat --concurrency 8 --num-requests 200
     specserve bench serve --server localhost:50051 --request-rate 4 --burstiness 0.5 \\
         --duration 60 --slo ttft=500,tpot=50 --json run.json --plot plots/
     specserve bench serve --server localhost:50051 --sweep 1,4,16 --slo ttft=2000,tpot=100
     specserve bench serve --compare none.json ngram.json
 
-Each request is one streamed Generate. The report gives request and output-token
-throughput, TTFT / TPOT / ITL / E2E (mean, median, p90, p99), goodput against the SLO,
-the server-reported acceptance rate of draft tokens and the errors by status code.
-Definitions: engine/benchmarks/serve_stats.py.
+Each request is one streamed Generate (gRPC) or one SSE stream of /v1/chat/completions
+or /v1/completions (--backend openai; see engine/benchmarks/serve_openai.py). The report
+gives request and output-token throughput, TTFT / TPOT / ITL / E2E (mean, median, p90,
+p99), goodput against the SLO, the server-reported acceptance rate of draft tokens (gRPC
+only) and the errors by status code. Definitions: engine/benchmarks/serve_stats.py.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import sys
 from pathlib import Path
 
-from engine.benchmarks import serve_report
-from engine.benchmarks.serve_runner import LoadShape, RequestOptions, make_clients
+from engine.benchmarks import serve_openai, serve_report
+from engine.benchmarks.serve_runner import GrpcTransport, LoadShape, RequestOptions, make_clients
 from engine.benchmarks.serve_stats import parse_slo
 from engine.benchmarks.serve_sweep import Bench, build_workload
 from engine.benchmarks.serve_workload import DATASETS
@@ -33,15 +38,42 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.description = __doc__
     g = parser.add_argument_group("connection")
+    g.add_argument(
+        "--backend",
+        choices=("grpc", "openai"),
+        default="grpc",
+        help="grpc: specserve's Generate (--server); openai: OpenAI HTTP streaming, e.g. "
+        "through the Shepherd Model Gateway (--base-url)",
+    )
     g.add_argument("--server", default=None, help="HOST:PORT of a running specserve server")
+    g.add_argument("--base-url", default=None, help="openai: http[s]://HOST:PORT of the OpenAI API")
+    g.add_argument(
+        "--endpoint",
+        choices=serve_openai.ENDPOINTS,
+        default="auto",
+        help="openai: chat for /v1/chat/completions, completions for /v1/completions; "
+        "auto: chat for text prompts with the chat template, completions otherwise",
+    )
+    g.add_argument(
+        "--model-name", default=None, help="openai: the model (default: the one /v1/models lists)"
+    )
+    g.add_argument(
+        "--tokenizer",
+        default=None,
+        metavar="DIR_OR_HUB_ID",
+        help="openai: the model's tokenizer, for --dataset synthetic/sharegpt "
+        "(default: the served model name)",
+    )
     g.add_argument(
         "--wait-ready",
         type=float,
         default=180.0,
         metavar="SECONDS",
-        help="wait this long for the server's health to report SERVING (default 180)",
+        help="wait this long for the server to report SERVING or list a model (default 180)",
     )
-    g.add_argument("--api-key", default=None, help="bearer token (authorization metadata)")
+    g.add_argument(
+        "--api-key", default=None, help="bearer token (gRPC metadata; HTTP Authorization)"
+    )
     g.add_argument("--api-key-file", default=None, help="read the bearer token from this file")
     g.add_argument("--tls", action="store_true", help="TLS with the system root certificates")
     g.add_argument("--tls-ca-cert", default=None, help="PEM CA bundle to verify the server")
@@ -180,8 +212,10 @@ def run(args: argparse.Namespace) -> int:
         print(serve_report.format_compare(results))
         _plot(args.plot, results)
         return 0
-    if not args.server:
+    if args.backend == "grpc" and not args.server:
         raise ValueError("--server HOST:PORT is required (or --compare A.json B.json)")
+    if args.backend == "grpc" and args.base_url:
+        raise ValueError("--base-url is for --backend openai; --backend grpc takes --server")
     result = asyncio.run(_bench(args))
     print(serve_report.format_result(result))
     if args.json:
@@ -204,19 +238,9 @@ async def _wait_ready(client, target: str, timeout_s: float) -> None:
 
 async def _bench(args: argparse.Namespace) -> dict:
     slo = parse_slo(args.slo)
-    clients = make_clients(args.server, args.num_channels, _api_key(args), _tls(args))
-    try:
-        await _wait_ready(clients[0], args.server, args.wait_ready)
-        info = await clients[0].model_info(timeout=60)
-        workload = await build_workload(args, clients[0], info)
-        bench = Bench(
-            clients,
-            workload,
-            _request_options(args),
-            slo,
-            args.slo_attainment,
-            progress=not args.no_progress,
-        )
+    connect = serve_openai.connect if args.backend == "openai" else _connect_grpc
+    async with connect(args, _api_key(args)) as (transport, workload, server):
+        bench = Bench(transport, workload, slo, args.slo_attainment, progress=not args.no_progress)
         await bench.warmup(args.warmup, args.concurrency or args.max_concurrency or 1)
         if args.sweep:
             result = await bench.sweep(
@@ -224,12 +248,24 @@ async def _bench(args: argparse.Namespace) -> dict:
             )
         else:
             result = await bench.single(_shape(args))
+    result["config"] = _config(args, slo)
+    result["server"] = server
+    return result
+
+
+@contextlib.asynccontextmanager
+async def _connect_grpc(args: argparse.Namespace, api_key: str | None):
+    """(transport, workload, server info) for `bench serve --server HOST:PORT`."""
+    clients = make_clients(args.server, args.num_channels, api_key, _tls(args))
+    try:
+        await _wait_ready(clients[0], args.server, args.wait_ready)
+        info = await clients[0].model_info(timeout=60)
+        workload = await build_workload(args, clients[0], info.max_model_len)
+        transport = GrpcTransport(clients, _request_options(args))
+        yield transport, workload, serve_report.server_info(info)
     finally:
         for client in clients:
             await client.close()
-    result["config"] = _config(args, slo)
-    result["server"] = serve_report.server_info(info)
-    return result
 
 
 def _shape(args: argparse.Namespace, **override) -> LoadShape:
@@ -292,7 +328,11 @@ def _tls(args: argparse.Namespace):
 
 def _config(args: argparse.Namespace, slo: dict[str, float]) -> dict:
     keys = (
+        "backend",
         "server",
+        "base_url",
+        "endpoint",
+        "model_name",
         "dataset",
         "dataset_path",
         "input_len",

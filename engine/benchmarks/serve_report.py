@@ -130,14 +130,19 @@ def _summary_metrics(s: dict, prefix: str) -> dict[str, float]:
 
 def _header(result: dict) -> str:
     server, config = result["server"], result["config"]
+    workload = f"dataset {config['dataset']}, seed {config['seed']}"
+    if server.get("backend") == "openai":
+        return f"OpenAI API {config['base_url']}: model {server['model']}; {workload}"
     return (
         f"server {config['server']}: {server['model'] or 'default model'}, speculation "
-        f"{server['speculative_method']}; dataset {config['dataset']}, seed {config['seed']}"
+        f"{server['speculative_method']}; {workload}"
     )
 
 
 def _label(result: dict, i: int) -> str:
     config, server = result.get("config", {}), result.get("server", {})
+    if server.get("backend") == "openai":
+        return config.get("label") or f"{'AB'[i]}: openai"
     return config.get("label") or f"{'AB'[i]}: spec {server.get('speculative_method', '?')}"
 
 

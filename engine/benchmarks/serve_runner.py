@@ -1,5 +1,7 @@
-"""The asyncio load generator of `specserve bench serve`: one streamed Generate per
-request, driven closed loop (N workers) or open loop (gamma-distributed arrivals)."""
+"""The asyncio load generator of `specserve bench serve`: one streamed request per
+BenchRequest, driven closed loop (N workers) or open loop (gamma-distributed arrivals).
+The transport says how a request travels: a gRPC Generate here (GrpcTransport), or an
+OpenAI HTTP stream (engine/benchmarks/serve_openai.py)."""
 
 from __future__ import annotations
 
@@ -7,8 +9,9 @@ import asyncio
 import contextlib
 import itertools
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Protocol
 
 import grpc
 
@@ -73,17 +76,20 @@ class LoadShape:
         return min(self.concurrency or 1, cap)
 
 
-class LoadGenerator:
-    """Sends requests over one or more channels; `run()` returns records and duration."""
+class Transport(Protocol):
+    """How one BenchRequest travels: built before the clock starts, then streamed while
+    it fills a RequestRecord (first_token, chunk_times/tokens, usage, end or error)."""
 
-    def __init__(
-        self,
-        clients: list[AsyncSpecserveClient],
-        options: RequestOptions,
-        on_done=lambda record: None,
-    ) -> None:
-        self._clients = itertools.cycle(clients)
-        self._options = options
+    def prepare(self, req: BenchRequest) -> object: ...
+
+    async def fill(self, wire: object, record: RequestRecord, now: Callable[[], float]) -> None: ...
+
+
+class LoadGenerator:
+    """Sends requests through a transport; `run()` returns records and duration."""
+
+    def __init__(self, transport: Transport, on_done=lambda record: None) -> None:
+        self._transport = transport
         self._on_done = on_done
         self._t0 = 0.0
 
@@ -125,38 +131,53 @@ class LoadGenerator:
             return await self.send(req)
 
     async def send(self, req: BenchRequest) -> RequestRecord:
-        """One streamed Generate; the clock starts when the call is made."""
-        request = self._options.to_proto(req)
-        client = next(self._clients)
+        """One streamed request; the clock starts when the call is made."""
+        wire = self._transport.prepare(req)
         record = RequestRecord(req.index, self._now(), req.num_prompt_tokens or 0)
+        await self._transport.fill(wire, record, self._now)
+        self._on_done(record)
+        return record
+
+    def _now(self) -> float:
+        return time.perf_counter() - self._t0
+
+
+class GrpcTransport:
+    """One streamed Generate per request, round-robin over the clients (channels)."""
+
+    def __init__(self, clients: list[AsyncSpecserveClient], options: RequestOptions) -> None:
+        self._clients = itertools.cycle(clients)
+        self._options = options
+
+    def prepare(self, req: BenchRequest) -> pb.GenerateRequest:
+        return self._options.to_proto(req)
+
+    async def fill(
+        self, wire: pb.GenerateRequest, record: RequestRecord, now: Callable[[], float]
+    ) -> None:
         try:
-            stream = client.generate(request=request, timeout=self._options.timeout_s)
+            stream = next(self._clients).generate(request=wire, timeout=self._options.timeout_s)
             async for delta in stream:
-                self._observe(record, delta)
-            record.end = self._now()
+                _observe(record, delta, now())
+            record.end = now()
             if record.finish_reason == "abort":
                 record.error = "FINISH_ABORT"
         except grpc.RpcError as exc:
             record.error = exc.code().name
-        self._on_done(record)
-        return record
 
-    def _observe(self, record: RequestRecord, delta) -> None:
-        now = self._now()
-        if delta.token_ids:
-            if record.first_token is None:
-                record.first_token = now
-            record.chunk_times.append(now)
-            record.chunk_tokens.append(len(delta.token_ids))
-        if delta.usage is not None:
-            record.num_prompt_tokens = delta.usage.prompt_tokens
-            record.num_draft_tokens = delta.usage.draft_tokens
-            record.num_accepted_tokens = delta.usage.accepted_draft_tokens
-        if delta.finish_reason is not None:
-            record.finish_reason = delta.finish_reason
 
-    def _now(self) -> float:
-        return time.perf_counter() - self._t0
+def _observe(record: RequestRecord, delta, now: float) -> None:
+    if delta.token_ids:
+        if record.first_token is None:
+            record.first_token = now
+        record.chunk_times.append(now)
+        record.chunk_tokens.append(len(delta.token_ids))
+    if delta.usage is not None:
+        record.num_prompt_tokens = delta.usage.prompt_tokens
+        record.num_draft_tokens = delta.usage.draft_tokens
+        record.num_accepted_tokens = delta.usage.accepted_draft_tokens
+    if delta.finish_reason is not None:
+        record.finish_reason = delta.finish_reason
 
 
 def _bounded(

@@ -9,24 +9,34 @@ import math
 import sys
 from collections.abc import Callable, Iterator
 from dataclasses import replace
+from typing import Protocol
 
 from engine.benchmarks import serve_workload as wl
-from engine.benchmarks.serve_runner import LoadGenerator, LoadShape, RequestOptions
+from engine.benchmarks.serve_runner import LoadGenerator, LoadShape, Transport
 from engine.benchmarks.serve_stats import (
     RequestRecord,
     knee_index,
     summarize,
     throughput_timeline,
 )
-from engine.client import AsyncSpecserveClient
 
 # seed -> an endless request stream. Each run starts a fresh stream from the same seed,
 # so every level of a sweep sees the same prompts in the same order.
 Workload = Callable[[int], Iterator[wl.BenchRequest]]
 
 
-async def build_workload(args: argparse.Namespace, client: AsyncSpecserveClient, info) -> Workload:
-    """Reads and tokenizes what the dataset needs once (through the server's Tokenize)."""
+class Tokenizer(Protocol):
+    """The server's Tokenize RPC (gRPC) or a local tokenizer (OpenAI HTTP)."""
+
+    async def tokenize(
+        self, text: str | None = None, *, messages=None, timeout: float | None = None
+    ) -> list[int]: ...
+
+
+async def build_workload(
+    args: argparse.Namespace, client: Tokenizer, max_model_len: int
+) -> Workload:
+    """Reads and tokenizes what the dataset needs once (synthetic and ShareGPT only)."""
     output_len = wl.LengthDist(args.output_len, args.range_ratio)
     if args.dataset == "synthetic":
         input_len = wl.LengthDist(args.input_len, args.range_ratio)
@@ -39,11 +49,11 @@ async def build_workload(args: argparse.Namespace, client: AsyncSpecserveClient,
     elif args.dataset == "jsonl":
         items = wl.load_jsonl(args.dataset_path)
     else:
-        items = await _sharegpt_items(args, client, info.max_model_len)
+        items = await _sharegpt_items(args, client, max_model_len)
     return lambda seed: wl.text_requests(items, output_len, seed)
 
 
-async def _sharegpt_items(args, client: AsyncSpecserveClient, max_model_len: int):
+async def _sharegpt_items(args, client: Tokenizer, max_model_len: int):
     pairs = wl.load_sharegpt(args.dataset_path)
     # Only as many conversations as the run can use need tokenizing.
     limit = max(args.num_requests or 0, 1000)
@@ -67,16 +77,14 @@ async def _sharegpt_items(args, client: AsyncSpecserveClient, max_model_len: int
 class Bench:
     def __init__(
         self,
-        clients: list[AsyncSpecserveClient],
+        transport: Transport,
         workload: Workload,
-        options: RequestOptions,
         slo: dict[str, float],
         slo_attainment: float,
         progress: bool = True,
     ) -> None:
-        self._clients = clients
+        self._transport = transport
         self._workload = workload
-        self._options = options
         self._slo = slo
         self._slo_attainment = slo_attainment
         self._progress = progress
@@ -143,7 +151,7 @@ class Bench:
             if record.error:
                 bar.set_postfix_str(f"errors: {record.error}", refresh=False)
 
-        generator = LoadGenerator(self._clients, self._options, on_done=done)
+        generator = LoadGenerator(self._transport, on_done=done)
         try:
             records, duration = await generator.run(self._workload(shape.seed + seed_offset), shape)
         finally:

@@ -11,7 +11,7 @@ import grpc
 import pytest
 
 from engine.benchmarks import serve_workload as wl
-from engine.benchmarks.serve_runner import LoadGenerator, LoadShape, RequestOptions
+from engine.benchmarks.serve_runner import GrpcTransport, LoadGenerator, LoadShape, RequestOptions
 from engine.client import GenerateDelta, Usage
 
 
@@ -51,7 +51,7 @@ def synthetic(seed: int = 0):
 
 
 def run(client, shape: LoadShape):
-    generator = LoadGenerator([client], RequestOptions())
+    generator = LoadGenerator(GrpcTransport([client], RequestOptions()))
     return asyncio.run(generator.run(synthetic(), shape))
 
 
