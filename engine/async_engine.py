@@ -54,6 +54,14 @@ class _AbortCommand:
     key: str
 
 
+@dataclass(slots=True)
+class _CallCommand:
+    """Run ``fn(engine)`` on the loop thread; its result or exception settles ``future``."""
+
+    fn: Callable[[Any], Any]
+    future: asyncio.Future
+
+
 class _RequestStream:
     """Per-request output queue; items are RequestOutput or an exception to raise."""
 
@@ -100,8 +108,14 @@ class AsyncEngine:
         self.step_observers = list(step_observers or [])
         # Called in the loop thread with the exception once, when the engine fails.
         self.failure_observers: list[Callable[[BaseException], None]] = []
+        # Called in the loop thread with the target pool's prefix-cache events
+        # (block_manager.kv_events) after every step or command that produced some.
+        # Set it before start(): events are recorded from the first step only then.
+        self.kv_event_listener: Callable[[list], None] | None = None
         self._engine: Any = None
-        self._commands: queue.SimpleQueue[_AddCommand | _AbortCommand | None] = queue.SimpleQueue()
+        self._commands: queue.SimpleQueue[_AddCommand | _AbortCommand | _CallCommand | None] = (
+            queue.SimpleQueue()
+        )
         # In-flight requests by key. The lock also makes admission atomic with the
         # flags below: a request is either registered before _end_all takes its list,
         # or sees the engine dead / stopping.
@@ -213,13 +227,40 @@ class AsyncEngine:
                 self._commands.put(_AbortCommand(stream.key))
 
     async def tokenize(
-        self, prompt: str | None = None, messages: list[dict[str, str]] | None = None
+        self,
+        prompt: str | None = None,
+        messages: list[dict[str, str]] | None = None,
+        max_tokens: int | None = None,
     ) -> list[int]:
         """``prompt``, or ``messages`` through the chat template, as token ids; encoded
-        on a worker thread exactly as ``generate`` encodes them."""
+        on a worker thread exactly as ``generate`` encodes them. ValueError when there
+        are more than ``max_tokens`` (a long text is refused from a prefix)."""
         if self._encoder is None:
             raise EngineShutdownError("engine is still loading the model")
-        return await self._encoder.encode(prompt, messages)
+        return await self._encoder.encode(prompt, messages, max_tokens)
+
+    async def call(self, fn: Callable[[Any], Any]) -> Any:
+        """``fn(llm_engine)`` run on the loop thread between steps (the only thread that
+        may touch the engine); returns its result or raises its exception."""
+        future = asyncio.get_running_loop().create_future()
+        # Queued under the lock: _end_all either sees this command or we see it ran.
+        with self._streams_lock:
+            if self._dead_error is not None:
+                raise EngineDeadError(f"engine has failed: {self._dead_error}")
+            if self._stopping or self._ended or not self._ready.is_set():
+                raise EngineShutdownError("engine is not running")
+            self._commands.put(_CallCommand(fn, future))
+        return await future
+
+    async def reset_prefix_cache(self) -> tuple[int, int]:
+        """Drop every cached block no request holds. Returns (blocks dropped, blocks
+        still cached because running requests hold them)."""
+
+        def reset(engine: Any) -> tuple[int, int]:
+            manager = engine.kv_manager
+            return manager.reset_prefix_cache(), len(manager.pool.cached_blocks)
+
+        return await self.call(reset)
 
     async def abort(self, request_id: str) -> int:
         """Abort every in-flight request labelled ``request_id``; returns how many.
@@ -262,6 +303,9 @@ class AsyncEngine:
     def _run(self) -> None:
         try:
             self._engine = self._build_engine()
+            recorder = getattr(self._engine, "kv_events", None)
+            if recorder is not None and self.kv_event_listener is not None:
+                recorder.enabled = True
             self._encoder = PromptEncoder(self._engine.tokenizer)
             self.model_info = self._engine.model_info()
             self.model_info["max_token_chars"] = self._encoder.max_token_chars
@@ -313,6 +357,8 @@ class AsyncEngine:
                 return False
             if isinstance(command, _AbortCommand):
                 self._abort(command.key)
+            elif isinstance(command, _CallCommand):
+                self._call(command)
             else:
                 self._add(command)
 
@@ -325,6 +371,16 @@ class AsyncEngine:
         for observe in self.step_observers:
             observe(self._engine, [output], None)
 
+    def _call(self, command: _CallCommand) -> None:
+        future = command.future
+        try:
+            result = command.fn(self._engine)
+        except Exception as exc:  # noqa: BLE001 - the caller gets it, the loop goes on
+            _settle(future, exc, None)
+        else:
+            _settle(future, None, result)
+        self._refresh_stats()
+
     def _refresh_stats(self) -> None:
         # An abort frees KV blocks outside step(); publish that now, because an idle
         # engine may not step again for a long time (the stats RPC would show a leak).
@@ -336,6 +392,15 @@ class AsyncEngine:
     def _publish_stats(self) -> None:
         # Readers on other threads get a copy: the engine keeps mutating its own.
         self.stats = self._engine.stats.snapshot()
+        self._publish_kv_events()
+
+    def _publish_kv_events(self) -> None:
+        recorder = getattr(self._engine, "kv_events", None)
+        if recorder is None or not recorder.enabled or self.kv_event_listener is None:
+            return
+        events = recorder.take()
+        if events:
+            self.kv_event_listener(events)
 
     def _add(self, command: _AddCommand) -> None:
         stream = command.stream
@@ -382,3 +447,29 @@ class AsyncEngine:
             streams = list(self._streams.values())
         for stream in streams:
             stream.put_threadsafe(error)
+        self._fail_calls(error)
+
+    def _fail_calls(self, error: BaseException) -> None:
+        """Calls still queued when the loop ends get ``error``, not a future never set."""
+        while True:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(command, _CallCommand):
+                _settle(command.future, error, None)
+
+
+def _settle(future: asyncio.Future, error: BaseException | None, result: Any) -> None:
+    """Resolve ``future`` from another thread (its loop may already be closed)."""
+
+    def settle() -> None:
+        if future.done():
+            return
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(result)
+
+    with contextlib.suppress(RuntimeError):
+        future.get_loop().call_soon_threadsafe(settle)

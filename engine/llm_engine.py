@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from dataclasses import dataclass
 
 import torch
 
-from block_manager import KVCacheManager
+from block_manager import KVCacheManager, KVEventRecorder
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.input_processor import InputProcessor
@@ -87,11 +88,15 @@ class LLMEngine:
         plan = plan_kv_cache(config, self.loaded, draft_loaded)
         self.max_model_len = plan.max_model_len
         self.num_kv_blocks = plan.num_blocks
+        # The target pool's prefix-cache events (the draft pool publishes none); off
+        # until a consumer that drains them after every step turns them on.
+        self.kv_events = KVEventRecorder()
         self.kv_manager = KVCacheManager(
             plan.num_blocks,
             config.block_size,
             enable_caching=config.enable_prefix_caching,
             cache_key=f"{self.loaded.name}:{self.loaded.dtype}",
+            event_sink=self.kv_events,
         )
         self.runner = ModelRunner(self.loaded, plan.num_blocks, config.block_size)
         self.proposer = build_proposer(method, config, self.loaded, draft_loaded, plan.num_blocks)
@@ -384,4 +389,19 @@ class LLMEngine:
             "device": str(self.device),
             "dtype": str(self.loaded.dtype).removeprefix("torch."),
             "attn_backend": self.loaded.model.model.layers[0].self_attn.attn_backend.name,
+            "architectures": list(self.loaded.arch.architectures),
+            "model_type": _hf_model_type(self.loaded.model_dir),
+            "bos_token_id": self.loaded.arch.bos_token_id,
+            "pad_token_id": getattr(self.tokenizer, "pad_token_id", None),
+            "model_dir": str(self.loaded.model_dir or ""),
+            "tokenizer_dir": self.config.tokenizer or str(self.loaded.model_dir or ""),
+            "enable_prefix_caching": self.config.enable_prefix_caching,
         }
+
+
+def _hf_model_type(model_dir) -> str:
+    """The ``model_type`` of the HF config the weights came from ("" when unreadable)."""
+    try:
+        return str(json.loads((model_dir / "config.json").read_text()).get("model_type") or "")
+    except (OSError, TypeError, ValueError, AttributeError):
+        return ""

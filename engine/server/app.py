@@ -1,9 +1,14 @@
 """SpecserveServer: the grpc.aio server around one AsyncEngine.
 
+It serves specserve.v1.Generation and vllm.grpc.engine.VllmEngine (for the Shepherd
+Model Gateway) on one port, behind one API-key check, one decode guard and one
+``RpcGuard`` (drain, error mapping, error hooks).
+
 Lifecycle: ``start()`` binds the port and answers health NOT_SERVING while the model
 loads; health turns SERVING when the engine is ready. ``shutdown()`` drains: health
-NOT_SERVING, new Generation calls UNAVAILABLE, running streams get ``shutdown_grace_s``
-to finish, then the engine stops and whatever is left ends UNAVAILABLE.
+NOT_SERVING, new generation calls UNAVAILABLE, KV-event subscriptions end, running
+streams get ``shutdown_grace_s`` to finish, then the engine stops and whatever is left
+ends UNAVAILABLE.
 """
 
 from __future__ import annotations
@@ -17,14 +22,18 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+from smg_grpc_proto.generated import vllm_engine_pb2_grpc as vpb_grpc
 
 from engine.rpc import generation_pb2_grpc as pb_grpc
 from engine.server.auth import ApiKeyInterceptor, server_credentials
 from engine.server.decode_guard import DecodeGuardInterceptor
-from engine.server.health import SERVICE_NAME, HealthReporter
+from engine.server.health import SERVICE_NAME, VLLM_SERVICE_NAME, HealthReporter
 from engine.server.lifecycle import Lifecycle
 from engine.server.ports import ensure_port_free
+from engine.server.rpc_guard import RpcGuard
 from engine.server.servicer import GenerationServicer
+from engine.server.vllm_kv_events import KvEventHub
+from engine.server.vllm_servicer import VllmEngineServicer
 
 logger = logging.getLogger(__name__)
 
@@ -109,6 +118,8 @@ class SpecserveServer:
         self.on_admission_rejected: Callable[[], None] | None = None
         self.lifecycle = Lifecycle()
         self.health = HealthReporter(engine)
+        # The target pool's prefix-cache events, for VllmEngine.SubscribeKvEvents.
+        self.kv_events = KvEventHub(engine.config.block_size)
         self._server: grpc.aio.Server | None = None
         self._tasks: list[asyncio.Task] = []
         self._stopped = asyncio.Event()
@@ -122,17 +133,27 @@ class SpecserveServer:
             interceptors.append(ApiKeyInterceptor(self.options.api_key, self._report_error))
         interceptors.append(DecodeGuardInterceptor(self._report_error))
         server = grpc.aio.server(interceptors=interceptors, options=self.options.grpc_options())
-        pb_grpc.add_GenerationServicer_to_server(
-            GenerationServicer(self.engine, self.lifecycle, self._report_error), server
+        guard = RpcGuard(self.lifecycle, self._report_error)
+        pb_grpc.add_GenerationServicer_to_server(GenerationServicer(self.engine, guard), server)
+        vpb_grpc.add_VllmEngineServicer_to_server(
+            VllmEngineServicer(self.engine, guard, self.kv_events), server
         )
         health_pb2_grpc.add_HealthServicer_to_server(self.health.servicer, server)
         if self.options.reflection:
-            names = (SERVICE_NAME, "grpc.health.v1.Health", reflection.SERVICE_NAME)
+            names = (
+                SERVICE_NAME,
+                VLLM_SERVICE_NAME,
+                "grpc.health.v1.Health",
+                reflection.SERVICE_NAME,
+            )
             reflection.enable_server_reflection(names, server)
         self.port = self._bind(server)
         await self.health.start()
         await server.start()
         self._server = server
+        # Before the engine starts: the hub must see every event from the first step.
+        self.kv_events.attach(asyncio.get_running_loop())
+        self.engine.kv_event_listener = self.kv_events.publish_threadsafe
         self.engine.start()
         self._tasks.append(asyncio.create_task(self.health.watch(), name="health-watch"))
         return self.port

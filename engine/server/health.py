@@ -7,13 +7,15 @@ import logging
 from typing import Any
 
 from grpc_health.v1 import health, health_pb2
+from smg_grpc_proto.generated import vllm_engine_pb2 as vpb
 
 from engine.rpc import generation_pb2 as pb
 
 logger = logging.getLogger(__name__)
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Generation"].full_name
-SERVICE_NAMES = ("", SERVICE_NAME)
+VLLM_SERVICE_NAME = vpb.DESCRIPTOR.services_by_name["VllmEngine"].full_name
+SERVICE_NAMES = ("", SERVICE_NAME, VLLM_SERVICE_NAME)
 _SERVING = health_pb2.HealthCheckResponse.SERVING
 _NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
@@ -41,7 +43,7 @@ class HealthReporter:
         self._reported_failure = False
 
     async def start(self) -> None:
-        """Register both service names as NOT_SERVING before the server accepts calls."""
+        """Register every service name as NOT_SERVING before the server accepts calls."""
         await self._set(False)
 
     async def watch(self) -> None:

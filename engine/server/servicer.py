@@ -1,30 +1,23 @@
 """The specserve.v1.Generation servicer: validate, call AsyncEngine, map errors.
 
-Every handler runs inside ``_call``: exceptions become a status code with a one-line
-message (never UNKNOWN), and client cancellation or deadline expiry (grpc.aio cancels
-the handler task) closes the engine iterator, which aborts the request.
+Every handler runs inside ``RpcGuard.run`` (rpc_guard.py): exceptions become a status
+code with a one-line message (never UNKNOWN), and client cancellation or deadline expiry
+(grpc.aio cancels the handler task) closes the engine iterator, which aborts the request.
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
-from collections.abc import Callable
 from typing import Any
 
 import grpc
 
-from engine.errors import (
-    EngineDeadError,
-    EngineError,
-    EngineOverloadedError,
-    EngineShutdownError,
-)
+from engine.errors import EngineDeadError
 from engine.rpc import generation_pb2 as pb
 from engine.rpc import generation_pb2_grpc as pb_grpc
 from engine.server import convert
-from engine.server.lifecycle import Lifecycle
+from engine.server.rpc_guard import RpcGuard, one_line, ready_engine
 from engine.server.validation import (
     EngineRequest,
     InvalidArgument,
@@ -36,58 +29,40 @@ from engine.server.validation import (
 
 logger = logging.getLogger(__name__)
 
-RETRY_AFTER_KEY = "retry-after-ms"
-
-
-class RpcError(Exception):
-    """Ends an RPC with ``code``; ``details`` is one line."""
-
-    def __init__(
-        self, code: grpc.StatusCode, details: str, trailing: tuple[tuple[str, str], ...] = ()
-    ) -> None:
-        super().__init__(details)
-        self.code = code
-        self.details = details
-        self.trailing = trailing
-
 
 class GenerationServicer(pb_grpc.GenerationServicer):
-    def __init__(
-        self,
-        engine: Any,
-        lifecycle: Lifecycle,
-        report_error: Callable[[grpc.StatusCode, str, str | None], None] = (
-            lambda code, details, request_id: None
-        ),
-    ) -> None:
+    def __init__(self, engine: Any, guard: RpcGuard) -> None:
         self._engine = engine
-        self._lifecycle = lifecycle
-        # Called with (code, details, request_id or None) for every RPC that fails.
-        self._report_error = report_error
+        self._guard = guard
+        self._lifecycle = guard.lifecycle
 
     # ---- RPCs --------------------------------------------------------------------
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
-        await self._guard(context, self._generate, request, context)
+        await self._guard.run(
+            context, self._generate, request, context, request_id=_request_id(request)
+        )
 
     async def GenerateComplete(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> pb.GenerateCompleteResponse:
-        return await self._guard(context, self._generate_complete, request)
+        return await self._guard.run(
+            context, self._generate_complete, request, request_id=_request_id(request)
+        )
 
     async def Tokenize(
         self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext
     ) -> pb.TokenizeResponse:
-        return await self._guard(context, self._tokenize, request)
+        return await self._guard.run(context, self._tokenize, request)
 
     async def GetModelInfo(
         self, request: pb.GetModelInfoRequest, context: grpc.aio.ServicerContext
     ) -> pb.ModelInfo:
-        return await self._guard(context, self._model_info, admit=False)
+        return await self._guard.run(context, self._model_info, admit=False)
 
     async def GetServerStats(
         self, request: pb.GetServerStatsRequest, context: grpc.aio.ServicerContext
     ) -> pb.ServerStats:
-        return await self._guard(context, self._server_stats, admit=False)
+        return await self._guard.run(context, self._server_stats, admit=False)
 
     # ---- handlers (raise; _guard turns exceptions into statuses) -----------------
     async def _generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
@@ -129,7 +104,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         engine = self._engine
         if engine.dead_error is not None:
             # The last numbers the engine published are not current any more.
-            raise EngineDeadError(f"engine failed: {_one_line(engine.dead_error)}")
+            raise EngineDeadError(f"engine failed: {one_line(engine.dead_error)}")
         return convert.to_server_stats(engine.stats, self._lifecycle.num_in_flight)
 
     # ---- helpers -----------------------------------------------------------------
@@ -150,75 +125,10 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         )
 
     def _ready_engine(self) -> Any:
-        engine = self._engine
-        if engine.dead_error is not None:
-            raise EngineDeadError(f"engine failed: {_one_line(engine.dead_error)}")
-        if not engine.is_ready:
-            raise EngineShutdownError("the model is still loading; retry later")
-        return engine
-
-    async def _guard(
-        self, context: grpc.aio.ServicerContext, handler, *args: Any, admit: bool = True
-    ) -> Any:
-        """Run ``handler``; any exception ends the RPC with a mapped status, one line."""
-        if admit and self._lifecycle.draining:
-            error = RpcError(grpc.StatusCode.UNAVAILABLE, "server is shutting down")
-        else:
-            # Only calls that may reach the engine count as in flight (shutdown waits
-            # for them); model info and stats calls do not.
-            tracking = self._lifecycle.track() if admit else contextlib.nullcontext()
-            with tracking:
-                try:
-                    return await handler(*args)
-                except asyncio.CancelledError:
-                    self._report_cancelled(context, args)
-                    raise
-                except Exception as exc:
-                    error = self._to_rpc_error(exc)
-        if context.done():  # the client is gone: nobody to tell
-            return None
-        self._report_error(error.code, error.details, _request_id(args))
-        if error.trailing:
-            context.set_trailing_metadata(error.trailing)
-        await context.abort(error.code, error.details)
-
-    def _report_cancelled(self, context: grpc.aio.ServicerContext, args: tuple) -> None:
-        """grpc.aio cancels the handler when the client cancels or the deadline passes."""
-        remaining = context.time_remaining()
-        if remaining is not None and remaining <= 0:
-            code, details = grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded"
-        else:
-            code, details = grpc.StatusCode.CANCELLED, "cancelled by the client"
-        self._report_error(code, details, _request_id(args))
-
-    def _to_rpc_error(self, exc: Exception) -> RpcError:
-        if isinstance(exc, RpcError):
-            return exc
-        if isinstance(exc, ValueError):
-            return RpcError(grpc.StatusCode.INVALID_ARGUMENT, _one_line(exc))
-        if isinstance(exc, EngineOverloadedError):
-            retry_ms = str(max(1, int(exc.retry_after_s * 1000)))
-            return RpcError(
-                grpc.StatusCode.RESOURCE_EXHAUSTED, _one_line(exc), ((RETRY_AFTER_KEY, retry_ms),)
-            )
-        if isinstance(exc, EngineShutdownError):
-            return RpcError(grpc.StatusCode.UNAVAILABLE, _one_line(exc))
-        if isinstance(exc, EngineDeadError):
-            return RpcError(grpc.StatusCode.INTERNAL, _one_line(exc))
-        logger.error("internal error in handler: %s", _one_line(exc))
-        return RpcError(grpc.StatusCode.INTERNAL, f"internal error: {_one_line(exc)}")
+        return ready_engine(self._engine)
 
 
-def _request_id(args: tuple) -> str | None:
-    request = args[0] if args else None
+def _request_id(request: pb.GenerateRequest) -> str | None:
     if isinstance(request, pb.GenerateRequest) and request.HasField("request_id"):
         return request.request_id[:128]
     return None
-
-
-def _one_line(exc: BaseException) -> str:
-    """The message on one line; the type name too where the message alone is not enough."""
-    text = " ".join((str(exc) or type(exc).__name__).split())
-    if not isinstance(exc, (ValueError, RpcError, EngineError)):
-        text = f"{type(exc).__name__}: {text}"
-    return text[:500]
