@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -114,9 +114,17 @@ def build_request(
     num_speculative_tokens: int | None = None,
     priority: int = 0,
     request_id: str | None = None,
+    frequency_penalty: float = 0.0,
+    presence_penalty: float = 0.0,
+    repetition_penalty: float | None = None,
+    min_tokens: int = 0,
+    logit_bias: Mapping[int, float] | None = None,
+    include_stop_str_in_output: bool = False,
+    truncate_prompt_tokens: int | None = None,
 ) -> pb.GenerateRequest:
     """A GenerateRequest from plain values. ``num_speculative_tokens``: None = server
-    policy, 0 = off, k = exactly k draft tokens per step."""
+    policy, 0 = off, k = exactly k draft tokens per step. None leaves an option to the
+    server's default."""
     request = pb.GenerateRequest(priority=priority)
     if request_id is not None:
         request.request_id = request_id
@@ -135,12 +143,19 @@ def build_request(
         ("min_p", min_p),
         ("seed", seed),
         ("top_logprobs", top_logprobs),
+        ("repetition_penalty", repetition_penalty),
+        ("truncate_prompt_tokens", truncate_prompt_tokens),
     ):
         if value is not None:
             setattr(s, name, value)
     s.stop.extend(stop)
     s.stop_token_ids.extend(stop_token_ids)
     s.ignore_eos = ignore_eos
+    s.frequency_penalty = frequency_penalty
+    s.presence_penalty = presence_penalty
+    s.min_tokens = min_tokens
+    s.logit_bias.update(logit_bias or {})
+    s.include_stop_str_in_output = include_stop_str_in_output
     if num_speculative_tokens == 0:
         request.speculation.mode = pb.SpeculationOptions.MODE_OFF
     elif num_speculative_tokens is not None:

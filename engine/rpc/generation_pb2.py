@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dspecserve/v1/generation.proto\x12\x0cspecserve.v1\"\xac\x02\n\x0fGenerateRequest\x12\x17\n\nrequest_id\x18\x01 \x01(\tH\x01\x88\x01\x01\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12+\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x16.specserve.v1.TokenIdsH\x00\x12*\n\x04\x63hat\x18\x04 \x01(\x0b\x32\x1a.specserve.v1.ChatMessagesH\x00\x12/\n\x08sampling\x18\x05 \x01(\x0b\x32\x1d.specserve.v1.SamplingOptions\x12\x35\n\x0bspeculation\x18\x06 \x01(\x0b\x32 .specserve.v1.SpeculationOptions\x12\x10\n\x08priority\x18\x07 \x01(\x05\x42\x08\n\x06promptB\r\n\x0b_request_idJ\x04\x08\x08\x10\x10\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\";\n\x0c\x43hatMessages\x12+\n\x08messages\x18\x01 \x03(\x0b\x32\x19.specserve.v1.ChatMessage\"\xc5\x02\n\x0fSamplingOptions\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\rH\x02\x88\x01\x01\x12\x12\n\x05top_p\x18\x04 \x01(\x02H\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\x05 \x01(\x02H\x04\x88\x01\x01\x12\x11\n\x04seed\x18\x06 \x01(\x04H\x05\x88\x01\x01\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\r\x12\x12\n\nignore_eos\x18\t \x01(\x08\x12\x19\n\x0ctop_logprobs\x18\n \x01(\rH\x06\x88\x01\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\x08\n\x06_min_pB\x07\n\x05_seedB\x0f\n\r_top_logprobsJ\x04\x08\x0b\x10\x14\"\xa5\x01\n\x12SpeculationOptions\x12\x33\n\x04mode\x18\x01 \x01(\x0e\x32%.specserve.v1.SpeculationOptions.Mode\x12\x1e\n\x16num_speculative_tokens\x18\x02 \x01(\r\":\n\x04Mode\x12\x14\n\x10MODE_UNSPECIFIED\x10\x00\x12\x0c\n\x08MODE_OFF\x10\x01\x12\x0e\n\nMODE_FIXED\x10\x02\"V\n\x0fTokenizeRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12*\n\x04\x63hat\x18\x02 \x01(\x0b\x32\x1a.specserve.v1.ChatMessagesH\x00\x42\x07\n\x05input\"\x15\n\x13GetModelInfoRequest\"\x17\n\x15GetServerStatsRequest\"\x91\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12,\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1a.specserve.v1.TokenLogprob\x12\x31\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x1a.specserve.v1.FinishReason\x12\"\n\x05usage\x18\x06 \x01(\x0b\x32\x13.specserve.v1.Usage\x12\x15\n\x0bstop_string\x18\x07 \x01(\tH\x00\x12\x17\n\rstop_token_id\x18\x08 \x01(\rH\x00\x42\r\n\x0bstop_reasonJ\x04\x08\t\x10\x10\"\x99\x02\n\x18GenerateCompleteResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12,\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1a.specserve.v1.TokenLogprob\x12\x31\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x1a.specserve.v1.FinishReason\x12\"\n\x05usage\x18\x06 \x01(\x0b\x32\x13.specserve.v1.Usage\x12\x15\n\x0bstop_string\x18\x07 \x01(\tH\x00\x12\x17\n\rstop_token_id\x18\x08 \x01(\rH\x00\x42\r\n\x0bstop_reasonJ\x04\x08\t\x10\x10\"X\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12%\n\x03top\x18\x03 \x03(\x0b\x32\x18.specserve.v1.TopLogprob\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"\xb1\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\x12\x14\n\x0c\x64raft_tokens\x18\x04 \x01(\r\x12\x1d\n\x15\x61\x63\x63\x65pted_draft_tokens\x18\x05 \x01(\r\x12\x1d\n\x15time_to_first_token_s\x18\x06 \x01(\x01J\x04\x08\x07\x10\x10\"9\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x12\n\nnum_tokens\x18\x02 \x01(\r\"\x92\x02\n\tModelInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x13\n\x0b\x64raft_model\x18\x02 \x01(\t\x12\x1a\n\x12speculative_method\x18\x03 \x01(\t\x12\x1e\n\x16num_speculative_tokens\x18\x04 \x01(\r\x12\x12\n\nblock_size\x18\x05 \x01(\r\x12\x15\n\rmax_model_len\x18\x06 \x01(\r\x12\x12\n\nvocab_size\x18\x07 \x01(\r\x12\x14\n\x0cmax_num_seqs\x18\x08 \x01(\r\x12\x1c\n\x14max_waiting_requests\x18\t \x01(\r\x12\x15\n\rnum_kv_blocks\x18\n \x01(\r\x12\x15\n\reos_token_ids\x18\x0b \x03(\rJ\x04\x08\x0c\x10\x14\"U\n\x0bKvPoolStats\x12\x19\n\x11num_blocks_in_use\x18\x01 \x01(\r\x12\x17\n\x0fnum_free_blocks\x18\x02 \x01(\r\x12\x12\n\nnum_blocks\x18\x03 \x01(\r\"\xc6\x01\n\x0bServerStats\x12\x13\n\x0bnum_running\x18\x01 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x02 \x01(\r\x12\x15\n\rnum_in_flight\x18\x03 \x01(\r\x12.\n\x0btarget_pool\x18\x04 \x01(\x0b\x32\x19.specserve.v1.KvPoolStats\x12-\n\ndraft_pool\x18\x05 \x01(\x0b\x32\x19.specserve.v1.KvPoolStats\x12\x11\n\tnum_steps\x18\x06 \x01(\x04J\x04\x08\x07\x10\x14*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\x9d\x03\n\nGeneration\x12K\n\x08Generate\x12\x1d.specserve.v1.GenerateRequest\x1a\x1e.specserve.v1.GenerateResponse0\x01\x12Y\n\x10GenerateComplete\x12\x1d.specserve.v1.GenerateRequest\x1a&.specserve.v1.GenerateCompleteResponse\x12I\n\x08Tokenize\x12\x1d.specserve.v1.TokenizeRequest\x1a\x1e.specserve.v1.TokenizeResponse\x12J\n\x0cGetModelInfo\x12!.specserve.v1.GetModelInfoRequest\x1a\x17.specserve.v1.ModelInfo\x12P\n\x0eGetServerStats\x12#.specserve.v1.GetServerStatsRequest\x1a\x19.specserve.v1.ServerStatsB<\n\x10\x64\x65v.specserve.v1P\x01Z&specserve/gen/specserve/v1;specservev1b\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dspecserve/v1/generation.proto\x12\x0cspecserve.v1\"\xac\x02\n\x0fGenerateRequest\x12\x17\n\nrequest_id\x18\x01 \x01(\tH\x01\x88\x01\x01\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12+\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x16.specserve.v1.TokenIdsH\x00\x12*\n\x04\x63hat\x18\x04 \x01(\x0b\x32\x1a.specserve.v1.ChatMessagesH\x00\x12/\n\x08sampling\x18\x05 \x01(\x0b\x32\x1d.specserve.v1.SamplingOptions\x12\x35\n\x0bspeculation\x18\x06 \x01(\x0b\x32 .specserve.v1.SpeculationOptions\x12\x10\n\x08priority\x18\x07 \x01(\x05\x42\x08\n\x06promptB\r\n\x0b_request_idJ\x04\x08\x08\x10\x10\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\";\n\x0c\x43hatMessages\x12+\n\x08messages\x18\x01 \x03(\x0b\x32\x19.specserve.v1.ChatMessage\"\x9e\x05\n\x0fSamplingOptions\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\rH\x02\x88\x01\x01\x12\x12\n\x05top_p\x18\x04 \x01(\x02H\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\x05 \x01(\x02H\x04\x88\x01\x01\x12\x11\n\x04seed\x18\x06 \x01(\x04H\x05\x88\x01\x01\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\r\x12\x12\n\nignore_eos\x18\t \x01(\x08\x12\x19\n\x0ctop_logprobs\x18\n \x01(\rH\x06\x88\x01\x01\x12\x19\n\x11\x66requency_penalty\x18\x0b \x01(\x02\x12\x18\n\x10presence_penalty\x18\x0c \x01(\x02\x12\x1f\n\x12repetition_penalty\x18\r \x01(\x02H\x07\x88\x01\x01\x12\x12\n\nmin_tokens\x18\x0e \x01(\r\x12@\n\nlogit_bias\x18\x0f \x03(\x0b\x32,.specserve.v1.SamplingOptions.LogitBiasEntry\x12\"\n\x1ainclude_stop_str_in_output\x18\x10 \x01(\x08\x12#\n\x16truncate_prompt_tokens\x18\x11 \x01(\rH\x08\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\x08\n\x06_min_pB\x07\n\x05_seedB\x0f\n\r_top_logprobsB\x15\n\x13_repetition_penaltyB\x19\n\x17_truncate_prompt_tokensJ\x04\x08\x12\x10\x14\"\xa5\x01\n\x12SpeculationOptions\x12\x33\n\x04mode\x18\x01 \x01(\x0e\x32%.specserve.v1.SpeculationOptions.Mode\x12\x1e\n\x16num_speculative_tokens\x18\x02 \x01(\r\":\n\x04Mode\x12\x14\n\x10MODE_UNSPECIFIED\x10\x00\x12\x0c\n\x08MODE_OFF\x10\x01\x12\x0e\n\nMODE_FIXED\x10\x02\"V\n\x0fTokenizeRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12*\n\x04\x63hat\x18\x02 \x01(\x0b\x32\x1a.specserve.v1.ChatMessagesH\x00\x42\x07\n\x05input\"\x15\n\x13GetModelInfoRequest\"\x17\n\x15GetServerStatsRequest\"\x91\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12,\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1a.specserve.v1.TokenLogprob\x12\x31\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x1a.specserve.v1.FinishReason\x12\"\n\x05usage\x18\x06 \x01(\x0b\x32\x13.specserve.v1.Usage\x12\x15\n\x0bstop_string\x18\x07 \x01(\tH\x00\x12\x17\n\rstop_token_id\x18\x08 \x01(\rH\x00\x42\r\n\x0bstop_reasonJ\x04\x08\t\x10\x10\"\x99\x02\n\x18GenerateCompleteResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12,\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1a.specserve.v1.TokenLogprob\x12\x31\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x1a.specserve.v1.FinishReason\x12\"\n\x05usage\x18\x06 \x01(\x0b\x32\x13.specserve.v1.Usage\x12\x15\n\x0bstop_string\x18\x07 \x01(\tH\x00\x12\x17\n\rstop_token_id\x18\x08 \x01(\rH\x00\x42\r\n\x0bstop_reasonJ\x04\x08\t\x10\x10\"X\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12%\n\x03top\x18\x03 \x03(\x0b\x32\x18.specserve.v1.TopLogprob\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"\xb1\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\x12\x14\n\x0c\x64raft_tokens\x18\x04 \x01(\r\x12\x1d\n\x15\x61\x63\x63\x65pted_draft_tokens\x18\x05 \x01(\r\x12\x1d\n\x15time_to_first_token_s\x18\x06 \x01(\x01J\x04\x08\x07\x10\x10\"9\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x12\n\nnum_tokens\x18\x02 \x01(\r\"\x92\x02\n\tModelInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x13\n\x0b\x64raft_model\x18\x02 \x01(\t\x12\x1a\n\x12speculative_method\x18\x03 \x01(\t\x12\x1e\n\x16num_speculative_tokens\x18\x04 \x01(\r\x12\x12\n\nblock_size\x18\x05 \x01(\r\x12\x15\n\rmax_model_len\x18\x06 \x01(\r\x12\x12\n\nvocab_size\x18\x07 \x01(\r\x12\x14\n\x0cmax_num_seqs\x18\x08 \x01(\r\x12\x1c\n\x14max_waiting_requests\x18\t \x01(\r\x12\x15\n\rnum_kv_blocks\x18\n \x01(\r\x12\x15\n\reos_token_ids\x18\x0b \x03(\rJ\x04\x08\x0c\x10\x14\"U\n\x0bKvPoolStats\x12\x19\n\x11num_blocks_in_use\x18\x01 \x01(\r\x12\x17\n\x0fnum_free_blocks\x18\x02 \x01(\r\x12\x12\n\nnum_blocks\x18\x03 \x01(\r\"\xc6\x01\n\x0bServerStats\x12\x13\n\x0bnum_running\x18\x01 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x02 \x01(\r\x12\x15\n\rnum_in_flight\x18\x03 \x01(\r\x12.\n\x0btarget_pool\x18\x04 \x01(\x0b\x32\x19.specserve.v1.KvPoolStats\x12-\n\ndraft_pool\x18\x05 \x01(\x0b\x32\x19.specserve.v1.KvPoolStats\x12\x11\n\tnum_steps\x18\x06 \x01(\x04J\x04\x08\x07\x10\x14*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\x9d\x03\n\nGeneration\x12K\n\x08Generate\x12\x1d.specserve.v1.GenerateRequest\x1a\x1e.specserve.v1.GenerateResponse0\x01\x12Y\n\x10GenerateComplete\x12\x1d.specserve.v1.GenerateRequest\x1a&.specserve.v1.GenerateCompleteResponse\x12I\n\x08Tokenize\x12\x1d.specserve.v1.TokenizeRequest\x1a\x1e.specserve.v1.TokenizeResponse\x12J\n\x0cGetModelInfo\x12!.specserve.v1.GetModelInfoRequest\x1a\x17.specserve.v1.ModelInfo\x12P\n\x0eGetServerStats\x12#.specserve.v1.GetServerStatsRequest\x1a\x19.specserve.v1.ServerStatsB<\n\x10\x64\x65v.specserve.v1P\x01Z&specserve/gen/specserve/v1;specservev1b\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -32,8 +32,10 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'specserve.v1.generation_pb2
 if not _descriptor._USE_C_DESCRIPTORS:
   _globals['DESCRIPTOR']._loaded_options = None
   _globals['DESCRIPTOR']._serialized_options = b'\n\020dev.specserve.v1P\001Z&specserve/gen/specserve/v1;specservev1'
-  _globals['_FINISHREASON']._serialized_start=2617
-  _globals['_FINISHREASON']._serialized_end=2737
+  _globals['_SAMPLINGOPTIONS_LOGITBIASENTRY']._loaded_options = None
+  _globals['_SAMPLINGOPTIONS_LOGITBIASENTRY']._serialized_options = b'8\001'
+  _globals['_FINISHREASON']._serialized_start=2962
+  _globals['_FINISHREASON']._serialized_end=3082
   _globals['_GENERATEREQUEST']._serialized_start=48
   _globals['_GENERATEREQUEST']._serialized_end=348
   _globals['_TOKENIDS']._serialized_start=350
@@ -43,35 +45,37 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CHATMESSAGES']._serialized_start=421
   _globals['_CHATMESSAGES']._serialized_end=480
   _globals['_SAMPLINGOPTIONS']._serialized_start=483
-  _globals['_SAMPLINGOPTIONS']._serialized_end=808
-  _globals['_SPECULATIONOPTIONS']._serialized_start=811
-  _globals['_SPECULATIONOPTIONS']._serialized_end=976
-  _globals['_SPECULATIONOPTIONS_MODE']._serialized_start=918
-  _globals['_SPECULATIONOPTIONS_MODE']._serialized_end=976
-  _globals['_TOKENIZEREQUEST']._serialized_start=978
-  _globals['_TOKENIZEREQUEST']._serialized_end=1064
-  _globals['_GETMODELINFOREQUEST']._serialized_start=1066
-  _globals['_GETMODELINFOREQUEST']._serialized_end=1087
-  _globals['_GETSERVERSTATSREQUEST']._serialized_start=1089
-  _globals['_GETSERVERSTATSREQUEST']._serialized_end=1112
-  _globals['_GENERATERESPONSE']._serialized_start=1115
-  _globals['_GENERATERESPONSE']._serialized_end=1388
-  _globals['_GENERATECOMPLETERESPONSE']._serialized_start=1391
-  _globals['_GENERATECOMPLETERESPONSE']._serialized_end=1672
-  _globals['_TOKENLOGPROB']._serialized_start=1674
-  _globals['_TOKENLOGPROB']._serialized_end=1762
-  _globals['_TOPLOGPROB']._serialized_start=1764
-  _globals['_TOPLOGPROB']._serialized_end=1811
-  _globals['_USAGE']._serialized_start=1814
-  _globals['_USAGE']._serialized_end=1991
-  _globals['_TOKENIZERESPONSE']._serialized_start=1993
-  _globals['_TOKENIZERESPONSE']._serialized_end=2050
-  _globals['_MODELINFO']._serialized_start=2053
-  _globals['_MODELINFO']._serialized_end=2327
-  _globals['_KVPOOLSTATS']._serialized_start=2329
-  _globals['_KVPOOLSTATS']._serialized_end=2414
-  _globals['_SERVERSTATS']._serialized_start=2417
-  _globals['_SERVERSTATS']._serialized_end=2615
-  _globals['_GENERATION']._serialized_start=2740
-  _globals['_GENERATION']._serialized_end=3153
+  _globals['_SAMPLINGOPTIONS']._serialized_end=1153
+  _globals['_SAMPLINGOPTIONS_LOGITBIASENTRY']._serialized_start=962
+  _globals['_SAMPLINGOPTIONS_LOGITBIASENTRY']._serialized_end=1010
+  _globals['_SPECULATIONOPTIONS']._serialized_start=1156
+  _globals['_SPECULATIONOPTIONS']._serialized_end=1321
+  _globals['_SPECULATIONOPTIONS_MODE']._serialized_start=1263
+  _globals['_SPECULATIONOPTIONS_MODE']._serialized_end=1321
+  _globals['_TOKENIZEREQUEST']._serialized_start=1323
+  _globals['_TOKENIZEREQUEST']._serialized_end=1409
+  _globals['_GETMODELINFOREQUEST']._serialized_start=1411
+  _globals['_GETMODELINFOREQUEST']._serialized_end=1432
+  _globals['_GETSERVERSTATSREQUEST']._serialized_start=1434
+  _globals['_GETSERVERSTATSREQUEST']._serialized_end=1457
+  _globals['_GENERATERESPONSE']._serialized_start=1460
+  _globals['_GENERATERESPONSE']._serialized_end=1733
+  _globals['_GENERATECOMPLETERESPONSE']._serialized_start=1736
+  _globals['_GENERATECOMPLETERESPONSE']._serialized_end=2017
+  _globals['_TOKENLOGPROB']._serialized_start=2019
+  _globals['_TOKENLOGPROB']._serialized_end=2107
+  _globals['_TOPLOGPROB']._serialized_start=2109
+  _globals['_TOPLOGPROB']._serialized_end=2156
+  _globals['_USAGE']._serialized_start=2159
+  _globals['_USAGE']._serialized_end=2336
+  _globals['_TOKENIZERESPONSE']._serialized_start=2338
+  _globals['_TOKENIZERESPONSE']._serialized_end=2395
+  _globals['_MODELINFO']._serialized_start=2398
+  _globals['_MODELINFO']._serialized_end=2672
+  _globals['_KVPOOLSTATS']._serialized_start=2674
+  _globals['_KVPOOLSTATS']._serialized_end=2759
+  _globals['_SERVERSTATS']._serialized_start=2762
+  _globals['_SERVERSTATS']._serialized_end=2960
+  _globals['_GENERATION']._serialized_start=3085
+  _globals['_GENERATION']._serialized_end=3498
 # @@protoc_insertion_point(module_scope)

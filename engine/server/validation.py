@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine.rpc import generation_pb2 as pb
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import LOGIT_BIAS_LIMIT, MAX_LOGIT_BIAS_ENTRIES, SamplingParams
 
 MAX_REQUEST_ID_LEN = 128
 MAX_STOP_STRINGS = 16
@@ -44,6 +44,10 @@ _PARAM_PATHS = {
     "stop": "sampling.stop",
     "logprobs": "sampling.top_logprobs",
     "num_speculative_tokens": "speculation.num_speculative_tokens",
+    "frequency_penalty": "sampling.frequency_penalty",
+    "presence_penalty": "sampling.presence_penalty",
+    "repetition_penalty": "sampling.repetition_penalty",
+    "truncate_prompt_tokens": "sampling.truncate_prompt_tokens",
 }
 
 
@@ -149,10 +153,51 @@ def to_sampling_params(request: pb.GenerateRequest, limits: ModelLimits) -> Samp
         )
     kwargs["ignore_eos"] = s.ignore_eos
     kwargs["num_speculative_tokens"] = _speculation(request, limits)
+    kwargs.update(_logit_options(s, limits, kwargs.get("max_tokens", SamplingParams.max_tokens)))
     try:
         return SamplingParams(**kwargs)
     except ValueError as exc:
         raise InvalidArgument(_proto_path_message(str(exc))) from None
+
+
+def _logit_options(s: pb.SamplingOptions, limits: ModelLimits, max_tokens: int) -> dict:
+    """Penalties, logit_bias, min_tokens, include_stop_str_in_output and
+    truncate_prompt_tokens; SamplingParams checks the penalties' ranges."""
+    if s.min_tokens > max_tokens:
+        raise InvalidArgument(
+            f"sampling.min_tokens must be in [0, {max_tokens}] (sampling.max_tokens), "
+            f"got {s.min_tokens}"
+        )
+    kwargs: dict[str, Any] = {
+        "frequency_penalty": s.frequency_penalty,
+        "presence_penalty": s.presence_penalty,
+        "min_tokens": s.min_tokens,
+        "logit_bias": _logit_bias(s, limits),
+        "include_stop_str_in_output": s.include_stop_str_in_output,
+    }
+    for name in ("repetition_penalty", "truncate_prompt_tokens"):
+        if s.HasField(name):
+            kwargs[name] = getattr(s, name)
+    return kwargs
+
+
+def _logit_bias(s: pb.SamplingOptions, limits: ModelLimits) -> dict[int, float]:
+    if len(s.logit_bias) > MAX_LOGIT_BIAS_ENTRIES:
+        raise InvalidArgument(
+            f"sampling.logit_bias must have at most {MAX_LOGIT_BIAS_ENTRIES} entries, "
+            f"got {len(s.logit_bias)}"
+        )
+    for token_id, value in s.logit_bias.items():
+        if token_id >= limits.vocab_size:
+            raise InvalidArgument(
+                f"sampling.logit_bias keys must be token ids in [0, {limits.vocab_size - 1}] "
+                f"(vocab_size - 1), got {token_id}"
+            )
+        if not -LOGIT_BIAS_LIMIT <= value <= LOGIT_BIAS_LIMIT:  # NaN fails too
+            raise InvalidArgument(
+                f"sampling.logit_bias[{token_id}] must be in [-100, 100], got {value}"
+            )
+    return dict(s.logit_bias)
 
 
 def to_chat_messages(chat: pb.ChatMessages, field: str = "chat") -> list[dict[str, str]]:
@@ -185,15 +230,23 @@ def _prompt(
         return request.text, None
     if kind == "token_ids":
         ids = request.token_ids.ids
-        if not 1 <= len(ids) < limits.max_model_len:
-            raise InvalidArgument(
-                f"token_ids.ids must have between 1 and {limits.max_model_len - 1} ids "
-                f"(max_model_len - 1), got {len(ids)}"
-            )
+        _check_num_prompt_ids(len(ids), request.sampling, limits)
         return _token_ids("token_ids.ids", ids, limits), None
     messages = to_chat_messages(request.chat)
     check_text_length("chat", sum(len(m["content"]) for m in messages), limits)
     return None, messages
+
+
+def _check_num_prompt_ids(num_ids: int, s: pb.SamplingOptions, limits: ModelLimits) -> None:
+    """1 to max_model_len - 1 ids, counted after sampling.truncate_prompt_tokens."""
+    truncate = s.truncate_prompt_tokens if s.HasField("truncate_prompt_tokens") else 0
+    num_kept = min(num_ids, truncate) if truncate >= 1 else num_ids
+    if not 1 <= num_kept < limits.max_model_len:
+        after = " after sampling.truncate_prompt_tokens" if num_kept < num_ids else ""
+        raise InvalidArgument(
+            f"token_ids.ids must have between 1 and {limits.max_model_len - 1} ids "
+            f"(max_model_len - 1){after}, got {num_kept}"
+        )
 
 
 def check_text_length(field: str, num_chars: int, limits: ModelLimits) -> None:

@@ -58,3 +58,31 @@ def test_several_tokens_at_once(tokenizer):
     detok = IncrementalDetokenizer(tokenizer, [], [])
     text = "".join(detok.push(ids[i : i + 3])[0] for i in range(0, len(ids), 3))
     assert text + detok.flush() == "spec tokens arrive in runs"
+
+
+def _push_all(detok, tokenizer, text: str, num_unchecked: int = 0):
+    deltas, hit = [], None
+    for i, token_id in enumerate(tokenizer.encode(text, add_special_tokens=False)):
+        delta, hit = detok.push([token_id], check_stop=i >= num_unchecked)
+        deltas.append(delta)
+        if hit is not None:
+            break
+    return deltas, hit
+
+
+def test_a_stop_string_counts_only_when_it_ends_in_checked_text(tokenizer):
+    """min_tokens: "END" ending in the first 6 (unchecked) tokens is ignored, even when
+    checking starts right after it; the next one stops the text."""
+    detok = IncrementalDetokenizer(tokenizer, [], ["END"])
+    deltas, hit = _push_all(detok, tokenizer, "a END b END c", num_unchecked=5)
+    assert hit == "END" and "".join(deltas) == "a END b "
+
+
+def test_include_stop_holds_nothing_back_and_keeps_the_stop_string(tokenizer):
+    detok = IncrementalDetokenizer(tokenizer, [], ["STOP"], include_stop=True)
+    deltas, hit = _push_all(detok, tokenizer, "go STOP and more")
+    assert hit == "STOP" and "".join(deltas) == "go STOP"
+    assert deltas[3:6] == ["S", "T", "O"]  # emitted at once: nothing is ever retracted
+    late = IncrementalDetokenizer(tokenizer, [], ["ab"], include_stop=True)
+    deltas, hit = _push_all(late, tokenizer, "xab ab", num_unchecked=3)
+    assert hit == "ab" and "".join(deltas) == "xab ab"

@@ -35,6 +35,25 @@ def test_defaults_and_fields_pass_through():
     assert default.params.num_speculative_tokens is None and default.request_id is None
 
 
+def test_logit_options_pass_through():
+    req = check(
+        build_request(
+            [1] * 600, max_tokens=9, frequency_penalty=-0.5, presence_penalty=2.0,
+            repetition_penalty=1.25, min_tokens=9, logit_bias={3: -100.0, 319: 2.5},
+            include_stop_str_in_output=True, truncate_prompt_tokens=511,
+        )
+    )  # fmt: skip
+    p = req.params
+    assert (p.frequency_penalty, p.presence_penalty, p.repetition_penalty) == (-0.5, 2.0, 1.25)
+    assert (p.min_tokens, p.logit_bias, p.include_stop_str_in_output) == (
+        9, {3: -100.0, 319: 2.5}, True,
+    )  # fmt: skip
+    assert p.truncate_prompt_tokens == 511 and len(req.prompt) == 600  # the engine cuts it
+    default = check(build_request("x")).params
+    assert (default.repetition_penalty, default.min_tokens, default.logit_bias) == (1.0, 0, {})
+    assert default.truncate_prompt_tokens is None and not default.processes_logits
+
+
 def test_speculation_off_and_top_k_clamped_to_off():
     req = check(build_request("hi", num_speculative_tokens=0, top_k=10_000))
     assert req.params.num_speculative_tokens == 0
@@ -75,6 +94,26 @@ def test_chat_messages():
          "[1, 4] (the server's num_speculative_tokens)"),
         ({"prompt": "x", "num_speculative_tokens": 17}, "speculation.num_speculative_tokens",
          "[1, 4]"),
+        ({"prompt": "x", "frequency_penalty": 2.5}, "sampling.frequency_penalty", "[-2, 2]"),
+        ({"prompt": "x", "frequency_penalty": float("nan")}, "sampling.frequency_penalty",
+         "[-2, 2]"),
+        ({"prompt": "x", "presence_penalty": -3.0}, "sampling.presence_penalty", "[-2, 2]"),
+        ({"prompt": "x", "repetition_penalty": 0.0}, "sampling.repetition_penalty", "(0, 2]"),
+        ({"prompt": "x", "repetition_penalty": 2.5}, "sampling.repetition_penalty", "(0, 2]"),
+        ({"prompt": "x", "min_tokens": 17}, "sampling.min_tokens",
+         "[0, 16] (sampling.max_tokens), got 17"),
+        ({"prompt": "x", "max_tokens": 4, "min_tokens": 5}, "sampling.min_tokens", "[0, 4]"),
+        ({"prompt": "x", "logit_bias": {320: 1.0}}, "sampling.logit_bias keys",
+         "[0, 319] (vocab_size - 1), got 320"),
+        ({"prompt": "x", "logit_bias": {5: 100.5}}, "sampling.logit_bias[5]", "[-100, 100]"),
+        ({"prompt": "x", "logit_bias": {5: float("nan")}}, "sampling.logit_bias[5]",
+         "[-100, 100]"),
+        ({"prompt": "x", "logit_bias": {i: 1.0 for i in range(1025)}}, "sampling.logit_bias",
+         "at most 1024 entries, got 1025"),
+        ({"prompt": "x", "truncate_prompt_tokens": 0}, "sampling.truncate_prompt_tokens",
+         ">= 1, got 0"),
+        ({"prompt": [1] * 600, "truncate_prompt_tokens": 512}, "token_ids.ids",
+         "(max_model_len - 1) after sampling.truncate_prompt_tokens, got 512"),
         ({"prompt": "x", "priority": 1001}, "priority", "[-1000, 1000]"),
         ({"prompt": "x", "request_id": ""}, "request_id", "1 to 128"),
         ({"prompt": "x", "request_id": "a b"}, "request_id", "printable ASCII"),
