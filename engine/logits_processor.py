@@ -30,6 +30,7 @@ from itertools import accumulate, chain
 import torch
 
 from engine.sampling_params import SamplingParams
+from scheduler.request import Request
 
 
 @dataclass(slots=True)
@@ -55,7 +56,7 @@ class LogitsAdjustment:
     @classmethod
     def build(
         cls,
-        requests: list,  # scheduler Requests, one per request in the batch
+        requests: list[Request],  # one per request in the batch
         params: list[SamplingParams],
         drafts: list[list[int]],  # per request: the drafts before its rows
         num_rows: list[int],  # per request; its last row comes after all its drafts
@@ -96,7 +97,7 @@ class LogitsAdjustment:
 class _Span:
     """One request's rows: the first at ``start``, preceded by ``drafts[:first]``."""
 
-    request: object
+    request: Request
     params: SamplingParams
     drafts: list[int]
     num_rows: int

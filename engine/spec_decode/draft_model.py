@@ -135,6 +135,8 @@ class DraftModelProposer:
     def _adjusted(self, logits, active, states, drafts) -> torch.Tensor:
         """logits [len(active), vocab_size] under each request's penalties, logit bias
         and min_tokens, with its drafts so far counted as generated."""
+        if not any(states[i].params.processes_logits for i, _, _ in active):
+            return logits
         adjustment = LogitsAdjustment.build(
             [states[i].request for i, _, _ in active],
             [states[i].params for i, _, _ in active],

@@ -53,15 +53,7 @@ class Verifier:
         items = [s for s in sched.scheduled if s.needs_sample]
         if not items:
             return ModelRunnerOutput(sampled_token_ids={})
-        adjustment = LogitsAdjustment.build(
-            [st.request for st in states],
-            [st.params for st in states],
-            drafts,
-            [1 + len(d) for d in drafts],
-            logits.shape[-1],
-            self.device,
-        )
-        adjusted = logits if adjustment is None else adjustment.apply(logits)
+        adjusted = self._adjusted(logits, states, drafts)  # logprobs read the raw logits
         if all(st.params.is_greedy for st in states):
             out_tokens, num_accepted = _greedy_verify(adjusted, drafts)
         else:
@@ -72,6 +64,21 @@ class Verifier:
         )
         self._add_logprobs(result, logits, items, states, drafts, out_tokens)
         return result
+
+    def _adjusted(self, logits, states, drafts) -> torch.Tensor:
+        """The logits under penalties, logit bias and min_tokens; row j of a request
+        counts the drafts before it. The logits themselves when nobody uses them."""
+        if not any(st.params.processes_logits for st in states):
+            return logits
+        adjustment = LogitsAdjustment.build(
+            [st.request for st in states],
+            [st.params for st in states],
+            drafts,
+            [1 + len(d) for d in drafts],
+            logits.shape[-1],
+            self.device,
+        )
+        return logits if adjustment is None else adjustment.apply(logits)
 
     def _sample(self, logits, items, states, drafts, draft_probs):
         counts = [1 + len(d) for d in drafts]
