@@ -8,8 +8,8 @@ start of a stop string is held back until it is resolved either way (unless the 
 string stays in the output: then everything emitted is a prefix of the final text).
 
 A stop string counts only when it ends in text pushed with ``check_stop`` (the engine
-turns it on once ``min_tokens`` tokens are out), so an occurrence that ended earlier
-never stops the request later.
+turns it on once ``min_tokens`` tokens are out, for the tokens after them), so an
+occurrence that ended earlier never stops the request later.
 """
 
 from __future__ import annotations

@@ -44,10 +44,11 @@ def _detokenize(state: _RequestState, new_ids: list[int]) -> tuple[str, str | No
     it). Tokens go in one at a time, as plain decoding pushes them, so the text and where
     a stop string ends depend on the tokens alone, not on how many drafts a step kept."""
     texts = []
-    # Stop strings count from the token that brings the output to min_tokens.
+    # As with stop tokens, the first min_tokens output tokens cannot end the request
+    # with a stop string (vLLM's rule).
     num_before, min_tokens = state.num_emitted_tokens, state.params.min_tokens
     for i, token_id in enumerate(new_ids):
-        text, stop_hit = state.detokenizer.push([token_id], num_before + i + 1 >= min_tokens)
+        text, stop_hit = state.detokenizer.push([token_id], num_before + i >= min_tokens)
         texts.append(text)
         if stop_hit is not None:
             return "".join(texts), stop_hit, new_ids[: i + 1]

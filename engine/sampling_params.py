@@ -24,12 +24,12 @@ class SamplingParams:
 
     Logit processing, in this order, on the raw logits before temperature and the
     filters (greedy is the argmax of the result): ``logit_bias`` (token id -> value) is
-    added; until ``min_tokens`` tokens are out, EOS (unless ``ignore_eos``) and
-    ``stop_token_ids`` are masked and stop strings are not checked; a token seen in the
-    prompt or the output has a positive logit divided by ``repetition_penalty`` and a
-    negative one multiplied; a token generated ``c`` times loses
-    ``frequency_penalty * c + presence_penalty * (c > 0)``. Reported logprobs stay the
-    raw model's. ``truncate_prompt_tokens`` keeps only the last n prompt tokens.
+    added; the first ``min_tokens`` output tokens cannot be EOS (unless ``ignore_eos``)
+    or ``stop_token_ids`` (masked), nor complete a stop string (not checked); a token
+    seen in the prompt or the output has a positive logit divided by
+    ``repetition_penalty`` and a negative one multiplied; a token generated ``c`` times
+    loses ``frequency_penalty * c + presence_penalty * (c > 0)``. Reported logprobs stay
+    the raw model's. ``truncate_prompt_tokens`` keeps only the last n prompt tokens.
     """
 
     max_tokens: int = 16

@@ -239,7 +239,8 @@ def test_min_tokens_holds_stop_tokens_and_strings_back(
     tiny_model_dir, tiny_draft_model_dir, method
 ):
     """A +100 bias makes every token A, unless masked: the stop token A cannot come
-    before min_tokens; the stop string "AA" counts only once min_tokens tokens are out.
+    before min_tokens; the stop string "AA" counts only in tokens after the first
+    min_tokens.
     "boundary" drafts runs of B (+50) across min_tokens: the row at min_tokens must
     sample A (unmasked) although the rows before it in the same pass are masked."""
     a = _a_text(tiny_model_dir)
@@ -265,10 +266,10 @@ def test_min_tokens_holds_stop_tokens_and_strings_back(
     assert results["token"]["finish_reason"] == "stop"
     assert results["boundary6"]["token_ids"] == [B] * 6 + [A]
     assert results["boundary7"]["token_ids"] == [B] * 7 + [A]
-    # The 6th A completes a stop string that ends in a token at or after min_tokens.
-    assert results["string"]["token_ids"] == [A] * 6 and results["string"]["text"] == a * 4
+    # The 7th A is the first token after min_tokens: it completes the stop string.
+    assert results["string"]["token_ids"] == [A] * 7 and results["string"]["text"] == a * 5
     assert results["early"]["token_ids"] == [A] * 2 and results["early"]["text"] == ""
-    assert results["kept"]["token_ids"] == [A] * 4 and results["kept"]["text"] == a * 4
+    assert results["kept"]["token_ids"] == [A] * 5 and results["kept"]["text"] == a * 5
     assert all(r["finish_reason"] == "stop" for r in results.values())
     assert_all_blocks_released(engine)
 

@@ -65,7 +65,7 @@ def test_min_tokens_and_include_stop_str_in_output(spec_client):
     early = spec_client.generate_complete([5, 6], **kw)
     assert (early.text, len(early.token_ids), early.stop_reason) == ("", 2, a + a)
     late = spec_client.generate_complete([5, 6], min_tokens=5, **kw)
-    assert (late.text, len(late.token_ids), late.finish_reason) == (a * 3, 5, "stop")
+    assert (late.text, len(late.token_ids), late.finish_reason) == (a * 4, 6, "stop")
     kept = spec_client.generate_complete([5, 6], include_stop_str_in_output=True, **kw)
     assert (kept.text, kept.token_ids) == (a * 2, [67, 67])
 
