@@ -12,8 +12,8 @@ through an OpenAI-compatible HTTP server such as the Shepherd Model Gateway.
 Each request is one streamed Generate (gRPC) or one SSE stream of /v1/chat/completions
 or /v1/completions (--backend openai; see engine/benchmarks/serve_openai.py). The report
 gives request and output-token throughput, TTFT / TPOT / ITL / E2E (mean, median, p90,
-p99), goodput against the SLO, the server-reported acceptance rate of draft tokens (gRPC
-only) and the errors by status code. Definitions: engine/benchmarks/serve_stats.py.
+p99), goodput against the SLO, the server-reported acceptance rate of draft tokens and the
+errors by status code. Definitions: engine/benchmarks/serve_stats.py.
 """
 
 from __future__ import annotations

@@ -16,7 +16,9 @@ local directory or a hub id), as the server's Tokenize RPC is not part of the Op
 A stream message "carries tokens" when it carries generated text. The output token
 count is the server's `usage.completion_tokens`; when a server reports it only at the
 end, it is spread evenly over the text-carrying messages (for the throughput timeline;
-TTFT, ITL and TPOT do not depend on the split). Errors are named by what went wrong:
+TTFT, ITL and TPOT do not depend on the split). Draft and accepted tokens come from
+usage.completion_tokens_details (rejected + accepted prediction tokens), which the
+gateway fills from the workers' speculation counts. Errors are named by what went wrong:
 HTTP_<status>, STREAM_ERROR (an error event inside the stream), DISCONNECTED (the
 stream ended before `data: [DONE]`), CONNECT_ERROR, TIMEOUT (--request-timeout).
 """
@@ -61,6 +63,10 @@ class StreamChunk(NamedTuple):
     finish_reason: str | None
     prompt_tokens: int | None
     completion_tokens: int | None
+    # Speculation, where the server reports it: smg maps the vLLM engine protocol's
+    # spec_accepted_tokens / spec_draft_tokens to usage.completion_tokens_details.
+    accepted_tokens: int | None = None
+    draft_tokens: int | None = None
 
 
 def parse_chunk(data: str) -> StreamChunk:
@@ -80,12 +86,17 @@ def parse_chunk(data: str) -> StreamChunk:
         + (choice.get("text") or "")
     )
     usage = obj.get("usage") or {}
+    details = usage.get("completion_tokens_details") or {}
+    accepted = details.get("accepted_prediction_tokens")
+    rejected = details.get("rejected_prediction_tokens")
     return StreamChunk(
         bool(choices),
         text,
         choice.get("finish_reason"),
         usage.get("prompt_tokens"),
         usage.get("completion_tokens"),
+        accepted,
+        None if accepted is None or rejected is None else accepted + rejected,
     )
 
 
@@ -223,6 +234,9 @@ def _observe(record: RequestRecord, progress: _Progress, chunk: StreamChunk, now
             record.finish_reason = chunk.finish_reason
     if chunk.prompt_tokens is not None:
         record.num_prompt_tokens = chunk.prompt_tokens
+    if chunk.draft_tokens is not None:
+        record.num_draft_tokens = chunk.draft_tokens
+        record.num_accepted_tokens = chunk.accepted_tokens
     if chunk.completion_tokens is not None:
         progress.num_reported = chunk.completion_tokens
 

@@ -10,7 +10,12 @@ Each generation request streams (chat shown; /v1/completions streams "text" inst
 
     wait ttft_s, then num_chunks messages itl_s apart, each with text "tok " * tokens_per_chunk
     a finish message (finish_reason "length", empty text), a usage message (choices [],
-    usage.completion_tokens = num_chunks * tokens_per_chunk), then data: [DONE]
+    usage.completion_tokens = num_chunks * tokens_per_chunk, 5 accepted and 3 rejected
+    prediction tokens), then data: [DONE]
+
+That is the shape the Shepherd Model Gateway 1.13 streams (checked against `smg launch`
+with a stand-in vLLM engine worker): a first chat message with the role and empty
+content, one message per worker chunk, the finish message, the usage message.
 
 Failures: "429" / "500" (a JSON error answer), "drop" (the connection closes after two
 messages), "error_event" (a `data: {"error": ...}` message after one message, then
@@ -28,6 +33,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 MODEL = "fake-model"
 PROMPT_TOKENS = 7
+ACCEPTED_TOKENS, REJECTED_TOKENS = 5, 3
 
 
 class FakeOpenAI:
@@ -135,8 +141,14 @@ def _handler(fake: FakeOpenAI) -> type[BaseHTTPRequestHandler]:
             self._event(_choice(chat, "", "length"))
             if fake.usage:
                 prompt = PROMPT_TOKENS
+                # The gateway's shape (smg 1.13): speculation in completion_tokens_details.
+                details = {
+                    "accepted_prediction_tokens": ACCEPTED_TOKENS,
+                    "rejected_prediction_tokens": REJECTED_TOKENS,
+                }
                 usage = {"prompt_tokens": prompt, "completion_tokens": fake.output_tokens,
-                         "total_tokens": prompt + fake.output_tokens}  # fmt: skip
+                         "total_tokens": prompt + fake.output_tokens,
+                         "completion_tokens_details": details}  # fmt: skip
                 self._event({"choices": [], "usage": usage})
             self._chunk(b"data: [DONE]\n\n")
             self._chunk(b"")

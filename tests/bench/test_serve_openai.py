@@ -24,7 +24,13 @@ from engine.benchmarks.serve_openai import (
 from engine.benchmarks.serve_runner import LoadGenerator, LoadShape
 from engine.benchmarks.serve_stats import summarize
 from engine.cli import main
-from tests.bench.fake_openai import MODEL, PROMPT_TOKENS, FakeOpenAI
+from tests.bench.fake_openai import (
+    ACCEPTED_TOKENS,
+    MODEL,
+    PROMPT_TOKENS,
+    REJECTED_TOKENS,
+    FakeOpenAI,
+)
 
 
 def text_workload(seed: int = 0):
@@ -59,10 +65,12 @@ def test_measured_ttft_itl_tpot_and_usage_match_the_stream():
         assert len(r.itls) == 3 and min(r.itls) >= 0 and statistics.fmean(r.itls) >= 0.8 * itl_s
         assert max(r.itls) < itl_s + 0.5
         assert r.tpot == pytest.approx((r.e2e - r.ttft) / 11)
+        assert (r.num_accepted_tokens, r.num_draft_tokens) == (5, 8)
     s = summarize(records, duration, {"ttft": 5000})
     assert s["num_completed"] == 6 and s["num_output_tokens"] == 72
     assert s["output_throughput"] == pytest.approx(72 / duration)
     assert s["goodput"] == pytest.approx(6 / duration)
+    assert s["acceptance_rate"] == ACCEPTED_TOKENS / (ACCEPTED_TOKENS + REJECTED_TOKENS)
     path, body, _ = server.requests[0]
     assert path == "/v1/chat/completions"
     assert body["model"] == MODEL and body["stream"] is True and body["ignore_eos"] is True
@@ -213,10 +221,15 @@ def test_sse_decoder_joins_data_lines_and_skips_comments():
 
 def test_parse_chunk_reads_chat_completions_and_errors():
     chat = parse_chunk('{"choices":[{"delta":{"content":"hi"},"finish_reason":null}]}')
-    assert chat == (True, "hi", None, None, None)
+    assert chat == (True, "hi", None, None, None, None, None)
     done = parse_chunk('{"choices":[{"text":"","finish_reason":"stop"}],"usage":'
                        '{"prompt_tokens":5,"completion_tokens":9}}')  # fmt: skip
-    assert done == (True, "", "stop", 5, 9)
+    assert done == (True, "", "stop", 5, 9, None, None)
+    spec = parse_chunk(
+        '{"choices":[],"usage":{"completion_tokens":9,"completion_tokens_details":'
+        '{"accepted_prediction_tokens":5,"rejected_prediction_tokens":3}}}'
+    )
+    assert (spec.accepted_tokens, spec.draft_tokens) == (5, 8)
     assert parse_chunk('{"choices":[],"usage":{"completion_tokens":9}}').has_choice is False
     for bad in ('{"error": {"message": "x"}}', "not json", "[1]"):
         with pytest.raises(StreamError):
