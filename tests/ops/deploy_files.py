@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import re
 import shutil
 import subprocess
@@ -53,3 +55,22 @@ def expand(args: list[str], env: dict[str, str]) -> list[str]:
 
 def load_yaml(path: Path) -> dict:
     return yaml.safe_load(path.read_text())
+
+
+def smg_pin() -> str:
+    """The smg version pyproject.toml's test extra pins (deploy/ must run the same one)."""
+    match = re.search(r'"smg==([0-9][^"]*)"', (REPO_ROOT / "pyproject.toml").read_text())
+    assert match, "pyproject.toml pins no smg==VERSION"
+    return match.group(1)
+
+
+def parse_smg(args: list[str]):
+    """Parse as `smg launch ARGS` does (its own parser, nothing started); a rejected flag
+    fails with argparse's reason."""
+    launch_router = pytest.importorskip("smg.launch_router", reason="smg not installed")
+    stderr = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(stderr):
+            return launch_router.parse_router_args(args)
+    except SystemExit:
+        pytest.fail(f"`smg launch` rejects {args}: {stderr.getvalue().strip()[-300:]}")

@@ -11,10 +11,11 @@ from dockerfile_parse import DockerfileParser
 
 from engine.metrics import EngineMetrics
 from engine.server.health import SERVICE_NAME
-from tests.ops.deploy_files import DEPLOY, REPO_ROOT, load_yaml
+from tests.ops.deploy_files import DEPLOY, REPO_ROOT, load_yaml, parse_smg, smg_pin
 from tests.ops.test_manifests import parse_serve, serve_defaults
 
 DOCKERFILES = ["Dockerfile.cpu", "Dockerfile.cuda"]
+GATEWAY = "Dockerfile.gateway"
 DASHBOARD = DEPLOY / "grafana" / "specserve.json"
 _METRIC = re.compile(r"\bspecserve_[a-z0-9_]+")
 _SUFFIXES = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count"),
@@ -96,20 +97,72 @@ def test_healthcheck_defaults_match_the_server() -> None:
     assert f"default={serve_defaults().port}" in text
 
 
-def test_compose_wires_specserve_prometheus_grafana() -> None:
+def compose_workers(services: dict) -> list[str]:
+    """The services that run specserve (built from Dockerfile.cpu)."""
+    cpu = "deploy/docker/Dockerfile.cpu"
+    return [n for n, svc in services.items() if svc.get("build", {}).get("dockerfile") == cpu]
+
+
+def test_compose_wires_workers_gateway_prometheus_grafana() -> None:
     compose = load_yaml(DEPLOY / "docker-compose.yml")
     services = compose["services"]
-    assert {"specserve", "prometheus", "grafana"} <= services.keys()
+    assert {"specserve", "specserve-2", "gateway", "prometheus", "grafana"} <= services.keys()
+    workers = compose_workers(services)
+    assert workers == ["specserve", "specserve-2"]
     args = parse_serve(services["specserve"]["command"])
     assert f"{args.metrics_port}:{args.metrics_port}" in services["specserve"]["ports"]
     assert (REPO_ROOT / services["specserve"]["build"]["dockerfile"]).exists()
+    for name in workers:
+        assert parse_serve(services[name]["command"]) == args, name
     for service in services.values():
         for volume in service.get("volumes", []):
             source = volume.split(":")[0]
             assert (DEPLOY / source).exists(), source
     prometheus = load_yaml(DEPLOY / "prometheus" / "prometheus.yml")
-    (job,) = prometheus["scrape_configs"]
-    assert job["static_configs"][0]["targets"] == [f"specserve:{args.metrics_port}"]
+    jobs = {job["job_name"]: job for job in prometheus["scrape_configs"]}
+    assert jobs.keys() == {"specserve", "gateway"}
+    (targets,) = (c["targets"] for c in jobs["specserve"]["static_configs"])
+    assert targets == [f"{name}:{args.metrics_port}" for name in workers]
+    gateway = parse_smg(services["gateway"]["command"])
+    assert jobs["gateway"]["static_configs"][0]["targets"] == [f"gateway:{gateway.prometheus_port}"]
+    assert jobs["gateway"]["metrics_path"] == "/metrics"
+
+
+def test_compose_gateway_routes_to_every_worker() -> None:
+    services = load_yaml(DEPLOY / "docker-compose.yml")["services"]
+    gateway, workers = services["gateway"], compose_workers(services)
+    args = parse_smg(gateway["command"])
+    worker_port = parse_serve(services["specserve"]["command"]).port
+    assert args.worker_urls == [f"grpc://{name}:{worker_port}" for name in workers]
+    assert (args.backend, args.policy) == ("vllm", "cache_aware")
+    assert f"{args.port}:{args.port}" in gateway["ports"]
+    assert f"{args.prometheus_port}:{args.prometheus_port}" in gateway["ports"]
+    assert gateway["depends_on"] == {name: {"condition": "service_healthy"} for name in workers}
+    assert gateway["read_only"] is True and gateway["tmpfs"] == ["/tmp"]
+    build = DEPLOY / gateway["build"]["context"]
+    assert (build / gateway["build"]["dockerfile"]).samefile(DEPLOY / "docker" / GATEWAY)
+    assert gateway["image"] == f"specserve-gateway:{smg_pin()}"
+
+
+def test_gateway_dockerfile() -> None:
+    """python:3.11-slim with the pinned smg wheel, non-root, `smg launch` with real flags,
+    the ports it exposes are the ones it binds, and the health check asks /readiness on
+    the probe listener."""
+    structure = instructions(GATEWAY)
+    assert [i["value"] for i in structure if i["instruction"] == "FROM"] == ["python:3.11-slim"]
+    build_args = dict(i["value"].split("=", 1) for i in structure if i["instruction"] == "ARG")
+    assert build_args["SMG_VERSION"] == smg_pin()
+    runs = " ".join(i["value"] for i in structure if i["instruction"] == "RUN")
+    assert '"smg==${SMG_VERSION}"' in runs
+    user = last(structure, "USER").split(":")[0]
+    assert user not in ("root", "0") and user
+    assert json.loads(last(structure, "ENTRYPOINT")) == ["smg", "launch"]
+    args = parse_smg(json.loads(last(structure, "CMD")))
+    assert (args.host, args.backend) == ("0.0.0.0", "vllm")
+    ports = last(structure, "EXPOSE").split()
+    assert ports == [str(args.port), str(args.health_check_port), str(args.prometheus_port)]
+    healthcheck = last(structure, "HEALTHCHECK")
+    assert f"http://127.0.0.1:{args.health_check_port}/readiness" in healthcheck
 
 
 def dashboard_queries() -> list[str]:

@@ -54,6 +54,12 @@ def container_args(resources: list[dict]) -> list[str]:
     return expand(container(resources)["args"], config_map["data"])
 
 
+def has_gateway(resources: list[dict]) -> bool:
+    """The overlay adds components/gateway (overlays/cpu-gateway)."""
+    return any(r["kind"] == "Deployment" and r["metadata"]["name"] == "specserve-gateway"
+               for r in resources)  # fmt: skip
+
+
 def test_validate_manifests_script() -> None:
     tool("kubectl"), tool("kubernetes-validate")
     result = subprocess.run(
@@ -65,13 +71,16 @@ def test_validate_manifests_script() -> None:
 
 
 def test_overlays_exist() -> None:
-    assert {"cpu", "gpu"} <= set(OVERLAYS)
+    assert {"cpu", "gpu", "cpu-gateway"} <= set(OVERLAYS)
 
 
 def test_args_are_real_serve_flags(overlay) -> None:
     _, resources = overlay
     args = parse_serve(container_args(resources))
-    assert args.api_key_file.startswith("/var/run/secrets/specserve/")
+    if has_gateway(resources):  # smg sends no key: a NetworkPolicy guards the workers
+        assert args.api_key_file is None and args.api_key is None
+    else:
+        assert args.api_key_file.startswith("/var/run/secrets/specserve/")
 
 
 def test_ports_match_the_server_defaults(overlay) -> None:
@@ -80,7 +89,14 @@ def test_ports_match_the_server_defaults(overlay) -> None:
     assert (args.port, args.metrics_port) == (defaults.port, defaults.metrics_port)
     ports = {p["name"]: p["containerPort"] for p in container(resources)["ports"]}
     assert ports == {"grpc": defaults.port, "metrics": defaults.metrics_port}
-    for service in (r for r in resources if r["kind"] == "Service"):
+    workers = [
+        r
+        for r in resources
+        if r["kind"] == "Service"
+        and r["spec"]["selector"].get("app.kubernetes.io/component") == "server"
+    ]
+    assert {s["metadata"]["name"] for s in workers} == {"specserve", "specserve-headless"}
+    for service in workers:
         for port in service["spec"]["ports"]:
             assert port["targetPort"] in ports and port["port"] == ports[port["targetPort"]]
             if port["name"] == "grpc":
@@ -99,7 +115,7 @@ def test_probes_use_the_grpc_health_service(overlay) -> None:
 
 def test_termination_outlasts_the_drain(overlay) -> None:
     _, resources = overlay
-    pod = one(resources, "Deployment")["spec"]["template"]["spec"]
+    pod = one(resources, "Deployment", "specserve")["spec"]["template"]["spec"]
     args = parse_serve(container_args(resources))
     pre_stop_s = container(resources)["lifecycle"]["preStop"]["sleep"]["seconds"]
     assert pod["terminationGracePeriodSeconds"] > pre_stop_s + args.shutdown_grace + 5
@@ -107,7 +123,7 @@ def test_termination_outlasts_the_drain(overlay) -> None:
 
 def test_pod_hardening_and_volumes(overlay) -> None:
     name, resources = overlay
-    pod = one(resources, "Deployment")["spec"]["template"]["spec"]
+    pod = one(resources, "Deployment", "specserve")["spec"]["template"]["spec"]
     c = container(resources)
     assert pod["securityContext"]["runAsNonRoot"] is True
     assert pod["securityContext"]["runAsUser"] != 0
@@ -129,8 +145,8 @@ def test_services_hpa_pdb_servicemonitor(overlay) -> None:
     hpa = one(resources, "HorizontalPodAutoscaler")
     assert hpa["apiVersion"] == "autoscaling/v2"
     assert hpa["spec"]["scaleTargetRef"]["name"] == "specserve"
-    assert one(resources, "PodDisruptionBudget")["apiVersion"] == "policy/v1"
-    monitor = one(resources, "ServiceMonitor")
+    assert one(resources, "PodDisruptionBudget", "specserve")["apiVersion"] == "policy/v1"
+    monitor = one(resources, "ServiceMonitor", "specserve")
     assert monitor["apiVersion"] == "monitoring.coreos.com/v1"
     (endpoint,) = monitor["spec"]["endpoints"]
     assert endpoint["port"] == "metrics" and endpoint["path"] == "/metrics"
