@@ -25,7 +25,7 @@ import json
 import sys
 from pathlib import Path
 
-from engine.benchmarks import serve_openai, serve_report
+from engine.benchmarks import serve_openai, serve_openai_setup, serve_report
 from engine.benchmarks.serve_runner import GrpcTransport, LoadShape, RequestOptions, make_clients
 from engine.benchmarks.serve_stats import parse_slo
 from engine.benchmarks.serve_sweep import Bench, build_workload
@@ -238,7 +238,7 @@ async def _wait_ready(client, target: str, timeout_s: float) -> None:
 
 async def _bench(args: argparse.Namespace) -> dict:
     slo = parse_slo(args.slo)
-    connect = serve_openai.connect if args.backend == "openai" else _connect_grpc
+    connect = serve_openai_setup.connect if args.backend == "openai" else _connect_grpc
     async with connect(args, _api_key(args)) as (transport, workload, server):
         bench = Bench(transport, workload, slo, args.slo_attainment, progress=not args.no_progress)
         await bench.warmup(args.warmup, args.concurrency or args.max_concurrency or 1)

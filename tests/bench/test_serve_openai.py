@@ -14,13 +14,13 @@ import pytest
 from engine.benchmarks import serve_workload as wl
 from engine.benchmarks.serve_http import HttpClient, SseDecoder, parse_base_url
 from engine.benchmarks.serve_openai import (
-    LocalTokenizer,
     OpenAIOptions,
     OpenAITransport,
     StreamError,
     _split,
     parse_chunk,
 )
+from engine.benchmarks.serve_openai_setup import LocalTokenizer
 from engine.benchmarks.serve_runner import LoadGenerator, LoadShape
 from engine.benchmarks.serve_stats import summarize
 from engine.cli import main
