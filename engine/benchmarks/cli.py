@@ -23,7 +23,10 @@ BENCHMARKS = {
         "draft acceptance of seeded (coupled) vs unseeded (rejection-sampled) requests",
     ),
     "blocks": ("block_manager.bench", "block manager operations per second"),
-    "serve": ("engine.benchmarks.serve", "load-test a running server over gRPC"),
+    "serve": (
+        "engine.benchmarks.serve",
+        "load-test a running server over gRPC, or an OpenAI API (the gateway) over HTTP",
+    ),
 }
 
 
