@@ -221,6 +221,9 @@ class HttpClient:
                 # The server closed this idle connection (its keep-alive timeout) before
                 # reading the request: nothing was processed, try a fresh connection.
                 conn.close()
+            except BaseException:  # cancelled (a timeout) while waiting for the answer
+                conn.close()
+                raise
         conn = await self._connect()
         try:
             return conn, await _exchange(conn, payload)

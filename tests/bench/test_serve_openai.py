@@ -8,6 +8,7 @@ import json
 import socket
 import statistics
 import time
+import warnings
 
 import pytest
 
@@ -149,6 +150,38 @@ def test_a_reused_connection_the_server_closed_is_retried_on_a_new_one():
 
     answers, connections = asyncio.run(go())
     assert answers == [(200, {})] * 3 and connections == 3
+
+
+def test_a_request_cancelled_on_a_reused_connection_closes_it():
+    """A timeout while a reused connection waits for its answer must close it, or the
+    server would keep working for a client that has gone."""
+
+    async def go():
+        closed = asyncio.Event()
+
+        async def handle(reader, writer):
+            await reader.readuntil(b"\r\n\r\n")
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n{}")
+            await reader.readuntil(b"\r\n\r\n")  # the second request: no answer
+            await reader.read()  # until the client closes
+            closed.set()
+
+        server = await asyncio.start_server(handle, "127.0.0.1", 0)
+        client = HttpClient(f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}")
+        try:
+            assert await client.get_json("/v1/models") == (200, {})
+            with pytest.raises(asyncio.TimeoutError):
+                await asyncio.wait_for(client.get_json("/v1/models"), 0.2)
+            await asyncio.wait_for(closed.wait(), 10)
+        finally:
+            await client.close()
+            server.close()
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        asyncio.run(go())
+    # Closed by the client, not left to the garbage collector ("unclosed transport").
+    assert not [w for w in caught if issubclass(w.category, ResourceWarning)]
 
 
 def test_cli_waits_for_a_model_then_runs_closed_open_and_sweep(tmp_path, capsys):
