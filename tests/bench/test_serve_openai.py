@@ -240,7 +240,7 @@ def test_flag_and_connection_errors_are_one_line(capsys):
                 "--tokenizer", "/nonexistent/tok", "--no-progress"]  # fmt: skip
         assert main(argv) == 2
         assert "need --tokenizer DIR_OR_HUB_ID" in capsys.readouterr().err
-        assert main([*argv[:5], "--model-name", "other", "--dataset", "chat"]) == 2
+        assert main([*argv[:6], "--model-name", "other", "--dataset", "chat"]) == 2
         err = capsys.readouterr().err
         assert f"--model-name 'other' is not served by {server.url}; it serves ['{MODEL}']" in err
 
