@@ -15,17 +15,22 @@ So every row is adjusted exactly as plain decoding adjusts that position once th
 before it are accepted, which keeps verification lossless (and seeded coupling exact)
 with these features. The order of operations is vLLM's: logit bias, the min_tokens mask,
 the repetition penalty (prompt and output tokens), then frequency and presence
-penalties (output tokens only). A row whose request does not use a feature is left
-bit-for-bit alone by it, so a row's result never depends on its batch.
+penalties (output tokens only). A logit no feature of its row touches is left
+bit-for-bit alone, so a row's result never depends on its batch.
 
+Everything is sparse: each feature is a list of flat indices ``row * vocab_size +
+token`` into the logits (the tokens a row has seen, counted on the host, spread over
+the request's rows on the device), so the work grows with the tokens a request has
+seen, not with the vocabulary, and no dense [rows, vocab_size] count is ever built.
 Nothing is built when no row uses any of it: the common batch pays one attribute check
 per request.
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
-from itertools import accumulate, chain
+from itertools import accumulate
 
 import torch
 
@@ -34,24 +39,15 @@ from scheduler.request import Request
 
 
 @dataclass(slots=True)
-class _Penalties:
-    """Dense per-row state of the requests with penalties, [m, vocab_size] each."""
-
-    counts: torch.Tensor  # float32: times each token was generated before the row
-    seen: torch.Tensor | None  # bool: in the prompt or generated before the row
-    frequency: torch.Tensor  # [m, 1]
-    presence: torch.Tensor  # [m, 1]
-    repetition: torch.Tensor | None  # [m, 1]; None when every row uses 1.0
-
-
-@dataclass(slots=True)
 class LogitsAdjustment:
-    """The adjustments of one batch of logits rows; ``apply`` returns adjusted logits."""
+    """The adjustments of one batch of logits rows; ``apply`` returns adjusted logits.
+    Every index is a flat ``row * vocab_size + token``, unique within its field."""
 
-    rows: torch.Tensor  # [m] int64: the logits rows of requests that use any feature
-    bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None  # (row, token, value)
-    masked: tuple[torch.Tensor, torch.Tensor] | None  # (row, token) held back by min_tokens
-    penalties: _Penalties | None
+    bias: tuple[torch.Tensor, torch.Tensor] | None  # (index [b], value [b])
+    masked: torch.Tensor | None  # index [c]: EOS / stop token ids before min_tokens
+    seen: tuple[torch.Tensor, torch.Tensor] | None  # (index [s], repetition penalty [s])
+    # (index [g], times generated [g], frequency penalty [g], presence penalty [g])
+    generated: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None
 
     @classmethod
     def build(
@@ -70,27 +66,36 @@ class LogitsAdjustment:
         if not picked:
             return None
         starts = [0, *accumulate(num_rows)]
-        spans = [_Span(requests[i], params[i], drafts[i], num_rows[i], starts[i]) for i in picked]
-        row_ids = [span.start + j for span in spans for j in range(span.num_rows)]
+        spans = [
+            _Span(requests[i], params[i], drafts[i], num_rows[i], starts[i], vocab_size, device)
+            for i in picked
+        ]
         return cls(
-            rows=torch.tensor(row_ids, dtype=torch.long, device=device),
-            bias=_bias(spans, device),
-            masked=_min_tokens_mask(spans, vocab_size, device),
-            penalties=_penalties(spans, len(row_ids), vocab_size, device),
+            bias=_bias(spans),
+            masked=_min_tokens_mask(spans),
+            seen=_seen(spans),
+            generated=_generated(spans),
         )
 
-    def apply(self, logits: torch.Tensor) -> torch.Tensor:
-        """logits: [n, vocab_size] float32 (left untouched: logprobs stay the raw
-        model's). Returns a new [n, vocab_size] tensor with the rows adjusted."""
-        sub = logits[self.rows]  # [m, vocab_size], a copy
+    @torch.inference_mode()  # the runner's logits are inference tensors
+    def apply(self, logits: torch.Tensor, in_place: bool = False) -> torch.Tensor:
+        """logits: [n, vocab_size] float32. Returns them adjusted: a new tensor (the
+        raw logits stay for logprobs), or ``in_place`` the same one when contiguous."""
+        out = logits if in_place and logits.is_contiguous() else logits.contiguous().clone()
+        flat = out.view(-1)
         if self.bias is not None:
-            row, token, value = self.bias
-            sub.index_put_((row, token), value, accumulate=True)
+            index, value = self.bias
+            flat[index] += value
         if self.masked is not None:
-            sub[self.masked] = float("-inf")
-        if self.penalties is not None:
-            sub = _apply_penalties(sub, self.penalties)
-        return logits.index_copy(0, self.rows, sub)
+            flat[self.masked] = float("-inf")
+        if self.seen is not None:
+            index, repetition = self.seen
+            x = flat[index]
+            flat[index] = torch.where(x > 0, x / repetition, x * repetition)
+        if self.generated is not None:
+            index, count, frequency, presence = self.generated
+            flat[index] = flat[index] - frequency * count - presence
+        return out
 
 
 @dataclass(slots=True)
@@ -102,6 +107,8 @@ class _Span:
     drafts: list[int]
     num_rows: int
     start: int  # its first row in the logits
+    vocab_size: int
+    device: torch.device
 
     @property
     def first(self) -> int:
@@ -112,99 +119,100 @@ class _Span:
         """The index among the request's output tokens of the token row j samples."""
         return self.request.num_output_tokens + self.first + j
 
+    def in_every_row(self, token_ids: list[int]) -> torch.Tensor:
+        """Flat indices of ``token_ids`` in each of the span's rows, row after row."""
+        tokens = torch.tensor(token_ids, dtype=torch.long, device=self.device)
+        rows = torch.arange(self.start, self.start + self.num_rows, device=self.device)
+        return (rows.unsqueeze(1) * self.vocab_size + tokens.unsqueeze(0)).flatten()
 
-def _bias(spans: list[_Span], device: torch.device):
-    rows, tokens, values, local = [], [], [], 0
-    for span in spans:
-        bias = span.params.logit_bias
-        for j in range(span.num_rows):
-            rows += [local + j] * len(bias)
-            tokens += bias.keys()
-            values += bias.values()
-        local += span.num_rows
-    if not rows:
+    def seen(self) -> torch.Tensor:
+        """Flat indices of the tokens in the prompt or generated before each row."""
+        request = self.request
+        base = set(request.all_token_ids)  # prompt and output
+        index = [self.in_every_row(list(base))]
+        extra = [
+            (self.start + j) * self.vocab_size + token
+            for j in range(self.num_rows)
+            for token in set(self.drafts[: self.first + j]) - base
+        ]
+        return torch.cat([*index, _index(extra, self.device)])
+
+    def generated(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Flat indices of the tokens generated before each row, and how many times:
+        the output's counts in every row, plus row j's preceding drafts."""
+        request = self.request
+        base = Counter(request.all_token_ids[request.num_prompt_tokens :])
+        tokens = list(base)
+        position = {token: i for i, token in enumerate(tokens)}
+        index = self.in_every_row(tokens)  # [num_rows * len(tokens)]
+        count = torch.tensor(list(base.values()), dtype=torch.float32).repeat(self.num_rows)
+        more_at, more, extra_index, extra_count = [], [], [], []
+        drafted: Counter[int] = Counter(self.drafts[: self.first])
+        for j in range(self.num_rows):
+            if j:
+                drafted[self.drafts[self.first + j - 1]] += 1
+            for token, num in drafted.items():
+                if token in position:  # generated before too: one count for both
+                    more_at.append(j * len(tokens) + position[token])
+                    more.append(num)
+                else:
+                    extra_index.append((self.start + j) * self.vocab_size + token)
+                    extra_count.append(num)
+        count.index_add_(0, _index(more_at, "cpu"), torch.tensor(more, dtype=torch.float32))
+        count = torch.cat([count, torch.tensor(extra_count, dtype=torch.float32)])
+        return torch.cat([index, _index(extra_index, self.device)]), count.to(self.device)
+
+    def full(self, like: torch.Tensor, value: float) -> torch.Tensor:
+        return torch.full(like.shape, value, dtype=torch.float32, device=self.device)
+
+
+def _index(values: list[int], device: torch.device | str) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.long, device=device)
+
+
+def _bias(spans: list[_Span]):
+    biased = [span for span in spans if span.params.logit_bias]
+    if not biased:
         return None
-    return (
-        torch.tensor(rows, dtype=torch.long, device=device),
-        torch.tensor(tokens, dtype=torch.long, device=device),
-        torch.tensor(values, dtype=torch.float32, device=device),
-    )
+    index = torch.cat([span.in_every_row(list(span.params.logit_bias)) for span in biased])
+    values = [list(span.params.logit_bias.values()) * span.num_rows for span in biased]
+    flat = [v for row in values for v in row]
+    return index, torch.tensor(flat, dtype=torch.float32, device=index.device)
 
 
-def _min_tokens_mask(spans: list[_Span], vocab_size: int, device: torch.device):
-    """(row, token) of EOS and stop token ids in rows that sample an output token
-    before ``min_tokens`` (the request's stop_token_ids already hold EOS unless
-    ignore_eos)."""
-    rows, tokens, local = [], [], 0
+def _min_tokens_mask(spans: list[_Span]) -> torch.Tensor | None:
+    """EOS and stop token ids in rows that sample one of the first ``min_tokens``
+    output tokens (the request's stop_token_ids hold EOS unless ignore_eos)."""
+    index = []
     for span in spans:
+        vocab_size = span.vocab_size
         stop_ids = [t for t in span.request.stop_token_ids if t < vocab_size]
         for j in range(span.num_rows):
             if span.output_index(j) < span.params.min_tokens:
-                rows += [local + j] * len(stop_ids)
-                tokens += stop_ids
-        local += span.num_rows
-    if not rows:
+                index += [(span.start + j) * vocab_size + t for t in stop_ids]
+    return _index(index, spans[0].device) if index else None
+
+
+def _seen(spans: list[_Span]):
+    """Repetition penalty: every token in the prompt or generated before the row."""
+    chosen = [span for span in spans if span.params.repetition_penalty != 1.0]
+    if not chosen:
         return None
-    return (
-        torch.tensor(rows, dtype=torch.long, device=device),
-        torch.tensor(tokens, dtype=torch.long, device=device),
-    )
+    index = [span.seen() for span in chosen]
+    values = [span.full(i, span.params.repetition_penalty) for span, i in zip(chosen, index)]
+    return torch.cat(index), torch.cat(values)
 
 
-def _penalties(
-    spans: list[_Span], num_rows: int, vocab_size: int, device: torch.device
-) -> _Penalties | None:
-    if not any(span.params.has_penalties for span in spans):
+def _generated(spans: list[_Span]):
+    """Frequency and presence penalties: each token generated before the row, counted."""
+    chosen = [s for s in spans if s.params.frequency_penalty or s.params.presence_penalty]
+    if not chosen:
         return None
-    # Request k's output counts, then one copy per row plus the drafts before the row.
-    outputs = [span.request.all_token_ids[span.request.num_prompt_tokens :] for span in spans]
-    per_request = _scatter_counts(outputs, len(spans), vocab_size, device)
-    row_owner = [k for k, span in enumerate(spans) for _ in range(span.num_rows)]
-    counts = per_request[torch.tensor(row_owner, dtype=torch.long, device=device)]
-    before = [span.drafts[: span.first + j] for span in spans for j in range(span.num_rows)]
-    counts += _scatter_counts(before, num_rows, vocab_size, device)
-    repetition = [span.params.repetition_penalty for span in spans]
-    seen = None
-    if any(r != 1.0 for r in repetition):
-        prompts = [span.request.prompt_token_ids for span in spans]
-        in_prompt = _scatter_counts(prompts, len(spans), vocab_size, device) > 0
-        seen = in_prompt[torch.tensor(row_owner, dtype=torch.long, device=device)] | (counts > 0)
-
-    def column(name: str) -> torch.Tensor:
-        values = [getattr(span.params, name) for span in spans for _ in range(span.num_rows)]
-        return torch.tensor(values, dtype=torch.float32, device=device).unsqueeze(1)
-
-    return _Penalties(
-        counts=counts,
-        seen=seen,
-        frequency=column("frequency_penalty"),
-        presence=column("presence_penalty"),
-        repetition=column("repetition_penalty") if seen is not None else None,
-    )
-
-
-def _scatter_counts(
-    token_lists: list[list[int]], num_rows: int, vocab_size: int, device: torch.device
-) -> torch.Tensor:
-    """[num_rows, vocab_size] float32: row r counts the tokens of token_lists[r]."""
-    counts = torch.zeros((num_rows, vocab_size), dtype=torch.float32, device=device)
-    lengths = [len(tokens) for tokens in token_lists]
-    if not sum(lengths):
-        return counts
-    tokens = torch.tensor(list(chain.from_iterable(token_lists)), dtype=torch.long, device=device)
-    rows = torch.repeat_interleave(
-        torch.arange(num_rows, device=device), torch.tensor(lengths, device=device)
-    )
-    flat = rows * vocab_size + tokens
-    counts.view(-1).index_add_(0, flat, torch.ones_like(flat, dtype=torch.float32))
-    return counts
-
-
-def _apply_penalties(logits: torch.Tensor, p: _Penalties) -> torch.Tensor:
-    """logits: [m, vocab_size]. Neutral values (1.0, 0.0) leave a row exactly as it was:
-    x / 1, x * 1 and x - 0 are exact."""
-    if p.repetition is not None:
-        scale = torch.where(p.seen, p.repetition, torch.ones_like(p.repetition))
-        logits = torch.where(logits > 0, logits / scale, logits * scale)
-    logits = logits - p.frequency * p.counts
-    return logits - p.presence * (p.counts > 0).to(logits.dtype)
+    index, count, frequency, presence = [], [], [], []
+    for span in chosen:
+        i, c = span.generated()
+        index.append(i)
+        count.append(c)
+        frequency.append(span.full(i, span.params.frequency_penalty))
+        presence.append(span.full(i, span.params.presence_penalty))
+    return torch.cat(index), torch.cat(count), torch.cat(frequency), torch.cat(presence)

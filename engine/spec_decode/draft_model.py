@@ -145,7 +145,7 @@ class DraftModelProposer:
             logits.shape[-1],
             self.device,
         )
-        return logits if adjustment is None else adjustment.apply(logits)
+        return logits if adjustment is None else adjustment.apply(logits, in_place=True)
 
     def _draft_request(self, request) -> _DraftRequest:
         dreq = self._requests.get(request.request_id)

@@ -53,7 +53,7 @@ class Verifier:
         items = [s for s in sched.scheduled if s.needs_sample]
         if not items:
             return ModelRunnerOutput(sampled_token_ids={})
-        adjusted = self._adjusted(logits, states, drafts)  # logprobs read the raw logits
+        adjusted = self._adjusted(logits, states, drafts)
         if all(st.params.is_greedy for st in states):
             out_tokens, num_accepted = _greedy_verify(adjusted, drafts)
         else:
@@ -67,7 +67,8 @@ class Verifier:
 
     def _adjusted(self, logits, states, drafts) -> torch.Tensor:
         """The logits under penalties, logit bias and min_tokens; row j of a request
-        counts the drafts before it. The logits themselves when nobody uses them."""
+        counts the drafts before it. The logits themselves when nobody uses them, and
+        adjusted in place when nobody asked for logprobs (which stay the raw model's)."""
         if not any(st.params.processes_logits for st in states):
             return logits
         adjustment = LogitsAdjustment.build(
@@ -78,7 +79,10 @@ class Verifier:
             logits.shape[-1],
             self.device,
         )
-        return logits if adjustment is None else adjustment.apply(logits)
+        if adjustment is None:
+            return logits
+        # The raw logits are read again only for logprobs.
+        return adjustment.apply(logits, in_place=all(st.params.logprobs is None for st in states))
 
     def _sample(self, logits, items, states, drafts, draft_probs):
         counts = [1 + len(d) for d in drafts]

@@ -4,6 +4,8 @@ verified under the penalties of the tokens before it."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -132,6 +134,33 @@ def test_a_penalized_seeded_request_is_the_same_alone_and_in_a_speculating_crowd
             make_engine(tiny_model_dir, seed=99), {0: [(rid, prompt, params)]}
         )
         assert crowd[rid] == alone[rid]["token_ids"], rid
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+def test_a_row_sees_the_drafts_before_it_as_repeated_tokens(
+    tiny_model_dir, tiny_draft_model_dir, method
+):
+    """Two biased tokens the prompt does not hold: the repetition penalty makes them
+    alternate until both are seen, so whether a row counts the drafts before it (not
+    only the output) decides what it samples. Both models see the same bias."""
+    params = SamplingParams(
+        max_tokens=12, temperature=0.0, ignore_eos=True, num_speculative_tokens=4,
+        repetition_penalty=1.3, logit_bias={67: 10.0, 68: 9.0},
+    )  # fmt: skip
+    prompt = [5, 9, 14, 3]
+    plain = _engine_greedy(
+        tiny_model_dir, prompt, dataclasses.replace(params, num_speculative_tokens=None)
+    )
+    expected = _hf_generate(
+        tiny_model_dir, prompt, 12, min_new_tokens=12, repetition_penalty=1.3,
+        sequence_bias=[[[67], 10.0], [[68], 9.0]],
+    )  # fmt: skip
+    assert plain == expected and plain[:3] == [67, 68, 67]
+    kwargs = {"draft_model": tiny_draft_model_dir} if method == "draft" else {}
+    engine = make_engine(tiny_model_dir, speculative_method=method, **kwargs)
+    result = run_to_completion(engine, {0: [("r", prompt, params)]})["r"]
+    assert result["token_ids"] == plain
+    assert result["metrics"].num_accepted_tokens > 0
 
 
 # ---- the plain engine against transformers ----------------------------------------------
