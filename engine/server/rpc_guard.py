@@ -27,6 +27,9 @@ from engine.server.lifecycle import Lifecycle
 logger = logging.getLogger(__name__)
 
 RETRY_AFTER_KEY = "retry-after-ms"
+# A client's own deadline timer usually fires a few ms before ours and cancels the call:
+# a cancellation this close to the deadline is the deadline.
+DEADLINE_SLACK_S = 0.1
 
 # (code, one-line details, the caller's request id or None) for every RPC that fails.
 ReportError = Callable[[grpc.StatusCode, str, str | None], None]
@@ -88,7 +91,7 @@ class RpcGuard:
 
     def _report_cancelled(self, context: grpc.aio.ServicerContext, request_id: str | None) -> None:
         remaining = context.time_remaining()
-        if remaining is not None and remaining <= 0:
+        if remaining is not None and remaining <= DEADLINE_SLACK_S:
             code, details = grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded"
         else:
             code, details = grpc.StatusCode.CANCELLED, "cancelled by the client"
