@@ -127,4 +127,8 @@ def _start_metrics_server(metrics, port: int) -> None:
         raise PortInUseError(port, "--metrics-port") from None
 
 
-command("serve", "serve the model over gRPC (specserve.v1.Generation)")((add_arguments, run))
+command(
+    "serve",
+    "serve the model over gRPC (specserve.v1.Generation, and vllm.grpc.engine.VllmEngine for "
+    "the smg gateway)",
+)((add_arguments, run))
