@@ -119,7 +119,7 @@ class SpecserveServer:
         self.lifecycle = Lifecycle()
         self.health = HealthReporter(engine)
         # The target pool's prefix-cache events, for VllmEngine.SubscribeKvEvents.
-        self.kv_events = KvEventHub(engine.config.block_size)
+        self.kv_events = KvEventHub()
         self._server: grpc.aio.Server | None = None
         self._tasks: list[asyncio.Task] = []
         self._stopped = asyncio.Event()

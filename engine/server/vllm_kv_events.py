@@ -56,11 +56,9 @@ class KvEventHub:
 
     def __init__(
         self,
-        block_size: int,
         max_history_batches: int = MAX_HISTORY_BATCHES,
         max_history_tokens: int = MAX_HISTORY_TOKENS,
     ) -> None:
-        self.block_size = block_size
         self.sequence_number = 0
         self._max_batches = max_history_batches
         self._max_tokens = max_history_tokens
@@ -213,7 +211,7 @@ class KvEventHub:
         return cpb.KvBlock(
             block_hash=block_hash_id(event.block_hash),
             token_ids=event.token_ids,
-            block_size=self.block_size,
+            block_size=len(event.token_ids),  # only full blocks are stored
         )
 
 

@@ -269,7 +269,7 @@ def _replay(batches) -> Mirror:
 
 
 def test_snapshot_lists_parents_first_in_chunks_numbered_up_to_now():
-    hub = KvEventHub(BS)
+    hub = KvEventHub()
     hub.publish([AllBlocksCleared()])
     # 3000 blocks in chains of 3 in one batch; then block 1 goes and is stored again,
     # after its own children.
@@ -324,7 +324,7 @@ class _BlockingContext:
 
 def test_a_lagging_subscriber_costs_bounded_memory_and_gets_the_state():
     async def scenario() -> None:
-        hub = KvEventHub(BS, max_history_batches=4)
+        hub = KvEventHub(max_history_batches=4)
         hub.attach(asyncio.get_running_loop())
         lifecycle = Lifecycle()
         servicer = VllmEngineServicer(_FakeEngine(), RpcGuard(lifecycle), hub)
