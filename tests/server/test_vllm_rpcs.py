@@ -125,6 +125,26 @@ def test_logprobs_and_stop_token(stub):
     assert len(stopped.output_logprobs.token_ids) == 0  # none asked for
 
 
+def test_logit_processing_fields_reach_the_engine(stub):
+    (biased,) = _completes(stub.Generate(_request(logit_bias={7: 100.0}, **GREEDY), timeout=60))
+    assert list(biased.output_ids) == [7] * 12
+    (plain,) = _completes(stub.Generate(_request(**GREEDY), timeout=60))
+    first = plain.output_ids[0]
+    (held,) = _completes(
+        stub.Generate(_request(min_tokens=3, stop_token_ids=[first], **GREEDY), timeout=60)
+    )
+    assert len(held.output_ids) >= 3  # the stop token is masked until 3 tokens are out
+    for truncate, expected in ((10, 10), (-1, len(PROMPT))):
+        (cut,) = _completes(
+            stub.Generate(_request(truncate_prompt_tokens=truncate, **GREEDY), timeout=60)
+        )
+        assert cut.prompt_tokens == expected
+    (penalized,) = _completes(
+        stub.Generate(_request(repetition_penalty=2.0, frequency_penalty=2.0, **GREEDY))
+    )
+    assert list(penalized.output_ids) != list(plain.output_ids)
+
+
 def _sampling(**fields):
     def mutate(request: vpb.GenerateRequest) -> None:
         request.sampling_params.MergeFrom(vpb.SamplingParams(**fields))
