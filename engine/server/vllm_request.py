@@ -36,6 +36,7 @@ from engine.server.validation import (
     InvalidArgument,
     ModelLimits,
     check_text_length,
+    check_tokenize_length,
 )
 
 # The most samples one request may ask for (each is a request of its own to the engine).
@@ -169,8 +170,9 @@ def _input(
     if kind == "text":
         if not request.text:
             raise InvalidArgument("text must be a non-empty string")
-        if not truncating:
-            check_text_length("text", len(request.text), limits)
+        # Truncation keeps the last tokens of a text that may be longer than the context.
+        check = check_tokenize_length if truncating else check_text_length
+        check("text", len(request.text), limits)
         return None, request.text
     raise InvalidArgument("input must be set: one of tokenized, text")
 

@@ -226,7 +226,7 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
             batches = hub.snapshot() if start == 0 else hub.resume(start)
         except CursorOutOfRange as exc:
             raise RpcError(grpc.StatusCode.OUT_OF_RANGE, str(exc)) from None
-        cursor = hub.sequence_number if start == 0 else max(start, hub.sequence_number)
+        cursor = hub.sequence_number  # what the batches above reach (no await between)
         for batch in batches:
             await context.write(records.stamp(batch))
         while not self._lifecycle.draining:
