@@ -208,7 +208,7 @@ class AsyncEngine:
         submitted = False
         try:
             if isinstance(prompt, str) or messages is not None:
-                prompt = await self._encode(prompt, messages)
+                prompt = await self._encode(prompt, messages, params.truncate_prompt_tokens)
                 messages = None
             self._commands.put(_AddCommand(stream, prompt, messages, params, priority))
             submitted = True
@@ -290,13 +290,20 @@ class AsyncEngine:
             self._streams[stream.key] = stream
         return stream
 
-    async def _encode(self, prompt: str | None, messages: list[dict[str, str]] | None) -> list[int]:
+    async def _encode(
+        self,
+        prompt: str | None,
+        messages: list[dict[str, str]] | None,
+        truncate_prompt_tokens: int | None,
+    ) -> list[int]:
         """Token ids for generate(); a prompt too long for the context is refused here,
-        often from a prefix, rather than on the engine thread."""
+        often from a prefix, rather than on the engine thread. A prompt the request asks
+        to truncate is encoded whole (the server's character cap bounds that work); the
+        engine keeps its last tokens and checks the length after."""
         if self._encoder is None:
             raise EngineShutdownError("engine is still loading the model")
         max_model_len = int(self.model_info.get("max_model_len") or 0)
-        max_tokens = max_model_len - 1 if max_model_len else None
+        max_tokens = max_model_len - 1 if max_model_len and not truncate_prompt_tokens else None
         return await self._encoder.encode(prompt, messages, max_tokens)
 
     # ---- loop thread -------------------------------------------------------------

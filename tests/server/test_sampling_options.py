@@ -85,6 +85,15 @@ def test_truncate_prompt_tokens_keeps_the_last_tokens(spec_client, model_dir):
     assert text.token_ids == _plain(
         model_dir, spec_client.tokenize("Hello there, world")[-4:], **kw
     )
+    # A text prompt longer than the context is encoded whole, then truncated.
+    long_text = "abcdefgh " * (max_model_len // 8)
+    assert len(spec_client.tokenize(long_text)) >= max_model_len
+    with pytest.raises(grpc.RpcError) as info:
+        spec_client.generate_complete(long_text, max_tokens=2)
+    assert "the context window allows at most" in info.value.details()
+    cut_text = spec_client.generate_complete(long_text, truncate_prompt_tokens=20, **kw)
+    assert cut_text.usage.prompt_tokens == 20
+    assert cut_text.token_ids == _plain(model_dir, spec_client.tokenize(long_text)[-20:], **kw)
 
 
 @pytest.mark.parametrize(
