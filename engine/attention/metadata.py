@@ -12,6 +12,7 @@ and after this step its KV cache holds ``seq_lens[i]`` tokens (cached + new).
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -58,28 +59,31 @@ class AttentionMetadata:
         return max(self.seq_lens_cpu, default=0)
 
 
-_current: AttentionMetadata | None = None
+# Per thread: two engines in one process (two servers, a server and an offline LLM)
+# each run their forward passes on their own thread.
+_local = threading.local()
 
 
 @contextlib.contextmanager
 def set_attention_metadata(metadata: AttentionMetadata) -> Iterator[AttentionMetadata]:
-    """Install ``metadata`` for one forward pass. Nesting is a bug and is refused."""
-    global _current
-    if _current is not None:
+    """Install ``metadata`` for one forward pass on this thread. Nesting is a bug and is
+    refused."""
+    if getattr(_local, "current", None) is not None:
         raise RuntimeError("attention metadata is already set: forward passes cannot nest")
-    _current = metadata
+    _local.current = metadata
     try:
         yield metadata
     finally:
-        _current = None
+        _local.current = None
 
 
 def get_attention_metadata() -> AttentionMetadata:
-    if _current is None:
+    current = getattr(_local, "current", None)
+    if current is None:
         raise RuntimeError(
             "no attention metadata set: call the model inside set_attention_metadata()"
         )
-    return _current
+    return current
 
 
 def build_attention_metadata(

@@ -140,3 +140,34 @@ def test_cpu_backend_needs_its_kernels():
 
     with cpu_kernels_enabled(False), pytest.raises(RuntimeError, match="use --attn-backend torch"):
         get_attention_backend("cpu", "cpu")
+
+
+def test_metadata_is_per_thread_and_refuses_nesting():
+    """Two engines in one process run forwards on their own threads at the same time;
+    on one thread a nested forward is a bug."""
+    import threading
+
+    from engine.attention import get_attention_metadata
+
+    meta = [build_attention_metadata([1], [1], [[1]], 16) for _ in range(2)]
+    inside, seen, errors = threading.Barrier(2), [None, None], []
+
+    def forward(i: int) -> None:
+        try:
+            with set_attention_metadata(meta[i]):
+                inside.wait(timeout=10)  # both threads are inside at once
+                seen[i] = get_attention_metadata()
+        except Exception as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=forward, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert not errors and seen[0] is meta[0] and seen[1] is meta[1]
+    nested = pytest.raises(RuntimeError, match="cannot nest")
+    with set_attention_metadata(meta[0]), nested, set_attention_metadata(meta[1]):
+        pass
+    with pytest.raises(RuntimeError, match="no attention metadata set"):
+        get_attention_metadata()
