@@ -45,7 +45,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="grpc: specserve's Generate (--server); openai: OpenAI HTTP streaming, e.g. "
         "through the Shepherd Model Gateway (--base-url)",
     )
-    g.add_argument("--server", default=None, help="HOST:PORT of a running specserve server")
+    g.add_argument(
+        "--server",
+        default=None,
+        help="HOST:PORT of a running specserve server; several, comma-separated, share the "
+        "requests round-robin (direct gRPC to many replicas)",
+    )
     g.add_argument("--base-url", default=None, help="openai: http[s]://HOST:PORT of the OpenAI API")
     g.add_argument(
         "--endpoint",
@@ -95,9 +100,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         choices=DATASETS,
         default="synthetic",
         help="synthetic token prompts of --input-len; built-in chat or grounded "
-        "prompts; a JSONL or ShareGPT file (--dataset-path)",
+        "prompts; a JSONL or ShareGPT file (--dataset-path); shared-prefix: questions "
+        "behind --num-prefixes long system prompts",
     )
     g.add_argument("--dataset-path", default=None, help="file for --dataset jsonl/sharegpt")
+    g.add_argument(
+        "--num-prefixes",
+        type=int,
+        default=8,
+        help="shared-prefix: how many distinct system prompts the requests share",
+    )
+    g.add_argument(
+        "--prefix-chars",
+        type=int,
+        default=1600,
+        help="shared-prefix: characters per system prompt (about 4 per token in English)",
+    )
     g.add_argument("--input-len", type=int, default=128, help="synthetic prompt tokens")
     g.add_argument(
         "--output-len",
@@ -258,7 +276,9 @@ async def _connect_grpc(args: argparse.Namespace, api_key: str | None):
     """(transport, workload, server info) for `bench serve --server HOST:PORT`."""
     clients = make_clients(args.server, args.num_channels, api_key, _tls(args))
     try:
-        await _wait_ready(clients[0], args.server, args.wait_ready)
+        targets = args.server.split(",")
+        for client, target in zip(clients, targets):  # the first len(targets) are distinct
+            await _wait_ready(client, target.strip(), args.wait_ready)
         info = await clients[0].model_info(timeout=60)
         workload = await build_workload(args, clients[0], info.max_model_len)
         transport = GrpcTransport(clients, _request_options(args))
@@ -335,6 +355,8 @@ def _config(args: argparse.Namespace, slo: dict[str, float]) -> dict:
         "model_name",
         "dataset",
         "dataset_path",
+        "num_prefixes",
+        "prefix_chars",
         "input_len",
         "output_len",
         "range_ratio",

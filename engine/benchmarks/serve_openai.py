@@ -128,9 +128,10 @@ class OpenAIOptions:
             body["ignore_eos"] = True
         endpoint = self.endpoint_for(req)
         if endpoint == "chat":
-            body["messages"] = [{"role": "user", "content": text}]
+            turns = [{"role": "system", "content": req.system}] if req.system else []
+            body["messages"] = [*turns, {"role": "user", "content": text}]
         else:
-            body["prompt"] = text
+            body["prompt"] = f"{req.system}\n\n{text}" if req.system else text
         return _PATHS[endpoint], body
 
 

@@ -41,8 +41,8 @@ class RequestOptions:
         if req.token_ids is not None:
             return build_request(list(req.token_ids), **common)
         if self.chat_template:
-            return build_request(messages=[{"role": "user", "content": req.text}], **common)
-        return build_request(req.text, **common)
+            return build_request(messages=req.messages(), **common)
+        return build_request(req.plain_text, **common)
 
 
 @dataclass(frozen=True)
@@ -193,10 +193,13 @@ def _bounded(
 def make_clients(
     server: str, num_channels: int, api_key: str | None, tls
 ) -> list[AsyncSpecserveClient]:
-    """`num_channels` separate connections (a local subchannel pool stops gRPC from
-    sharing one TCP connection between channels to the same target)."""
+    """`num_channels` separate connections to each of the comma-separated servers,
+    interleaved so round-robin takes turns between servers (a local subchannel pool
+    stops gRPC from sharing one TCP connection between channels to the same target)."""
+    targets = [t.strip() for t in server.split(",") if t.strip()]
     options = [("grpc.use_local_subchannel_pool", 1)] if num_channels > 1 else []
     return [
-        AsyncSpecserveClient(server, api_key=api_key, tls=tls, options=options)
+        AsyncSpecserveClient(target, api_key=api_key, tls=tls, options=options)
         for _ in range(num_channels)
+        for target in targets
     ]

@@ -42,6 +42,9 @@ async def build_workload(
         input_len = wl.LengthDist(args.input_len, args.range_ratio)
         corpus = await client.tokenize(wl.corpus_text(), timeout=60)
         return lambda seed: wl.synthetic_requests(corpus, input_len, output_len, seed)
+    if args.dataset == "shared-prefix":
+        num, chars = args.num_prefixes, args.prefix_chars
+        return lambda seed: wl.shared_prefix_requests(num, chars, output_len, seed)
     if args.dataset in ("chat", "grounded"):
         items = wl.builtin_items(args.dataset)
     elif not args.dataset_path:

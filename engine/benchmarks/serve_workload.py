@@ -15,7 +15,7 @@ from pathlib import Path
 
 from engine.benchmarks.workloads import BUILTIN, CHAT_PROMPTS, GROUNDED_PROMPTS
 
-DATASETS = ("synthetic", "chat", "grounded", "jsonl", "sharegpt")
+DATASETS = ("synthetic", "chat", "grounded", "jsonl", "sharegpt", "shared-prefix")
 
 
 @dataclass(frozen=True, slots=True)
@@ -27,6 +27,18 @@ class BenchRequest:
     text: str | None = None
     token_ids: tuple[int, ...] | None = None
     num_prompt_tokens: int | None = None
+    # A system prompt sent before `text` (shared-prefix workloads).
+    system: str | None = None
+
+    def messages(self) -> list[dict[str, str]]:
+        """The prompt as chat turns: the system prompt, if any, then `text` as the user."""
+        turns = [{"role": "system", "content": self.system}] if self.system else []
+        return [*turns, {"role": "user", "content": self.text or ""}]
+
+    @property
+    def plain_text(self) -> str:
+        """The prompt as one text, for servers called without a chat template."""
+        return f"{self.system}\n\n{self.text}" if self.system else self.text or ""
 
 
 @dataclass(frozen=True)
@@ -88,6 +100,30 @@ def text_requests(
         item = items[rng.randrange(len(items))]
         sampled = output_len.sample(rng)  # drawn always, so the stream does not shift
         yield BenchRequest(index, item.output_len or sampled, text=item.text)
+        index += 1
+
+
+def shared_prefix_requests(
+    num_prefixes: int, prefix_chars: int, output_len: LengthDist, seed: int
+) -> Iterator[BenchRequest]:
+    """Many requests on a few long system prompts: each request takes one of
+    `num_prefixes` system prompts (windows of `prefix_chars` characters of the corpus,
+    the same for every seed) and a short question, both uniformly at random. The
+    workload of prefix caching and cache-aware routing."""
+    if num_prefixes < 1 or prefix_chars < 1:
+        raise ValueError("--num-prefixes and --prefix-chars must be >= 1")
+    corpus = corpus_text()
+    layout = random.Random(0)
+    prefixes = []
+    for _ in range(num_prefixes):
+        start = layout.randrange(len(corpus))
+        prefixes.append("".join(corpus[(start + i) % len(corpus)] for i in range(prefix_chars)))
+    rng = random.Random(seed)
+    index = 0
+    while True:
+        system = prefixes[rng.randrange(num_prefixes)]
+        question = CHAT_PROMPTS[rng.randrange(len(CHAT_PROMPTS))]
+        yield BenchRequest(index, output_len.sample(rng), text=question, system=system)
         index += 1
 
 
