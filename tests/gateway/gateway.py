@@ -26,9 +26,10 @@ def smg_path() -> str:
 
 
 class Gateway:
-    """``smg launch`` against ``worker_targets``; its output goes to a file."""
+    """``smg launch`` against ``worker_targets``; its output goes to a file. Without
+    ``model_dir`` the gateway takes the tokenizer from the workers."""
 
-    def __init__(self, worker_targets: list[str], model_dir: str, *extra: str) -> None:
+    def __init__(self, worker_targets: list[str], model_dir: str | None, *extra: str) -> None:
         self.model = model_dir  # the gateway names the model by its path
         self.port = free_port()
         self.metrics_port = free_port()
@@ -36,7 +37,8 @@ class Gateway:
         urls = [f"grpc://{target}" for target in worker_targets]
         args = [
             smg_path(), "launch", "--backend", "vllm", "--worker-urls", *urls,
-            "--model-path", model_dir, "--host", "127.0.0.1", "--port", str(self.port),
+            *(["--model-path", model_dir] if model_dir else []),
+            "--host", "127.0.0.1", "--port", str(self.port),
             "--prometheus-host", "127.0.0.1", "--prometheus-port", str(self.metrics_port),
             "--log-level", "warn", *extra,
         ]  # fmt: skip

@@ -98,9 +98,16 @@ class ServerProcess:
     pipe while a test runs, and a full pipe would block the server's logging.
     """
 
-    def __init__(self, model_dir: Path, *extra: str) -> None:
-        self.port = free_port()
-        self.metrics_port = free_port()
+    def __init__(
+        self,
+        model_dir: Path,
+        *extra: str,
+        port: int | None = None,
+        metrics_port: int | None = None,
+    ) -> None:
+        # Given ports: a server restarted where another one was.
+        self.port = port or free_port()
+        self.metrics_port = metrics_port or free_port()
         self.args = [
             sys.executable, "-m", "engine.cli", "serve",
             "--model", str(model_dir), "--host", "127.0.0.1", "--port", str(self.port),
