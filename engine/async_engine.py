@@ -441,12 +441,13 @@ class AsyncEngine:
     def _fail_all(self, exc: BaseException) -> None:
         with self._streams_lock:
             self._dead_error = exc
-        self._end_all(EngineDeadError(f"engine failed: {type(exc).__name__}: {exc}"))
+        # Observers first: a caller told of the failure then sees it in the metrics too.
         for observe in self.failure_observers:
             try:
                 observe(exc)
             except Exception:  # an observer bug must not hide the engine's failure
                 logger.exception("engine failure observer failed")
+        self._end_all(EngineDeadError(f"engine failed: {type(exc).__name__}: {exc}"))
 
     def _end_all(self, error: BaseException) -> None:
         with self._streams_lock:

@@ -126,9 +126,17 @@ def _pool(srv: InProcessServer):
 
 
 def _caught_up(srv: InProcessServer, subscription: Subscription) -> None:
-    """The subscriber has every batch the hub published (the engine is idle)."""
-    subscription.wait_for(srv.server.kv_events.sequence_number)
+    """The subscriber's view equals the pool's prefix cache (the engine is idle). The
+    events of a step reach the hub after the RPC that caused them may have returned, so
+    this waits for the view rather than for a sequence number read too early."""
     cached = {block_hash_id(h) for h in _pool(srv).cached_blocks}
+
+    def mirrored() -> bool:
+        with subscription._lock:
+            return set(subscription.mirror.blocks) == cached
+
+    wait_until(lambda: mirrored() or subscription.error is not None, 30, "the mirror")
+    subscription.wait_for(srv.server.kv_events.sequence_number)
     assert set(subscription.mirror.blocks) == cached
 
 
