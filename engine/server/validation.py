@@ -144,7 +144,7 @@ def to_sampling_params(request: pb.GenerateRequest, limits: ModelLimits) -> Samp
             kwargs[name] = getattr(s, name)
     if s.HasField("top_logprobs"):
         kwargs["logprobs"] = s.top_logprobs
-    kwargs["stop"] = _stop_strings(s)
+    kwargs["stop"] = stop_strings("sampling.stop", s.stop)
     kwargs["stop_token_ids"] = _token_ids("sampling.stop_token_ids", s.stop_token_ids, limits)
     if len(s.stop_token_ids) > MAX_STOP_TOKEN_IDS:
         raise InvalidArgument(
@@ -278,18 +278,18 @@ def _token_ids(field: str, ids: Any, limits: ModelLimits) -> list[int]:
     return list(ids)
 
 
-def _stop_strings(s: pb.SamplingOptions) -> list[str]:
-    if len(s.stop) > MAX_STOP_STRINGS:
+def stop_strings(field: str, stop: Any) -> list[str]:
+    """The stop strings of proto field ``field`` (both services share the limits)."""
+    if len(stop) > MAX_STOP_STRINGS:
         raise InvalidArgument(
-            f"sampling.stop must have at most {MAX_STOP_STRINGS} strings, got {len(s.stop)}"
+            f"{field} must have at most {MAX_STOP_STRINGS} strings, got {len(stop)}"
         )
-    for stop in s.stop:
-        if not 1 <= len(stop) <= MAX_STOP_STRING_LEN:
+    for text in stop:
+        if not 1 <= len(text) <= MAX_STOP_STRING_LEN:
             raise InvalidArgument(
-                f"sampling.stop strings must have 1 to {MAX_STOP_STRING_LEN} characters, "
-                f"got {len(stop)}"
+                f"{field} strings must have 1 to {MAX_STOP_STRING_LEN} characters, got {len(text)}"
             )
-    return list(s.stop)
+    return list(stop)
 
 
 def _speculation(request: pb.GenerateRequest, limits: ModelLimits) -> int | None:

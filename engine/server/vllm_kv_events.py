@@ -33,7 +33,13 @@ from collections.abc import Iterator
 
 from smg_grpc_proto.generated import common_pb2 as cpb
 
-from block_manager.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from block_manager.kv_events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVEvent,
+    apply_events,
+)
 
 MAX_HISTORY_BATCHES = 4096
 MAX_HISTORY_TOKENS = 1 << 20
@@ -93,18 +99,8 @@ class KvEventHub:
             len(self._history) > self._max_batches or self._history_tokens > self._max_tokens
         ):
             self._history_tokens -= self._history.popleft()[1]
-        self._apply(events)
+        apply_events(self._cached, events)
         self._changed.set()
-
-    def _apply(self, events: list[KVEvent]) -> None:
-        cached = self._cached
-        for event in events:
-            if isinstance(event, BlockStored):
-                cached[event.block_hash] = event
-            elif isinstance(event, BlockRemoved):
-                cached.pop(event.block_hash, None)
-            else:
-                cached.clear()
 
     # ---- reading (subscribers, on the event loop) ---------------------------------
     @property

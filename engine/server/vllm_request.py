@@ -30,13 +30,12 @@ from smg_grpc_proto.generated import vllm_engine_pb2 as vpb
 from engine.sampling_params import SamplingParams
 from engine.server.validation import (
     MAX_REQUEST_ID_LEN,
-    MAX_STOP_STRING_LEN,
-    MAX_STOP_STRINGS,
     MAX_STOP_TOKEN_IDS,
     InvalidArgument,
     ModelLimits,
     check_text_length,
     check_tokenize_length,
+    stop_strings,
 )
 
 # The most samples one request may ask for (each is a request of its own to the engine).
@@ -184,7 +183,7 @@ def _sampling_kwargs(s: vpb.SamplingParams, limits: ModelLimits) -> dict[str, An
         # top_k >= vocab_size keeps every token: the same as switching the filter off.
         "top_k": 0 if s.top_k >= limits.vocab_size else s.top_k,
         "min_p": s.min_p,
-        "stop": _stop_strings(s),
+        "stop": stop_strings(f"{P}stop", s.stop),
         "stop_token_ids": _stop_token_ids(s, limits),
         "ignore_eos": s.ignore_eos,
     }
@@ -278,19 +277,6 @@ def _logit_bias(s: vpb.SamplingParams, limits: ModelLimits) -> dict[int, float]:
                 f"(vocab_size - 1), got {token_id}"
             )
     return dict(s.logit_bias)
-
-
-def _stop_strings(s: vpb.SamplingParams) -> list[str]:
-    if len(s.stop) > MAX_STOP_STRINGS:
-        raise InvalidArgument(
-            f"{P}stop must have at most {MAX_STOP_STRINGS} strings, got {len(s.stop)}"
-        )
-    for stop in s.stop:
-        if not 1 <= len(stop) <= MAX_STOP_STRING_LEN:
-            raise InvalidArgument(
-                f"{P}stop strings must have 1 to {MAX_STOP_STRING_LEN} characters, got {len(stop)}"
-            )
-    return list(s.stop)
 
 
 def _stop_token_ids(s: vpb.SamplingParams, limits: ModelLimits) -> list[int]:
