@@ -47,6 +47,16 @@ def wait_no_blocks_in_use(client: SpecserveClient, timeout_s: float = 10.0) -> N
     wait_until(idle, timeout_s, "KV blocks in use to return to 0")
 
 
+def assert_still_serving(server: InProcessServer) -> None:
+    """After a storm of hostile requests: health SERVING, a normal request served, no
+    KV block held, and no RPC ended UNKNOWN or INTERNAL."""
+    with SpecserveClient(server.target) as client:
+        assert client.health() == "SERVING"
+        assert len(client.generate_complete("Hello", max_tokens=3, ignore_eos=True).token_ids) == 3
+        wait_no_blocks_in_use(client)
+    assert "INTERNAL" not in server.errors and "UNKNOWN" not in server.errors
+
+
 class InProcessServer:
     """A SpecserveServer running on its own event loop in a daemon thread."""
 
