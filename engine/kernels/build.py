@@ -13,6 +13,11 @@ for this CPU (a baked container image on another CPU kind), gets a private build
 this process instead: compiled in a new 0700 directory and loaded through its open file
 descriptor (``_build_private``). Nothing is ever loaded from a path someone else can
 redirect.
+
+A container image has no compiler at run time. Its build step calls ``prebuild``, which
+compiles the library once per instruction-set level of the architecture (x86-64-v2, -v3
+and -v4 on x86_64) into the baked cache; ``build_library`` falls back to the best of
+those this CPU can run when it cannot build for ``-march=native`` itself.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import contextlib
 import hashlib
 import logging
 import os
+import platform
 import shutil
 import stat
 import subprocess
@@ -41,34 +47,103 @@ _COMPILE_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-
 _LINK_FLAGS = ["-shared", "-fopenmp"]
 _PROC_FD = Path("/proc/self/fd")
 
+# The x86-64 psABI micro-architecture levels, each with the /proc/cpuinfo flags a CPU
+# needs to run code built with -march=<level> (each level includes the one below).
+_X86_64_V2 = frozenset({"cx16", "lahf_lm", "popcnt", "pni", "sse4_1", "sse4_2", "ssse3"})
+_X86_64_V3 = _X86_64_V2 | {"abm", "avx", "avx2", "bmi1", "bmi2", "f16c", "fma", "movbe", "xsave"}
+_X86_64_V4 = _X86_64_V3 | {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"}
+# Per architecture (``platform.machine()``): prebuilt levels, best first.
+PREBUILT_LEVELS: dict[str, list[tuple[str, frozenset[str]]]] = {
+    "x86_64": [("x86-64-v4", _X86_64_V4), ("x86-64-v3", _X86_64_V3), ("x86-64-v2", _X86_64_V2)],
+    "aarch64": [("armv8-a", frozenset())],
+}
+
 
 class KernelBuildError(RuntimeError):
     pass
 
 
 def build_library(out_dir: Path | None = None) -> Path:
-    """A compiled cpu_kernels.c that is safe to load: the cached build in ``out_dir``
-    (default ``envs.kernel_cache_dir()``) when it passes ``untrusted_reason``, else a new
-    build there when that directory passes it and is writable, else ``_build_private``."""
+    """A compiled cpu_kernels.c that is safe to load: the cached ``-march=native`` build
+    in ``out_dir`` (default ``envs.kernel_cache_dir()``) when it passes
+    ``untrusted_reason``, else a new one there when that directory passes it and is
+    writable, else the best trusted ``prebuild`` variant there that this CPU can run,
+    else ``_build_private``."""
     cc = _compiler()
-    if cc is None:
-        raise KernelBuildError("no C compiler found (set $CC or install gcc)")
     source = SOURCE.read_bytes()
-    name = library_name(cc, source)
     cache = _canonical(out_dir or envs.kernel_cache_dir())
-    found = os.path.lexists(cache / name)
-    if found:
-        reason = untrusted_reason(cache / name)
-        if reason is None:
-            return cache / name
-        logger.warning("not loading %s: %s; building a private copy", cache / name, reason)
-    problem = _cache_problem(cache)
-    if problem is None:
-        return _build_cached(cc, source, cache, name)
+    problem: tuple[int, str] | None = None
+    found = False
+    if cc is not None:
+        name = library_name(cc, source)
+        found = os.path.lexists(cache / name)
+        if found:
+            reason = untrusted_reason(cache / name)
+            if reason is None:
+                return cache / name
+            logger.warning("not loading %s: %s; building a private copy", cache / name, reason)
+        problem = _cache_problem(cache)
+        if problem is None:
+            return _build_cached(cc, source, cache, name)
+    prebuilt = _prebuilt(cache, source)
+    if prebuilt is not None:
+        logger.info("using the prebuilt CPU kernels %s", prebuilt)
+        return prebuilt
+    if cc is None:
+        raise KernelBuildError(
+            f"no C compiler found (set $CC or install gcc), and {cache} holds no prebuilt "
+            "kernels this CPU can run"
+        )
+    assert problem is not None
     level, why = problem
     if not found:  # else already warned about
         logger.log(level, "kernel cache %s %s; building a private copy", cache, why)
     return _build_private(cc, source, name)
+
+
+def prebuild(out_dir: Path, machine: str | None = None) -> list[Path]:
+    """Build the library for every instruction-set level of ``machine`` (default this
+    one's) into ``out_dir``, for runtimes without a compiler (a container image's build
+    step). Returns the files, best level first."""
+    cc = _compiler()
+    if cc is None:
+        raise KernelBuildError("no C compiler found (set $CC or install gcc)")
+    machine = machine or platform.machine()
+    if machine not in PREBUILT_LEVELS:
+        raise KernelBuildError(f"no prebuilt kernel levels for {machine}")
+    source = SOURCE.read_bytes()
+    out = _canonical(out_dir)
+    _make_dirs(out)
+    built = []
+    for level, _ in PREBUILT_LEVELS[machine]:
+        name = prebuilt_name(source, level)
+        with _build_dir(out) as build_dir:
+            _compile(cc, source, build_dir, name, march=level)
+            os.close(_open_build(build_dir[1], name))
+            os.replace(name, out / name, src_dir_fd=build_dir[1])
+        built.append(out / name)
+    return built
+
+
+def prebuilt_name(source: bytes, level: str) -> str:
+    """A prebuilt variant's file name: keyed by source and flags, named by its level."""
+    flags = " ".join(_compile_flags(level) + _LINK_FLAGS)
+    key = hashlib.sha256(source + flags.encode()).hexdigest()[:16]
+    return f"cpu_kernels-{key}-{level}.so"
+
+
+def _prebuilt(cache: Path, source: bytes) -> Path | None:
+    """The best trusted prebuilt variant in ``cache`` whose level this CPU supports."""
+    have = set(_cpu_flags().split(":", 1)[-1].split())
+    for level, needs in PREBUILT_LEVELS.get(platform.machine(), []):
+        path = cache / prebuilt_name(source, level)
+        if not needs <= have or not os.path.lexists(path):
+            continue
+        reason = untrusted_reason(path)
+        if reason is None:
+            return path
+        logger.warning("not loading %s: %s", path, reason)
+    return None
 
 
 def _build_cached(cc: str, source: bytes, cache: Path, name: str) -> Path:
@@ -200,7 +275,13 @@ def _build_dir(parent: Path) -> Iterator[tuple[Path, int]]:
             os.rmdir(path)
 
 
-def _compile(cc: str, source: bytes, build_dir: tuple[Path, int], name: str) -> None:
+def _compile_flags(march: str) -> list[str]:
+    return [f"-march={march}" if f == "-march=native" else f for f in _COMPILE_FLAGS]
+
+
+def _compile(
+    cc: str, source: bytes, build_dir: tuple[Path, int], name: str, march: str = "native"
+) -> None:
     """Compile ``source`` (the bytes hashed into ``name``) into ``name`` inside
     ``build_dir``. The compiler runs in that directory through its descriptor
     (/proc/self/fd/N) with relative names and TMPDIR=., so every file it reads or writes
@@ -214,7 +295,7 @@ def _compile(cc: str, source: bytes, build_dir: tuple[Path, int], name: str) -> 
     cwd = _PROC_FD / str(dir_fd) if _PROC_FD.is_dir() else path
     env = {**os.environ, "TMPDIR": "."}
     for cmd in (
-        [cc, *_COMPILE_FLAGS, "-c", SOURCE.name, "-o", "cpu_kernels.o"],
+        [cc, *_compile_flags(march), "-c", SOURCE.name, "-o", "cpu_kernels.o"],
         [cc, *_LINK_FLAGS, "cpu_kernels.o", "-o", name, "-lm"],
     ):
         result = subprocess.run(

@@ -3,7 +3,7 @@
 Dequantizing through transformers takes ~20 s (it also undoes llama.cpp's rotary
 permutation of the Q/K weights), so we do it once per file and keep fp32 safetensors,
 config, generation config and tokenizer in the cache, keyed by the file's path, size
-and modification time. Later loads read that directory like any HF checkpoint.
+and modification time (seconds). Later loads read that directory like any HF checkpoint.
 """
 
 from __future__ import annotations
@@ -23,9 +23,11 @@ from engine.models.registry import get_model_class
 
 
 def converted_dir(gguf_path: Path) -> Path:
-    """Cache directory for ``gguf_path``; a changed file (size or mtime) gets a new one."""
+    """Cache directory for ``gguf_path``; a changed file (size or mtime) gets a new one.
+    The mtime counts in whole seconds: image layers keep no more (a cache converted in
+    one build stage and copied into another must still be found)."""
     stat = gguf_path.stat()
-    key = f"{gguf_path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}"
+    key = f"{gguf_path.resolve()}|{stat.st_size}|{int(stat.st_mtime)}"
     digest = hashlib.sha256(key.encode()).hexdigest()[:16]
     return envs.cache_dir() / "gguf" / f"{gguf_path.stem}-{digest}"
 
@@ -49,6 +51,11 @@ def ensure_converted(gguf_path: Path) -> Path:
         except Exception as exc:  # noqa: BLE001 - a bad file becomes one line for the user
             raise ModelLoadError(f"cannot read {gguf_path}: {type(exc).__name__}: {exc}") from None
         # Publish atomically: a crash mid-conversion never leaves a half-written cache.
+        # Readable by every user (mkdtemp makes 0700, safetensors writes 0600): a
+        # container image converts as root at build time and serves as uid 10001.
+        for path in Path(tmp).iterdir():
+            path.chmod(0o644)
+        Path(tmp).chmod(0o755)
         shutil.rmtree(target, ignore_errors=True)
         Path(tmp).rename(target)
         Path(tmp).mkdir()  # TemporaryDirectory wants something to remove

@@ -296,3 +296,86 @@ def test_untrusted_reason_walks_every_ancestor(tmp_path):
     link.symlink_to(tmp_path / "a")  # a symlink above is resolved, then checked
     assert build_mod.untrusted_reason(link / "b" / "c" / "lib.so") is None
     assert "cannot check" in build_mod.untrusted_reason(deep / "missing.so")
+
+
+# --- prebuilt variants: a runtime with no compiler (the container image) -------------
+
+
+def _cpu_with(monkeypatch, flags: frozenset[str]) -> None:
+    monkeypatch.setattr(build_mod, "_cpu_flags", lambda: "flags\t\t: " + " ".join(sorted(flags)))
+
+
+@pytest.fixture(scope="module")
+def prebuilt(tmp_path_factory) -> tuple[Path, list[Path]]:
+    if build_mod.platform.machine() not in build_mod.PREBUILT_LEVELS:
+        pytest.skip(f"no prebuilt levels for {build_mod.platform.machine()}")
+    out = tmp_path_factory.mktemp("prebuilt") / "kernels"
+    return out, build_mod.prebuild(out)
+
+
+def test_prebuild_makes_one_library_per_level(prebuilt):
+    out, built = prebuilt
+    levels = [level for level, _ in build_mod.PREBUILT_LEVELS[build_mod.platform.machine()]]
+    assert len(built) == len(levels)
+    for path, level in zip(built, levels):
+        assert path.parent == out and path.name.endswith(f"-{level}.so")
+        assert build_mod.untrusted_reason(path) is None
+
+
+def test_without_a_compiler_the_best_level_this_cpu_runs_is_loaded(prebuilt, monkeypatch):
+    out, built = prebuilt
+    monkeypatch.setattr(build_mod, "_compiler", lambda: None)
+    have = set(build_mod._cpu_flags().split(":", 1)[-1].split())
+    levels = build_mod.PREBUILT_LEVELS[build_mod.platform.machine()]
+    expected = next(path for path, (_, needs) in zip(built, levels) if needs <= have)
+    chosen = build_library(out)
+    assert chosen == expected
+    _assert_works(CpuKernels(chosen))  # and it computes what torch does
+
+
+def test_a_cpu_below_the_top_level_gets_a_lower_one(prebuilt, monkeypatch):
+    if build_mod.platform.machine() != "x86_64":
+        pytest.skip("the levels are x86-64's")
+    out, built = prebuilt
+    monkeypatch.setattr(build_mod, "_compiler", lambda: None)
+    _cpu_with(monkeypatch, build_mod._X86_64_V3)
+    assert build_library(out).name.endswith("-x86-64-v3.so")
+    _cpu_with(monkeypatch, build_mod._X86_64_V3 - {"avx2"})
+    assert build_library(out).name.endswith("-x86-64-v2.so")
+
+
+def test_no_compiler_and_no_level_this_cpu_runs_is_one_clear_error(prebuilt, monkeypatch):
+    if build_mod.platform.machine() != "x86_64":
+        pytest.skip("every aarch64 CPU runs armv8-a")
+    out, _ = prebuilt
+    monkeypatch.setattr(build_mod, "_compiler", lambda: None)
+    _cpu_with(monkeypatch, frozenset())
+    with pytest.raises(build_mod.KernelBuildError, match="no C compiler found.*no prebuilt"):
+        build_library(out)
+
+
+def test_a_foreign_prebuilt_library_is_never_loaded(
+    prebuilt, planted_library, marker, tmp_path, monkeypatch, caplog
+):
+    _, built = prebuilt
+    cache = tmp_path / "kernels"
+    cache.mkdir()
+    planted = cache / built[-1].name  # the lowest level: every CPU of the kind runs it
+    shutil.copyfile(planted_library, planted)
+    planted.chmod(0o755)
+    _give_away(planted, monkeypatch)
+    monkeypatch.setattr(build_mod, "_compiler", lambda: None)
+    with (
+        caplog.at_level(logging.WARNING, logger="engine.kernels.build"),
+        pytest.raises(build_mod.KernelBuildError),
+    ):
+        build_library(cache)
+    assert "not loading" in caplog.text
+    assert not marker.exists()
+
+
+def test_with_a_compiler_a_writable_cache_still_gets_a_native_build(prebuilt, monkeypatch):
+    out, built = prebuilt
+    chosen = build_library(out)
+    assert chosen not in built and chosen.name == _library_name()
+    chosen.unlink()

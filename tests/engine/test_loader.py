@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import zipfile
@@ -77,6 +78,10 @@ def test_gguf_file_converts_once(tiny_model_dir, tmp_path, cache_root, capfd):
     loaded = load_model(gguf_path)
     assert capfd.readouterr().err.count("converting tiny.gguf") == 1  # one progress line
     assert loaded.model_dir.is_relative_to(cache_root)
+    # readable by other users: an image converts as root and serves as uid 10001
+    assert loaded.model_dir.stat().st_mode & 0o755 == 0o755
+    for path in loaded.model_dir.iterdir():
+        assert path.stat().st_mode & 0o644 == 0o644, path.name
     again = load_model(str(tmp_path))  # a directory holding exactly one .gguf
     assert capfd.readouterr().err == ""  # served from the converted cache, silently
     assert again.model_dir == loaded.model_dir
@@ -290,3 +295,18 @@ def test_tokenizer_from_another_directory_end_to_end(tiny_model_dir, tmp_path):
         outputs.append((text, ids))
     assert len(outputs[1][1]) == 8
     assert outputs[1] == outputs[0]
+
+
+def test_gguf_cache_survives_an_image_layer_copy(tiny_model_dir, tmp_path, cache_root):
+    """Image layers keep mtimes in whole seconds: a .gguf converted in one build stage
+    and copied into another (sub-second part gone) must find its converted directory,
+    while a file that really changed (another second) gets a new one."""
+    from engine.models.gguf_convert import converted_dir
+
+    gguf_path = Path(write_tiny_gguf(tiny_model_dir, tmp_path / "tiny.gguf"))
+    os.utime(gguf_path, ns=(1_700_000_000_123_456_789,) * 2)
+    before = converted_dir(gguf_path)
+    os.utime(gguf_path, ns=(1_700_000_000_000_000_000,) * 2)  # what COPY --from keeps
+    assert converted_dir(gguf_path) == before
+    os.utime(gguf_path, ns=(1_700_000_001_000_000_000,) * 2)
+    assert converted_dir(gguf_path) != before
