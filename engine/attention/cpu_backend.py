@@ -1,4 +1,5 @@
-"""CPU attention backend (fp32): specserve's compiled paged-attention kernel.
+"""CPU attention backend (float32 or bfloat16): specserve's compiled paged-attention
+kernel.
 
 Sequences with a short query (decode, 1 + k verification, a short prefill chunk) are
 computed straight from the paged cache by ``engine/kernels/cpu_kernels.c``: no gather
@@ -10,7 +11,9 @@ output in packed order.
 
 Measured on the 2-core CI machine (SmolLM2-135M, 32 decoding requests, contexts of
 ~40-100 tokens, `specserve bench step`): attention fell from 22-35 ms to 8-10 ms per
-step of 30 layers, where it is bound by reading the fp32 K/V (docs/benchmarks.md).
+step of 30 layers, where it is bound by reading the fp32 K/V (docs/benchmarks.md). A
+bfloat16 model has a bfloat16 cache, half the bytes to read; the kernel widens keys and
+values to fp32 as it reads them and accumulates in fp32.
 """
 
 from __future__ import annotations

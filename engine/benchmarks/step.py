@@ -1,8 +1,9 @@
 """`specserve bench step`: where a decode step's time goes, kernels against torch ops.
 
-Runs the same batch twice on CPU fp32: once with specserve's compiled kernels (the
-default: the `cpu` attention backend, fused norm / rotary / SiLU) and once with torch
-ops only (``SPECSERVE_CPU_KERNELS=0``, the `torch` attention backend). For the decode
+Runs the same batch twice on CPU in one dtype (``--dtype``, float32 or bfloat16): once
+with specserve's compiled kernels (the default: the `cpu` attention backend, fused norm /
+rotary / SiLU) and once with torch ops only (``SPECSERVE_CPU_KERNELS=0``, the `torch`
+attention backend). For the decode
 steps (every request already prefilled) it splits the time of a step into the Linear
 layers, the LM head, attention (KV write included), norm + rotary + SiLU, the rest of
 the forward (Python, embedding) and the host side (scheduling, batch building,
@@ -24,6 +25,7 @@ from contextlib import contextmanager
 from engine.benchmarks.workloads import load_prompts
 
 COMPONENTS = ("linear", "lm_head", "attention", "norm_rope_silu", "forward_rest", "host")
+DTYPES = ("float32", "bfloat16")  # the dtypes the compiled CPU kernels serve
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -33,6 +35,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output-len", type=int, default=64, help="tokens decoded per request")
     parser.add_argument(
         "--num-threads", type=int, default=None, help="torch CPU threads (default: one per core)"
+    )
+    parser.add_argument(
+        "--dtype", choices=DTYPES, default="float32", help="model, activation and KV cache dtype"
     )
 
 
@@ -65,7 +70,7 @@ def _profile(args: argparse.Namespace, kernels: bool) -> dict[str, float]:
             EngineConfig(
                 model=args.model,
                 device="cpu",
-                dtype="float32",
+                dtype=args.dtype,
                 attn_backend="cpu" if kernels else "torch",
                 num_threads=args.num_threads,
             )
@@ -147,7 +152,7 @@ def _timed(fn: Callable, label: str, totals: Counter) -> Callable:
 def _print(args: argparse.Namespace, results: dict[str, dict[str, float]]) -> None:
     ours, base = results["kernels"], results["torch ops"]
     print(
-        f"\ndecode steps of {args.num_prompts} requests ({args.workload}, "
+        f"\ndecode steps of {args.num_prompts} requests ({args.workload}, {args.dtype}, "
         f"{int(ours['num_steps'])} steps): ms per step"
     )
     print(f"{'component':<16}{'kernels':>10}{'torch ops':>12}{'torch/kernels':>15}")

@@ -1,4 +1,15 @@
-"""Load and call the fp32 CPU kernels in cpu_kernels.c (built by ``build.py``).
+"""Load and call the CPU kernels in cpu_kernels.c (built by ``build.py``), in float32
+and bfloat16.
+
+Each wrapper takes float32 or bfloat16 tensors, all of one dtype per call, and calls
+that dtype's C entry point. bfloat16 is computed in fp32 and rounded where torch's
+bfloat16 ops round (``layers.RMSNorm._norm``, ``x + residual``, ``apply_rope``,
+``F.silu(gate) * up``): the residual add, rotary and SiLU-and-mul give torch's bfloat16
+results bit for bit. RMSNorm sums its squares in another order than torch, so about
+one element in 10^5 lands on the other side of a rounding boundary (at most 2 ulps).
+Attention accumulates in fp32 and rounds its output once (within half an ulp of the
+exact result plus fp32 sums), where torch's SDPA rounds its probabilities to bfloat16
+first; tests/engine/test_cpu_kernels.py states the tolerances.
 
 ``cpu_kernels()`` returns None, after logging one line, when the kernels are off
 (``SPECSERVE_CPU_KERNELS=0``), there is no compiler, or the build fails; callers then
@@ -34,6 +45,7 @@ _I64 = ctypes.c_int64
 _I32 = ctypes.c_int32
 _F32 = ctypes.c_float
 # Sizes cross as int64: ctypes truncates a Python int to a narrower type silently.
+# Each name is the float32 entry point; name + "_bf16" the bfloat16 one, same arguments.
 _SIGNATURES = {
     "specserve_paged_attention": (
         ctypes.c_int,
@@ -47,6 +59,16 @@ _SIGNATURES = {
 }
 
 
+_FLOATS = (torch.float32, torch.bfloat16)
+_SUFFIX = {torch.float32: "", torch.bfloat16: "_bf16"}
+
+
+class _Entries:
+    """One dtype's C entry points, by kernel name."""
+
+    __slots__ = ("paged_attention", "rms_norm", "rope", "write_kv", "silu_and_mul")
+
+
 class CpuKernels:
     """Typed wrappers over the loaded library. ``path`` must be safe to load (loading
     runs the library's constructors): what ``build_library`` returns."""
@@ -55,9 +77,13 @@ class CpuKernels:
         # torch (imported above) has loaded libgomp.so.1; the library needs the same
         # soname, so the dynamic loader hands it torch's copy: one OpenMP thread pool.
         self.lib = ctypes.CDLL(str(path))
-        for name, (restype, argtypes) in _SIGNATURES.items():
-            fn = getattr(self.lib, name)
-            fn.restype, fn.argtypes = restype, argtypes
+        self._entries: dict[torch.dtype, _Entries] = {}
+        for dtype, suffix in _SUFFIX.items():
+            entries = self._entries[dtype] = _Entries()
+            for name, (restype, argtypes) in _SIGNATURES.items():
+                fn = getattr(self.lib, name + suffix)
+                fn.restype, fn.argtypes = restype, argtypes
+                setattr(entries, name.removeprefix("specserve_"), fn)
         self.path = path
 
     def paged_attention(
@@ -73,9 +99,9 @@ class CpuKernels:
         max_query_len: int,  # over the selected sequences
         scale: float,
     ) -> None:
-        _check_f32("query", query, 3, rows_strided=True)
-        _check_f32("out", out, 3, rows_strided=True)
-        _check_kv_cache(k_cache, v_cache)
+        dtype = _check_float("query", query, 3, rows_strided=True)
+        _check_float("out", out, 3, (dtype, "query"), rows_strided=True)
+        _check_kv_cache(k_cache, v_cache, (dtype, "query"))
         num_tokens, num_heads, head_dim = query.shape
         num_blocks, block_size, num_kv_heads, kv_head_dim = k_cache.shape
         if kv_head_dim != head_dim or num_heads % num_kv_heads:
@@ -100,7 +126,7 @@ class CpuKernels:
         if not 0 <= max_query_len <= num_tokens:
             raise ValueError(f"max_query_len={max_query_len} must be in [0, {num_tokens}]")
         max_rows = max_query_len * (num_heads // num_kv_heads)
-        status = self.lib.specserve_paged_attention(
+        status = self._entries[dtype].paged_attention(
             out.data_ptr(),
             out.stride(0),
             query.data_ptr(),
@@ -142,16 +168,16 @@ class CpuKernels:
         eps: float,
         residual: torch.Tensor | None = None,  # [num_rows, hidden], updated in place
     ) -> torch.Tensor:
-        _check_f32("x", x, 2)
-        _check_f32("weight", weight, 1)
+        dtype = _check_float("x", x, 2)
+        _check_float("weight", weight, 1, (dtype, "x"))
         if weight.shape[0] != x.shape[1]:
             raise ValueError(f"weight [{weight.shape[0]}] must be [{x.shape[1]}], x's width")
         if residual is not None:
-            _check_f32("residual", residual, 2)
+            _check_float("residual", residual, 2, (dtype, "x"))
             if residual.shape != x.shape:
                 raise ValueError(f"residual {tuple(residual.shape)} != x {tuple(x.shape)}")
         out = torch.empty_like(x)
-        self.lib.specserve_rms_norm(
+        self._entries[dtype].rms_norm(
             out.data_ptr(),
             x.data_ptr(),
             None if residual is None else residual.data_ptr(),
@@ -170,8 +196,8 @@ class CpuKernels:
         cos_sin: torch.Tensor,  # [max_positions, 2, head_dim // 2]
         num_rotated: int,  # heads rotated in place at the start of each row
     ) -> None:
-        _check_f32("x", x, 2, rows_strided=True)
-        _check_f32("cos_sin", cos_sin, 3)
+        dtype = _check_float("x", x, 2, rows_strided=True)
+        _check_float("cos_sin", cos_sin, 3, (dtype, "x"))
         if cos_sin.shape[1] != 2 or cos_sin.shape[2] < 1:
             raise ValueError(
                 f"cos_sin {tuple(cos_sin.shape)} must be [max_positions, 2, head_dim // 2]"
@@ -182,7 +208,7 @@ class CpuKernels:
                 f"num_rotated={num_rotated} heads of {head_dim} must fit in x {tuple(x.shape)}"
             )
         _check_index("positions", positions, x.shape[0])
-        status = self.lib.specserve_rope(
+        status = self._entries[dtype].rope(
             x.data_ptr(),
             x.stride(0),
             x.shape[0],
@@ -204,9 +230,9 @@ class CpuKernels:
         v_cache: torch.Tensor,
         slots: torch.Tensor,  # [num_tokens] int64, -1 = padding (not written)
     ) -> None:
-        _check_f32("key", key, 3, rows_strided=True)
-        _check_f32("value", value, 3, rows_strided=True)
-        _check_kv_cache(k_cache, v_cache)
+        dtype = _check_float("key", key, 3, rows_strided=True)
+        _check_float("value", value, 3, (dtype, "key"), rows_strided=True)
+        _check_kv_cache(k_cache, v_cache, (dtype, "key"))
         if key.shape[1:] != k_cache.shape[2:] or value.shape != key.shape:
             raise ValueError(
                 f"key {tuple(key.shape)} / value {tuple(value.shape)} do not fit cache "
@@ -214,7 +240,7 @@ class CpuKernels:
             )
         _check_index("slots", slots, key.shape[0])
         num_slots = k_cache.shape[0] * k_cache.shape[1]
-        status = self.lib.specserve_write_kv(
+        status = self._entries[dtype].write_kv(
             key.data_ptr(),
             key.stride(0),
             value.data_ptr(),
@@ -230,24 +256,39 @@ class CpuKernels:
             raise ValueError(f"a slot in slots is past the cache's {num_slots} slots")
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:  # [n, 2 * inter] -> [n, inter]
-        _check_f32("x", x, 2)
+        dtype = _check_float("x", x, 2)
         if x.shape[1] % 2:
             raise ValueError(f"x's width {x.shape[1]} must be even: gate and up, side by side")
         inter = x.shape[1] // 2
         out = x.new_empty(x.shape[0], inter)
-        self.lib.specserve_silu_and_mul(
+        self._entries[dtype].silu_and_mul(
             out.data_ptr(), x.data_ptr(), x.shape[0], inter, torch.get_num_threads()
         )
         return out
 
 
-def _check_f32(name: str, t: torch.Tensor, dims: int, rows_strided: bool = False) -> None:
-    """float32 on the CPU, ``dims``-D and dense; with ``rows_strided`` only each row (dims
-    1..) must be dense and rows must not overlap: the stride between rows is passed to C.
-    (Called several times per layer: kept to a few attribute reads.)"""
-    if t.dtype is not torch.float32 or not t.is_cpu or t.layout is not torch.strided:
+def _check_float(
+    name: str,
+    t: torch.Tensor,
+    dims: int,
+    like: tuple[torch.dtype, str] | None = None,
+    rows_strided: bool = False,
+) -> torch.dtype:
+    """float32 or bfloat16 on the CPU (``like``: the call's dtype and the argument that
+    set it, which ``t`` must share), ``dims``-D and dense; with ``rows_strided`` only
+    each row (dims 1..) must be dense and rows must not overlap: the stride between rows
+    is passed to C. Returns the dtype. (Called several times per layer: kept to a few
+    attribute reads.)"""
+    dtype = t.dtype
+    if dtype not in _FLOATS or not t.is_cpu or t.layout is not torch.strided:
         raise ValueError(
-            f"{name} must be a float32 CPU tensor, got {t.dtype} ({t.layout}) on {t.device}"
+            f"{name} must be a float32 or bfloat16 CPU tensor, got {dtype} ({t.layout}) "
+            f"on {t.device}"
+        )
+    if like is not None and dtype is not like[0]:
+        raise ValueError(
+            f"{name} is {dtype} but {like[1]} is {like[0]}: the float tensors of one call "
+            "must share one dtype"
         )
     if t.dim() != dims:
         raise ValueError(f"{name} must be {dims}-D, got shape {tuple(t.shape)}")
@@ -261,11 +302,14 @@ def _check_f32(name: str, t: torch.Tensor, dims: int, rows_strided: bool = False
             ok = ok and (stride[1] == shape[2] or shape[1] == 1)
     if not ok:
         raise ValueError(f"{name} must be contiguous (got strides {t.stride()})")
+    return dtype
 
 
-def _check_kv_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
-    _check_f32("k_cache", k_cache, 4)
-    _check_f32("v_cache", v_cache, 4)
+def _check_kv_cache(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, like: tuple[torch.dtype, str]
+) -> None:
+    _check_float("k_cache", k_cache, 4, like)
+    _check_float("v_cache", v_cache, 4, like)
     shape = k_cache.shape
     if v_cache.shape != shape:
         raise ValueError(f"v_cache {tuple(v_cache.shape)} != k_cache {tuple(shape)}")
@@ -293,8 +337,9 @@ def _check_i32(name: str, t: torch.Tensor, dims: int) -> None:
 
 
 def serves(device: torch.device | str, dtype: torch.dtype) -> bool:
-    """Whether the kernels are written for ``device`` and ``dtype`` (CPU, float32)."""
-    return torch.device(device).type == "cpu" and dtype == torch.float32
+    """Whether the kernels are written for ``device`` and ``dtype`` (CPU; float32 or
+    bfloat16)."""
+    return torch.device(device).type == "cpu" and dtype in _FLOATS
 
 
 def kernels_for(device: torch.device | str, dtype: torch.dtype) -> CpuKernels | None:

@@ -1,12 +1,22 @@
-/* specserve CPU kernels (fp32): paged attention, KV write, RMSNorm, rotary embedding,
- * SiLU-and-multiply.
+/* specserve CPU kernels, fp32 and bf16: paged attention, KV write, RMSNorm, rotary
+ * embedding, SiLU-and-multiply.
  *
  * Built at first use by engine/kernels/cpu.py with the system C compiler
  * (-O3 -march=native -ffast-math -fopenmp) and called through ctypes. The OpenMP
  * runtime is the one torch already loaded (same soname), so these kernels and torch's
  * own ops share one thread pool.
  *
- * Every kernel reads and writes plain row-major fp32 buffers; strides are in elements.
+ * Every kernel reads and writes plain row-major buffers of one element type; strides
+ * are in elements. Each has an fp32 entry point (specserve_<name>) and a bf16 one
+ * (specserve_<name>_bf16), generated from one body by the macros below with
+ * the element type's load / store / round helpers (`S` is the suffix f32 or bf16).
+ * bf16 is stored as uint16_t (the top half of an fp32) and computed in fp32: values are
+ * widened on load, every sum (dot products, softmax, P.V, sum of squares) accumulates
+ * in fp32, and results are rounded to nearest-even where torch's bf16 ops round, so
+ * the bf16 norm, rotary and SiLU match torch's bf16 results (see cpu.py). Portable C:
+ * the conversions are shifts that compile for any -march (x86-64-v2 included), and
+ * vectorise where the target has the instructions.
+ *
  * -ffast-math is safe here because no kernel relies on inf or NaN: attention never
  * scores a masked key (loop bounds stop at each query's causal limit) and the running
  * maximum starts at a large finite negative number.
@@ -27,26 +37,58 @@
  * than the work) on SmolLM2's 32-row decode. */
 #define PARALLEL_MIN_ROWS 64
 
-static inline __attribute__((always_inline)) float dot(
-    const float *restrict a, const float *restrict b, int n) {
-    float s = 0.0f;
-#pragma omp simd reduction(+ : s)
-    for (int i = 0; i < n; i++) s += a[i] * b[i];
-    return s;
+#define INLINE static inline __attribute__((always_inline))
+
+/* ---- element types: load as fp32, store from fp32, round to the storage precision ---- */
+
+typedef uint16_t bf16;
+union f32_bits {
+    float f;
+    uint32_t u;
+};
+
+/* bf16 -> fp32 is exact: the bits shifted up. fp32 -> bf16 rounds to nearest, ties to
+ * even, like torch's c10::BFloat16. No NaN case: the carry of the rounding reaches the
+ * exponent only for NaN payloads from 0x7fff8000 up, and x86 makes only the default
+ * NaN 0xffc00000 (which stays a NaN); a NaN from torch stays a NaN. */
+#define BITS_TO_F32(bits) (((union f32_bits){.u = (bits)}).f)
+#define F32_TO_BITS(x) (((union f32_bits){.f = (x)}).u)
+#define BF16_ROUNDED_BITS(bits) ((bits) + 0x7fffu + (((bits) >> 16) & 1u))
+#define BF16_TO_F32(h) BITS_TO_F32((uint32_t)(h) << 16)
+#define F32_TO_BF16(x) ((bf16)(BF16_ROUNDED_BITS(F32_TO_BITS(x)) >> 16))
+/* Load p[i] as fp32, store v (fp32) to p[i], and round v where a torch op on tensors
+ * of the type rounds its result. */
+#define LD_f32(p, i) ((p)[i])
+#define LD_bf16(p, i) BF16_TO_F32((p)[i])
+#define ST_f32(p, i, v) ((p)[i] = (v))
+#define ST_bf16(p, i, v) ((p)[i] = F32_TO_BF16(v))
+#define RND_f32(v) (v)
+#define RND_bf16(v) BITS_TO_F32(BF16_ROUNDED_BITS(F32_TO_BITS(v)) & 0xffff0000u)
+
+INLINE float ld_f32(const float *p, int64_t i) { return LD_f32(p, i); }
+INLINE float ld_bf16(const bf16 *p, int64_t i) { return LD_bf16(p, i); }
+INLINE void st_f32(float *p, int64_t i, float v) { ST_f32(p, i, v); }
+INLINE void st_bf16(bf16 *p, int64_t i, float v) { ST_bf16(p, i, v); }
+INLINE float rnd_f32(float v) { return RND_f32(v); }
+INLINE float rnd_bf16(float v) { return RND_bf16(v); }
+
+/* 1 / sqrt(mean_sq + eps). fp32 as it always was (fast-math may use rsqrt + a Newton
+ * step: fp32 rounding). bf16 in double, correctly rounded in practice like torch's
+ * rsqrt, so the rounding to bf16 that follows lands where torch's does. */
+INLINE float inv_rms_f32(float sq, int64_t hidden, float eps) {
+    return 1.0f / sqrtf(sq / (float)hidden + eps);
+}
+INLINE float inv_rms_bf16(float sq, int64_t hidden, float eps) {
+    return (float)(1.0 / sqrt((double)(sq / (float)hidden + eps)));
 }
 
-/* One query row against keys [0, n) of one cache block, folded into the row's running
- * (max, sum, acc) of a streaming softmax. k and v rows are kv_stride apart. */
-static inline __attribute__((always_inline)) void attend_block(
-    const float *restrict qr, const float *restrict kb, const float *restrict vb, int n,
-    int64_t kv_stride, int head_dim, float scale, float *restrict scores,
-    float *restrict row_max, float *restrict row_sum, float *restrict acc) {
-    float block_max = NEG_BIG;
-    for (int t = 0; t < n; t++) {
-        const float s = dot(qr, kb + t * kv_stride, head_dim) * scale;
-        scores[t] = s;
-        block_max = s > block_max ? s : block_max;
-    }
+/* ---- paged attention ---- */
+
+/* Fold the scores [0, n) of one cache block (scaled dot products; block_max their
+ * maximum) into a row's streaming softmax: the scores become weights relative to the
+ * new running maximum, to which the running sum and acc are rescaled. */
+INLINE void softmax_fold(float *restrict scores, int n, float block_max, float *restrict row_max,
+                         float *restrict row_sum, float *restrict acc, int head_dim) {
     const float new_max = block_max > *row_max ? block_max : *row_max;
     const float rescale = expf(*row_max - new_max);
     *row_max = new_max;
@@ -59,12 +101,160 @@ static inline __attribute__((always_inline)) void attend_block(
     *row_sum = *row_sum * rescale + sum;
 #pragma omp simd
     for (int d = 0; d < head_dim; d++) acc[d] *= rescale;
-    for (int t = 0; t < n; t++) {
-        const float p = scores[t];
-        const float *vt = vb + t * kv_stride;
-#pragma omp simd
-        for (int d = 0; d < head_dim; d++) acc[d] += p * vt[d];
+}
+
+/* One query row against keys [0, n) of one cache block, folded into the row's running
+ * (max, sum, acc) of a streaming softmax; k and v rows are kv_stride apart. DOT(t) is
+ * the row's dot product with key t, PV(p, t) adds p * value t to acc. */
+#define ATTEND_BLOCK(DOT, PV)                                                                  \
+    do {                                                                                       \
+        float block_max = NEG_BIG;                                                             \
+        for (int t = 0; t < n; t++) {                                                          \
+            const float s = DOT(t) * scale;                                                    \
+            scores[t] = s;                                                                     \
+            block_max = s > block_max ? s : block_max;                                         \
+        }                                                                                      \
+        softmax_fold(scores, n, block_max, row_max, row_sum, acc, head_dim);                   \
+        for (int t = 0; t < n; t++) PV(scores[t], t);                                          \
+    } while (0)
+
+/* Rows of T read one value at a time, as fp32. */
+#define ATTENTION_KERNELS(T, S)                                                                \
+    INLINE float dot_##S(const float *restrict a, const T *restrict b, int n) {                \
+        float s = 0.0f;                                                                        \
+        _Pragma("omp simd reduction(+ : s)") for (int i = 0; i < n; i++) s +=                  \
+            a[i] * ld_##S(b, i);                                                               \
+        return s;                                                                              \
+    }                                                                                          \
+                                                                                               \
+    INLINE void attend_block_##S(                                                              \
+        const float *restrict qr, const T *restrict kb, const T *restrict vb, int n,           \
+        int64_t kv_stride, int head_dim, float scale, float *restrict scores,                  \
+        float *restrict row_max, float *restrict row_sum, float *restrict acc) {               \
+        ATTEND_BLOCK(DOT_##S, PV_##S);                                                         \
     }
+
+#define DOT_f32(t) dot_f32(qr, kb + (t) * kv_stride, head_dim)
+#define DOT_bf16(t) dot_bf16(qr, kb + (t) * kv_stride, head_dim)
+#define PV_ONE(S, p, t)                                                                        \
+    do {                                                                                       \
+        const float p_ = (p);                                                                  \
+        const __typeof__(vb) vt = vb + (t) * kv_stride;                                        \
+        _Pragma("omp simd") for (int d = 0; d < head_dim; d++) acc[d] += p_ * ld_##S(vt, d);   \
+    } while (0)
+#define PV_f32(p, t) PV_ONE(f32, p, t)
+#define PV_bf16(p, t) PV_ONE(bf16, p, t)
+
+ATTENTION_KERNELS(float, f32)
+ATTENTION_KERNELS(bf16, bf16)
+
+/* bf16 rows of even length are read two values at a time: a 32-bit word holds
+ * elements 2i (low half) and 2i + 1 (high half), each an fp32 after one shift or one
+ * mask. The query row and the accumulators are kept deinterleaved (the even elements,
+ * then the odd ones), so 32 values of a key or a value cost one load, two integer ops
+ * and two FMAs: no widening of each value on its own, which made bf16 attention 1.7x
+ * slower than fp32 on cached keys. */
+typedef uint32_t bf16x2 __attribute__((may_alias, aligned(2)));
+#define EVEN_F32(w) BITS_TO_F32((w) << 16)
+#define ODD_F32(w) BITS_TO_F32((w) & 0xffff0000u)
+
+INLINE float dot_pairs(const float *restrict q, const bf16x2 *restrict k, int half) {
+    const float *qe = q, *qo = q + half;
+    float s = 0.0f;
+#pragma omp simd reduction(+ : s)
+    for (int i = 0; i < half; i++) {
+        const uint32_t w = k[i];
+        s += qe[i] * EVEN_F32(w) + qo[i] * ODD_F32(w);
+    }
+    return s;
+}
+
+#define DOT_PAIRS(t) dot_pairs(qr, (const bf16x2 *)(kb + (t) * kv_stride), head_dim / 2)
+#define PV_PAIRS(p, t)                                                                         \
+    do {                                                                                       \
+        const float p_ = (p);                                                                  \
+        const bf16x2 *vt = (const bf16x2 *)(vb + (t) * kv_stride);                             \
+        float *ae = acc, *ao = acc + head_dim / 2;                                             \
+        _Pragma("omp simd") for (int i = 0; i < head_dim / 2; i++) {                           \
+            const uint32_t w = vt[i];                                                          \
+            ae[i] += p_ * EVEN_F32(w);                                                         \
+            ao[i] += p_ * ODD_F32(w);                                                          \
+        }                                                                                      \
+    } while (0)
+
+INLINE void attend_block_pairs(const float *restrict qr, const bf16 *restrict kb,
+                               const bf16 *restrict vb, int n, int64_t kv_stride, int head_dim,
+                               float scale, float *restrict scores, float *restrict row_max,
+                               float *restrict row_sum, float *restrict acc) {
+    ATTEND_BLOCK(DOT_PAIRS, PV_PAIRS);
+}
+
+/* Constant head sizes let the compiler unroll the row loops. */
+#define BY_HEAD_DIM(FN)                                                                        \
+    do {                                                                                       \
+        if (head_dim == 64)                                                                    \
+            FN(qr, kb, vb, n, kv_stride, 64, scale, scores, row_max, row_sum, acc);            \
+        else if (head_dim == 128)                                                              \
+            FN(qr, kb, vb, n, kv_stride, 128, scale, scores, row_max, row_sum, acc);           \
+        else                                                                                   \
+            FN(qr, kb, vb, n, kv_stride, (int)head_dim, scale, scores, row_max, row_sum, acc); \
+    } while (0)
+
+INLINE void attend_f32(const float *qr, const float *kb, const float *vb, int n,
+                       int64_t kv_stride, int64_t head_dim, float scale, float *scores,
+                       float *row_max, float *row_sum, float *acc) {
+    BY_HEAD_DIM(attend_block_f32);
+}
+
+INLINE void attend_bf16(const float *qr, const bf16 *kb, const bf16 *vb, int n,
+                        int64_t kv_stride, int64_t head_dim, float scale, float *scores,
+                        float *row_max, float *row_sum, float *acc) {
+    if (head_dim % 2)
+        attend_block_bf16(qr, kb, vb, n, kv_stride, (int)head_dim, scale, scores, row_max,
+                          row_sum, acc);
+    else
+        BY_HEAD_DIM(attend_block_pairs);
+}
+
+/* A query row as fp32, in the layout attend_<S> reads it in (fp32 rows are read in
+ * place and never copied). */
+INLINE void load_query_f32(float *restrict dst, const float *restrict src, int64_t head_dim) {
+    memcpy(dst, src, sizeof(float) * (size_t)head_dim);
+}
+INLINE void load_query_bf16(float *restrict dst, const bf16 *restrict src, int64_t head_dim) {
+    if (head_dim % 2) {
+#pragma omp simd
+        for (int64_t d = 0; d < head_dim; d++) dst[d] = ld_bf16(src, d);
+        return;
+    }
+    const int64_t half = head_dim / 2;
+    const bf16x2 *w = (const bf16x2 *)src;
+#pragma omp simd
+    for (int64_t i = 0; i < half; i++) {
+        dst[i] = EVEN_F32(w[i]);
+        dst[half + i] = ODD_F32(w[i]);
+    }
+}
+
+/* o = acc * inv, acc in attend_<S>'s layout. */
+INLINE void store_row_f32(float *restrict o, const float *restrict acc, float inv,
+                          int64_t head_dim) {
+#pragma omp simd
+    for (int64_t d = 0; d < head_dim; d++) o[d] = acc[d] * inv;
+}
+INLINE void store_row_bf16(bf16 *restrict o, const float *restrict acc, float inv,
+                           int64_t head_dim) {
+    if (head_dim % 2) {
+#pragma omp simd
+        for (int64_t d = 0; d < head_dim; d++) st_bf16(o, d, acc[d] * inv);
+        return;
+    }
+    const int64_t half = head_dim / 2;
+    bf16x2 *w = (bf16x2 *)o;
+#pragma omp simd
+    for (int64_t i = 0; i < half; i++)
+        w[i] = (uint32_t)F32_TO_BF16(acc[i] * inv) | (uint32_t)F32_TO_BF16(acc[half + i] * inv)
+                                                         << 16;
 }
 
 /* 0 when every selected sequence fits the buffers passed; else 3 when a sequence id, a
@@ -105,7 +295,8 @@ static int check_sequences(
  * of query heads x the query tokens) is folded over each cache block in turn with a
  * streaming softmax, so each K/V block is read from memory once. (Items of a whole
  * sequence, all KV heads at once, measured 1.7x slower on SmolLM2's 32-sequence
- * decode, and would leave threads idle at batch 1.)
+ * decode, and would leave threads idle at batch 1.) The bf16 kernel widens each query
+ * row to fp32 once per item (into `qf`), the keys and values as it reads them.
  *
  * out[token, head, :] is written for every query token of the selected sequences.
  * Returns 0; 1 when scratch memory could not be allocated, 2 when a sequence has more
@@ -113,231 +304,270 @@ static int check_sequences(
  * block id or a length does not fit the buffers passed, or a size is out of range
  * (nothing is read out of bounds in any case, and for 2 and 3 nothing is written).
  */
-int specserve_paged_attention(
-    float *out, int64_t out_token_stride,
-    const float *q, int64_t q_token_stride,
-    const float *k_cache, const float *v_cache,
-    const int32_t *block_tables, int64_t block_table_stride, int64_t table_width,
-    const int32_t *seq_lens, const int32_t *query_start_loc, int64_t num_seqs,
-    int64_t num_tokens, const int32_t *seq_ids, int64_t num_selected,
-    int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
-    int64_t num_cache_blocks, float scale, int64_t max_rows, int32_t num_threads) {
-    /* The wrapper checks these; checked again because C must not divide by zero or
-     * truncate a size whatever it is given. */
-    if (num_kv_heads < 1 || num_heads < 0 || num_heads % num_kv_heads || head_dim < 1 ||
-        head_dim > INT32_MAX || block_size < 1 || block_size > INT32_MAX || max_rows < 1)
-        return 3;
-    const int64_t group = num_heads / num_kv_heads;
-    const int64_t kv_stride = num_kv_heads * head_dim;
-    const int64_t num_items = num_selected * num_kv_heads;
-    int failed = check_sequences(block_tables, block_table_stride, table_width, seq_lens,
-                                 query_start_loc, num_seqs, num_tokens, seq_ids, num_selected,
-                                 group, block_size, num_cache_blocks, max_rows);
-    if (failed) return failed;
-
-#pragma omp parallel num_threads(num_threads)
-    {
-        float *acc = malloc(sizeof(float) * (size_t)max_rows * head_dim);
-        float *row_max = malloc(sizeof(float) * (size_t)max_rows);
-        float *row_sum = malloc(sizeof(float) * (size_t)max_rows);
-        float *scores = malloc(sizeof(float) * (size_t)block_size);
-        if (!acc || !row_max || !row_sum || !scores) {
-#pragma omp atomic write
-            failed = 1;
-        }
-#pragma omp for schedule(dynamic, 1)
-        for (int64_t item = 0; item < num_items; item++) {
-            int stop;
-#pragma omp atomic read
-            stop = failed;
-            if (stop) continue;
-            const int64_t seq = seq_ids[item / num_kv_heads];
-            const int64_t kv_head = item % num_kv_heads;
-            const int64_t q_start = query_start_loc[seq];
-            const int64_t q_len = (int64_t)query_start_loc[seq + 1] - q_start;
-            const int64_t seq_len = seq_lens[seq];
-            /* rows: query head (of this KV head's group) major, query token minor */
-            const int64_t rows = group * q_len;
-            const int32_t *table = block_tables + seq * block_table_stride;
-            const int64_t num_blocks = (seq_len + block_size - 1) / block_size;
-            for (int64_t r = 0; r < rows; r++) {
-                row_max[r] = NEG_BIG;
-                row_sum[r] = 0.0f;
-            }
-            memset(acc, 0, sizeof(float) * (size_t)rows * head_dim);
-            const int64_t first_head = kv_head * group;
-            for (int64_t b = 0; b < num_blocks; b++) {
-                const int64_t base =
-                    (int64_t)table[b] * block_size * kv_stride + kv_head * head_dim;
-                const int64_t first_key = b * block_size;
-                if (b + 1 < num_blocks) { /* the next block is elsewhere: fetch it early */
-                    const int64_t next =
-                        (int64_t)table[b + 1] * block_size * kv_stride + kv_head * head_dim;
-                    for (int t = 0; t < block_size; t++) {
-                        for (int d = 0; d < head_dim; d += 16) {
-                            __builtin_prefetch(k_cache + next + t * kv_stride + d);
-                            __builtin_prefetch(v_cache + next + t * kv_stride + d);
-                        }
-                    }
-                }
-                for (int64_t hl = 0; hl < group; hl++) {
-                    const int64_t head = first_head + hl;
-                    for (int64_t j = 0; j < q_len; j++) {
-                        /* keys first_key .. seq_len - q_len + j are visible to query j */
-                        const int64_t visible = seq_len - q_len + j + 1 - first_key;
-                        if (visible <= 0) continue;
-                        const int n = (int)(visible < block_size ? visible : block_size);
-                        const int64_t r = hl * q_len + j;
-                        const float *qr = q + (q_start + j) * q_token_stride + head * head_dim;
-                        float *ar = acc + r * head_dim;
-                        const float *kb = k_cache + base, *vb = v_cache + base;
-                        /* constant head sizes let the compiler unroll the row loops */
-                        if (head_dim == 64)
-                            attend_block(qr, kb, vb, n, kv_stride, 64, scale, scores,
-                                         row_max + r, row_sum + r, ar);
-                        else if (head_dim == 128)
-                            attend_block(qr, kb, vb, n, kv_stride, 128, scale, scores,
-                                         row_max + r, row_sum + r, ar);
-                        else
-                            attend_block(qr, kb, vb, n, kv_stride, (int)head_dim, scale, scores,
-                                         row_max + r, row_sum + r, ar);
-                    }
-                }
-            }
-            for (int64_t hl = 0; hl < group; hl++) {
-                for (int64_t j = 0; j < q_len; j++) {
-                    const int64_t r = hl * q_len + j;
-                    float *o = out + (q_start + j) * out_token_stride +
-                               (first_head + hl) * head_dim;
-                    const float inv = 1.0f / row_sum[r];
-                    const float *ar = acc + r * head_dim;
-#pragma omp simd
-                    for (int64_t d = 0; d < head_dim; d++) o[d] = ar[d] * inv;
-                }
-            }
-        }
-        free(acc);
-        free(row_max);
-        free(row_sum);
-        free(scores);
+#define PAGED_ATTENTION(T, S, NAME)                                                            \
+    int NAME(T *out, int64_t out_token_stride, const T *q, int64_t q_token_stride,             \
+             const T *k_cache, const T *v_cache, const int32_t *block_tables,                  \
+             int64_t block_table_stride, int64_t table_width, const int32_t *seq_lens,         \
+             const int32_t *query_start_loc, int64_t num_seqs, int64_t num_tokens,             \
+             const int32_t *seq_ids, int64_t num_selected, int64_t num_heads,                  \
+             int64_t num_kv_heads, int64_t head_dim, int64_t block_size,                       \
+             int64_t num_cache_blocks, float scale, int64_t max_rows, int32_t num_threads) {   \
+        /* The wrapper checks these; checked again because C must not divide by zero or     \
+         * truncate a size whatever it is given. */                                           \
+        if (num_kv_heads < 1 || num_heads < 0 || num_heads % num_kv_heads || head_dim < 1 ||   \
+            head_dim > INT32_MAX || block_size < 1 || block_size > INT32_MAX || max_rows < 1)  \
+            return 3;                                                                          \
+        const int is_f32 = sizeof(T) == sizeof(float);                                         \
+        const int64_t group = num_heads / num_kv_heads;                                        \
+        const int64_t kv_stride = num_kv_heads * head_dim;                                     \
+        const int64_t num_items = num_selected * num_kv_heads;                                 \
+        /* one prefetch per cache line */                                                     \
+        const int64_t line = 64 / (int64_t)sizeof(T);                                          \
+        int failed = check_sequences(block_tables, block_table_stride, table_width, seq_lens,  \
+                                     query_start_loc, num_seqs, num_tokens, seq_ids,           \
+                                     num_selected, group, block_size, num_cache_blocks,        \
+                                     max_rows);                                                \
+        if (failed) return failed;                                                             \
+                                                                                               \
+        _Pragma("omp parallel num_threads(num_threads)") {                                     \
+            float *acc = malloc(sizeof(float) * (size_t)max_rows * head_dim);                  \
+            float *row_max = malloc(sizeof(float) * (size_t)max_rows);                         \
+            float *row_sum = malloc(sizeof(float) * (size_t)max_rows);                         \
+            float *scores = malloc(sizeof(float) * (size_t)block_size);                        \
+            float *qf = is_f32 ? NULL : malloc(sizeof(float) * (size_t)max_rows * head_dim);   \
+            if (!acc || !row_max || !row_sum || !scores || (!is_f32 && !qf)) {                 \
+                _Pragma("omp atomic write") failed = 1;                                        \
+            }                                                                                  \
+            _Pragma("omp for schedule(dynamic, 1)") for (int64_t item = 0; item < num_items;   \
+                                                         item++) {                             \
+                int stop;                                                                      \
+                _Pragma("omp atomic read") stop = failed;                                      \
+                if (stop) continue;                                                            \
+                const int64_t seq = seq_ids[item / num_kv_heads];                              \
+                const int64_t kv_head = item % num_kv_heads;                                   \
+                const int64_t q_start = query_start_loc[seq];                                  \
+                const int64_t q_len = (int64_t)query_start_loc[seq + 1] - q_start;             \
+                const int64_t seq_len = seq_lens[seq];                                         \
+                /* rows: query head (of this KV head's group) major, query token minor */     \
+                const int64_t rows = group * q_len;                                            \
+                const int32_t *table = block_tables + seq * block_table_stride;                \
+                const int64_t num_blocks = (seq_len + block_size - 1) / block_size;            \
+                for (int64_t r = 0; r < rows; r++) {                                           \
+                    row_max[r] = NEG_BIG;                                                      \
+                    row_sum[r] = 0.0f;                                                         \
+                }                                                                              \
+                memset(acc, 0, sizeof(float) * (size_t)rows * head_dim);                       \
+                const int64_t first_head = kv_head * group;                                    \
+                if (!is_f32) {                                                                 \
+                    for (int64_t hl = 0; hl < group; hl++)                                     \
+                        for (int64_t j = 0; j < q_len; j++)                                    \
+                            load_query_##S(qf + (hl * q_len + j) * head_dim,                   \
+                                           q + (q_start + j) * q_token_stride +                \
+                                               (first_head + hl) * head_dim,                   \
+                                           head_dim);                                          \
+                }                                                                              \
+                for (int64_t b = 0; b < num_blocks; b++) {                                     \
+                    const int64_t base =                                                       \
+                        (int64_t)table[b] * block_size * kv_stride + kv_head * head_dim;       \
+                    const int64_t first_key = b * block_size;                                  \
+                    if (b + 1 < num_blocks) { /* the next block is elsewhere: fetch it early */ \
+                        const int64_t next = (int64_t)table[b + 1] * block_size * kv_stride +  \
+                                             kv_head * head_dim;                               \
+                        for (int t = 0; t < block_size; t++) {                                 \
+                            for (int d = 0; d < head_dim; d += line) {                         \
+                                __builtin_prefetch(k_cache + next + t * kv_stride + d);        \
+                                __builtin_prefetch(v_cache + next + t * kv_stride + d);        \
+                            }                                                                  \
+                        }                                                                      \
+                    }                                                                          \
+                    for (int64_t hl = 0; hl < group; hl++) {                                   \
+                        const int64_t head = first_head + hl;                                  \
+                        for (int64_t j = 0; j < q_len; j++) {                                  \
+                            /* keys first_key .. seq_len - q_len + j are visible to query j */ \
+                            const int64_t visible = seq_len - q_len + j + 1 - first_key;       \
+                            if (visible <= 0) continue;                                        \
+                            const int n = (int)(visible < block_size ? visible : block_size);  \
+                            const int64_t r = hl * q_len + j;                                  \
+                            const float *qr =                                                  \
+                                is_f32 ? (const float *)(q + (q_start + j) * q_token_stride +  \
+                                                         head * head_dim)                      \
+                                       : qf + r * head_dim;                                    \
+                            attend_##S(qr, k_cache + base, v_cache + base, n, kv_stride,       \
+                                       head_dim, scale, scores, row_max + r, row_sum + r,      \
+                                       acc + r * head_dim);                                    \
+                        }                                                                      \
+                    }                                                                          \
+                }                                                                              \
+                for (int64_t hl = 0; hl < group; hl++) {                                       \
+                    for (int64_t j = 0; j < q_len; j++) {                                      \
+                        const int64_t r = hl * q_len + j;                                      \
+                        T *o = out + (q_start + j) * out_token_stride +                        \
+                               (first_head + hl) * head_dim;                                   \
+                        store_row_##S(o, acc + r * head_dim, 1.0f / row_sum[r], head_dim);     \
+                    }                                                                          \
+                }                                                                              \
+            }                                                                                  \
+            free(acc);                                                                         \
+            free(row_max);                                                                     \
+            free(row_sum);                                                                     \
+            free(scores);                                                                      \
+            free(qf);                                                                          \
+        }                                                                                      \
+        return failed;                                                                         \
     }
-    return failed;
-}
+
+PAGED_ATTENTION(float, f32, specserve_paged_attention)
+PAGED_ATTENTION(bf16, bf16, specserve_paged_attention_bf16)
+
+/* ---- row-wise kernels ---- */
+
+/* Run ROW(i) for i in [0, num_rows): on OpenMP threads from PARALLEL_MIN_ROWS rows. */
+#define FOR_ROWS(num_rows, num_threads, ROW)                                                   \
+    do {                                                                                       \
+        if ((num_rows) >= PARALLEL_MIN_ROWS && (num_threads) > 1) {                            \
+            _Pragma("omp parallel for num_threads(num_threads) schedule(static)") for (         \
+                int64_t i = 0; i < (num_rows); i++) ROW(i);                                    \
+        } else {                                                                               \
+            for (int64_t i = 0; i < (num_rows); i++) ROW(i);                                   \
+        }                                                                                      \
+    } while (0)
 
 /* out = RMSNorm(x) * weight, row by row. With `residual` non-NULL, first
  * residual = x + residual (written back), then out = RMSNorm(residual) * weight:
- * the residual stream and the next sub-layer's input in one pass. */
-static inline void rms_norm_row(
-    float *restrict out, const float *restrict x, float *restrict residual,
-    const float *restrict weight, int64_t hidden, float eps) {
-    const float *src = x;
-    if (residual) {
-#pragma omp simd
-        for (int64_t d = 0; d < hidden; d++) residual[d] += x[d];
-        src = residual;
+ * the residual stream and the next sub-layer's input in one pass. Rounding as torch's
+ * bf16 path (layers.RMSNorm): the sum rounded, normalised in fp32 and rounded, then
+ * times the weight and rounded. */
+#define RMS_NORM(T, S, NAME)                                                                   \
+    INLINE void rms_norm_row_##S(T *restrict out, const T *restrict x, T *restrict residual,   \
+                                 const T *restrict weight, int64_t hidden, float eps) {        \
+        const T *src = x;                                                                      \
+        if (residual) {                                                                        \
+            _Pragma("omp simd") for (int64_t d = 0; d < hidden; d++) st_##S(                   \
+                residual, d, ld_##S(residual, d) + ld_##S(x, d));                              \
+            src = residual;                                                                    \
+        }                                                                                      \
+        float sq = 0.0f;                                                                       \
+        _Pragma("omp simd reduction(+ : sq)") for (int64_t d = 0; d < hidden; d++) {           \
+            const float v = ld_##S(src, d);                                                    \
+            sq += v * v;                                                                       \
+        }                                                                                      \
+        const float inv = inv_rms_##S(sq, hidden, eps);                                        \
+        _Pragma("omp simd") for (int64_t d = 0; d < hidden; d++) st_##S(                       \
+            out, d, rnd_##S(ld_##S(src, d) * inv) * ld_##S(weight, d));                        \
+    }                                                                                          \
+                                                                                               \
+    void NAME(T *out, const T *x, T *residual, const T *weight, int64_t num_rows,              \
+              int64_t hidden, float eps, int32_t num_threads) {                                \
+        FOR_ROWS(num_rows, num_threads, RMS_ROW_##S);                                          \
     }
-    float sq = 0.0f;
-#pragma omp simd reduction(+ : sq)
-    for (int64_t d = 0; d < hidden; d++) sq += src[d] * src[d];
-    const float inv = 1.0f / sqrtf(sq / (float)hidden + eps);
-#pragma omp simd
-    for (int64_t d = 0; d < hidden; d++) out[d] = src[d] * inv * weight[d];
-}
 
-void specserve_rms_norm(
-    float *out, const float *x, float *residual, const float *weight,
-    int64_t num_rows, int64_t hidden, float eps, int32_t num_threads) {
-#define RMS_ROW(i) \
-    rms_norm_row(out + (i) * hidden, x + (i) * hidden, \
-                 residual ? residual + (i) * hidden : NULL, weight, hidden, eps)
-    if (num_rows >= PARALLEL_MIN_ROWS && num_threads > 1) {
-#pragma omp parallel for num_threads(num_threads) schedule(static)
-        for (int64_t i = 0; i < num_rows; i++) RMS_ROW(i);
-    } else {
-        for (int64_t i = 0; i < num_rows; i++) RMS_ROW(i);
-    }
-#undef RMS_ROW
-}
+#define RMS_ROW_f32(i)                                                                         \
+    rms_norm_row_f32(out + (i) * hidden, x + (i) * hidden,                                     \
+                     residual ? residual + (i) * hidden : NULL, weight, hidden, eps)
+#define RMS_ROW_bf16(i)                                                                        \
+    rms_norm_row_bf16(out + (i) * hidden, x + (i) * hidden,                                    \
+                      residual ? residual + (i) * hidden : NULL, weight, hidden, eps)
 
-static inline void rope_row(float *restrict row, const float *restrict cos_sin,
-                            int64_t num_rotated, int64_t head_dim) {
-    const int64_t half = head_dim / 2;
-    const float *c = cos_sin, *s = cos_sin + half;
-    for (int64_t h = 0; h < num_rotated; h++) {
-        float *x1 = row + h * head_dim;
-        float *x2 = x1 + half;
-#pragma omp simd
-        for (int64_t d = 0; d < half; d++) {
-            const float a = x1[d], b = x2[d];
-            x1[d] = a * c[d] - b * s[d];
-            x2[d] = b * c[d] + a * s[d];
-        }
-    }
-}
+RMS_NORM(float, f32, specserve_rms_norm)
+RMS_NORM(bf16, bf16, specserve_rms_norm_bf16)
 
 /* Rotate-half rotary embedding, in place, of the first `num_rotated` heads of each
  * row of `x` (a fused qkv buffer: the q heads then the k heads come first).
- * cos_sin: [num_positions, 2, head_dim / 2] (cos then sin). Returns 1, changing
- * nothing, when a position is outside the table. */
-int specserve_rope(
-    float *x, int64_t row_stride, int64_t num_tokens, const int64_t *positions,
-    const float *cos_sin, int64_t num_positions, int64_t num_rotated, int64_t head_dim,
-    int32_t num_threads) {
-    for (int64_t i = 0; i < num_tokens; i++) {
-        if (positions[i] < 0 || positions[i] >= num_positions) return 1;
+ * cos_sin: [num_positions, 2, head_dim / 2] (cos then sin), of x's type. Each product
+ * and sum rounded as torch's bf16 ops round them (layers.apply_rope). Returns 1,
+ * changing nothing, when a position is outside the table. */
+#define ROPE(T, S, NAME)                                                                       \
+    INLINE void rope_row_##S(T *restrict row, const T *restrict cos_sin, int64_t num_rotated,  \
+                             int64_t head_dim) {                                               \
+        const int64_t half = head_dim / 2;                                                     \
+        const T *c = cos_sin, *s = cos_sin + half;                                             \
+        for (int64_t h = 0; h < num_rotated; h++) {                                            \
+            T *x1 = row + h * head_dim;                                                        \
+            T *x2 = x1 + half;                                                                 \
+            _Pragma("omp simd") for (int64_t d = 0; d < half; d++) {                           \
+                const float a = ld_##S(x1, d), b = ld_##S(x2, d);                              \
+                const float cd = ld_##S(c, d), sd = ld_##S(s, d);                              \
+                st_##S(x1, d, rnd_##S(a * cd) - rnd_##S(b * sd));                              \
+                st_##S(x2, d, rnd_##S(b * cd) + rnd_##S(a * sd));                              \
+            }                                                                                  \
+        }                                                                                      \
+    }                                                                                          \
+                                                                                               \
+    int NAME(T *x, int64_t row_stride, int64_t num_tokens, const int64_t *positions,           \
+             const T *cos_sin, int64_t num_positions, int64_t num_rotated, int64_t head_dim,   \
+             int32_t num_threads) {                                                            \
+        for (int64_t i = 0; i < num_tokens; i++) {                                             \
+            if (positions[i] < 0 || positions[i] >= num_positions) return 1;                   \
+        }                                                                                      \
+        FOR_ROWS(num_tokens, num_threads, ROPE_ROW_##S);                                       \
+        return 0;                                                                              \
     }
-    if (num_tokens >= PARALLEL_MIN_ROWS && num_threads > 1) {
-#pragma omp parallel for num_threads(num_threads) schedule(static)
-        for (int64_t i = 0; i < num_tokens; i++)
-            rope_row(x + i * row_stride, cos_sin + positions[i] * head_dim, num_rotated,
-                     head_dim);
-    } else {
-        for (int64_t i = 0; i < num_tokens; i++)
-            rope_row(x + i * row_stride, cos_sin + positions[i] * head_dim, num_rotated,
-                     head_dim);
-    }
-    return 0;
-}
+
+#define ROPE_ROW_f32(i) \
+    rope_row_f32(x + (i) * row_stride, cos_sin + positions[i] * head_dim, num_rotated, head_dim)
+#define ROPE_ROW_bf16(i) \
+    rope_row_bf16(x + (i) * row_stride, cos_sin + positions[i] * head_dim, num_rotated, head_dim)
+
+ROPE(float, f32, specserve_rope)
+ROPE(bf16, bf16, specserve_rope_bf16)
 
 /* Copy each token's K and V row (`width` = num_kv_heads * head_dim values) into its
  * cache slot; slot < 0 is padding and is skipped. Returns 1, writing nothing, when a
- * slot is past the cache. */
-int specserve_write_kv(
-    const float *key, int64_t key_row_stride, const float *value, int64_t value_row_stride,
-    int64_t num_tokens, int64_t width, float *k_cache, float *v_cache, const int64_t *slots,
-    int64_t num_slots) {
-    for (int64_t i = 0; i < num_tokens; i++) {
-        if (slots[i] >= num_slots) return 1;
+ * slot is past the cache. A copy: K/V and the cache share one type. */
+#define WRITE_KV(T, NAME)                                                                      \
+    int NAME(const T *key, int64_t key_row_stride, const T *value, int64_t value_row_stride,   \
+             int64_t num_tokens, int64_t width, T *k_cache, T *v_cache, const int64_t *slots,  \
+             int64_t num_slots) {                                                              \
+        for (int64_t i = 0; i < num_tokens; i++) {                                             \
+            if (slots[i] >= num_slots) return 1;                                               \
+        }                                                                                      \
+        for (int64_t i = 0; i < num_tokens; i++) {                                             \
+            const int64_t slot = slots[i];                                                     \
+            if (slot < 0) continue;                                                            \
+            memcpy(k_cache + slot * width, key + i * key_row_stride, sizeof(T) * (size_t)width); \
+            memcpy(v_cache + slot * width, value + i * value_row_stride,                       \
+                   sizeof(T) * (size_t)width);                                                 \
+        }                                                                                      \
+        return 0;                                                                              \
     }
-    for (int64_t i = 0; i < num_tokens; i++) {
-        const int64_t slot = slots[i];
-        if (slot < 0) continue;
-        memcpy(k_cache + slot * width, key + i * key_row_stride, sizeof(float) * (size_t)width);
-        memcpy(v_cache + slot * width, value + i * value_row_stride,
-               sizeof(float) * (size_t)width);
-    }
-    return 0;
-}
 
-/* out[i, :] = silu(x[i, :inter]) * x[i, inter:] for x [num_rows, 2 * inter]. */
-static inline void silu_and_mul_row(float *restrict out, const float *restrict gate,
-                                    const float *restrict up, int64_t inter) {
-#pragma omp simd
-    for (int64_t d = 0; d < inter; d++) {
-        /* exp(-g) clamped below overflow: inf would turn into NaN under fast-math */
-        const float e = expf(fminf(-gate[d], 80.0f));
-        out[d] = gate[d] / (1.0f + e) * up[d];
-    }
-}
+WRITE_KV(float, specserve_write_kv)
+WRITE_KV(bf16, specserve_write_kv_bf16)
 
-void specserve_silu_and_mul(
-    float *out, const float *x, int64_t num_rows, int64_t inter, int32_t num_threads) {
-    if (num_rows >= PARALLEL_MIN_ROWS && num_threads > 1) {
-#pragma omp parallel for num_threads(num_threads) schedule(static)
-        for (int64_t i = 0; i < num_rows; i++)
-            silu_and_mul_row(out + i * inter, x + i * 2 * inter, x + i * 2 * inter + inter, inter);
-    } else {
-        for (int64_t i = 0; i < num_rows; i++)
-            silu_and_mul_row(out + i * inter, x + i * 2 * inter, x + i * 2 * inter + inter, inter);
-    }
+/* out[i, :] = silu(x[i, :inter]) * x[i, inter:] for x [num_rows, 2 * inter]; silu
+ * rounded, then the product rounded (torch: F.silu(gate) * up). fast-math divides by
+ * a reciprocal estimate and a Newton step, which put silu(5.9375), within 1e-6 of a
+ * bf16 tie, on the other side of it from torch's exact division; the bf16 kernel
+ * corrects the quotient by its exact residual where there is FMA. */
+#define SILU_DIV_f32(g, d) ((g) / (d))
+#ifdef __FMA__
+INLINE float div_corrected(float g, float d) {
+    const float q = g / d;
+    return fmaf(fmaf(-q, d, g), 1.0f / d, q);
 }
+#define SILU_DIV_bf16(g, d) div_corrected(g, d)
+#else
+#define SILU_DIV_bf16(g, d) ((g) / (d))
+#endif
+#define SILU_AND_MUL(T, S, NAME)                                                               \
+    INLINE void silu_and_mul_row_##S(T *restrict out, const T *restrict gate,                  \
+                                     const T *restrict up, int64_t inter) {                    \
+        _Pragma("omp simd") for (int64_t d = 0; d < inter; d++) {                              \
+            /* exp(-g) clamped below overflow: inf would turn into NaN under fast-math */     \
+            const float g = ld_##S(gate, d);                                                   \
+            const float e = expf(fminf(-g, 80.0f));                                            \
+            st_##S(out, d, rnd_##S(SILU_DIV_##S(g, 1.0f + e)) * ld_##S(up, d));                \
+        }                                                                                      \
+    }                                                                                          \
+                                                                                               \
+    void NAME(T *out, const T *x, int64_t num_rows, int64_t inter, int32_t num_threads) {      \
+        FOR_ROWS(num_rows, num_threads, SILU_ROW_##S);                                         \
+    }
+
+#define SILU_ROW_f32(i) \
+    silu_and_mul_row_f32(out + (i) * inter, x + (i) * 2 * inter, x + (i) * 2 * inter + inter, inter)
+#define SILU_ROW_bf16(i) \
+    silu_and_mul_row_bf16(out + (i) * inter, x + (i) * 2 * inter, x + (i) * 2 * inter + inter, inter)
+
+SILU_AND_MUL(float, f32, specserve_silu_and_mul)
+SILU_AND_MUL(bf16, bf16, specserve_silu_and_mul_bf16)

@@ -1,8 +1,10 @@
 """Building blocks of the Llama family: RMSNorm, rotary embeddings, SiLU-and-multiply.
 
-On CPU in float32 each runs as one call into specserve's compiled kernels
+On CPU in float32 and bfloat16 each runs as one call into specserve's compiled kernels
 (engine/kernels/cpu_kernels.c) when they are available; otherwise, and on every other
-device and dtype, as torch ops. Both give the same values up to fp32 rounding.
+device and dtype, as torch ops. In float32 both give the same values up to fp32
+rounding; in bfloat16 the kernels round where the torch ops below round, so they give
+the same bfloat16 values but for rare one-ulp differences (engine/kernels/cpu.py).
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ class RMSNorm(nn.Module):
         residual add of the previous sub-layer fused in. The kernel path updates
         ``residual`` in place, so callers must own it."""
         kernels = kernels_for(x.device, x.dtype)
-        if kernels is not None and x.is_contiguous():
+        if kernels is not None and x.is_contiguous() and self.weight.dtype is x.dtype:
             out = kernels.rms_norm(x, self.weight.detach(), self.eps, residual)
             return out if residual is None else (out, residual)
         if residual is None:
@@ -93,6 +95,8 @@ class RotaryEmbedding(nn.Module):
             table = self._cos_sin = self._build(positions.device, dtype)
         if kernels_for(table.device, table.dtype) is not None and positions.is_contiguous():
             return RopeBatch(table, positions, None, None)
+        # In the model's dtype on both paths: torch's (and transformers') bf16 rotary
+        # multiplies by bf16 cos / sin, and the kernel rounds as it does.
         cos_sin = table.index_select(0, positions)  # [num_tokens, 2, head_dim // 2]
         return RopeBatch(table, positions, cos_sin[:, 0:1], cos_sin[:, 1:2])
 

@@ -1,10 +1,13 @@
 """Misuse of the CPU kernel wrappers: a one-line ValueError, never a crash or garbage.
 
 Each wrapper gets valid arguments with one thing broken (rank, dtype, device, layout,
-a length that must agree, an index C reads through). The hypothesis tests draw random
-shapes and indices, valid or not, and hold the kernels to a Python statement of the
-contract: valid input computes the reference result, invalid input raises ValueError.
-An out-of-bounds access in C would show as a crash of this process or a wrong result.
+a length that must agree, an index C reads through), in float32 and again with every
+float32 tensor made bfloat16 (same shape, strides and offset), so each case reaches the
+same check through the other entry point; a call mixing the two dtypes is refused. The
+hypothesis tests draw random shapes and indices, valid or not, in both dtypes, and
+hold the kernels to a Python statement of the contract: valid input computes the
+reference result, invalid input raises ValueError. An out-of-bounds access in C would
+show as a crash of this process or a wrong result.
 """
 
 from __future__ import annotations
@@ -17,8 +20,10 @@ from hypothesis import strategies as st
 
 from engine.kernels.cpu import CpuKernels, cpu_kernels
 from engine.models.layers import apply_rope
+from tests.engine.test_cpu_kernels import BF16_ATTENTION_TOL, DTYPES, assert_bf16_close
 
 _I32 = torch.int32
+_BF16 = torch.bfloat16
 _INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
 
 
@@ -34,6 +39,22 @@ def _refused(call, match: str) -> None:
     with pytest.raises(ValueError, match=match) as info:
         call()
     assert "\n" not in str(info.value)
+
+
+def _as(dtype: torch.dtype, t):
+    """A float32 tensor in ``dtype`` with the same shape, strides and storage offset
+    (views stay views: an expanded or strided case stays broken the same way); anything
+    else as it is."""
+    if not isinstance(t, torch.Tensor) or t.dtype != torch.float32 or dtype == torch.float32:
+        return t
+    if t.layout != torch.strided:
+        return t.to(dtype)
+    base = t if t._base is None else t._base
+    return base.to(dtype).as_strided(t.shape, t.stride(), t.storage_offset())
+
+
+def _all_as(dtype: torch.dtype, args: dict) -> dict:
+    return {name: _as(dtype, value) for name, value in args.items()}
 
 
 # ---- paged_attention: 3 sequences of 1 query token, 4 heads over 2 KV heads of 8 ----
@@ -57,13 +78,13 @@ def _attention(**overrides) -> dict:
 
 _ATTENTION_MISUSE = {
     "query 2-D": ({"query": torch.randn(3, 32)}, "query must be 3-D"),
-    "query bf16": (
-        {"query": torch.randn(3, 4, 8, dtype=torch.bfloat16)},
-        "query must be a float32",
+    "query fp16": (
+        {"query": torch.randn(3, 4, 8, dtype=torch.float16)},
+        "query must be a float32 or bfloat16 CPU tensor, got torch.float16",
     ),
     "query on meta": (
         {"query": torch.randn(3, 4, 8, device="meta")},
-        "query must be a float32 CPU",
+        "query must be a float32 or bfloat16 CPU",
     ),
     "query heads strided": (
         {"query": torch.randn(3, 8, 4).transpose(1, 2)},
@@ -163,17 +184,67 @@ _ATTENTION_MISUSE = {
 }
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("case", list(_ATTENTION_MISUSE))
-def test_paged_attention_refuses(kernels, case):
+def test_paged_attention_refuses(kernels, case, dtype):
     overrides, match = _ATTENTION_MISUSE[case]
-    _refused(lambda: kernels.paged_attention(**_attention(**overrides)), match)
+    args = _all_as(dtype, _attention(**overrides))
+    _refused(lambda: kernels.paged_attention(**args), match)
 
 
-def test_paged_attention_baseline_is_valid(kernels):
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_paged_attention_baseline_is_valid(kernels, dtype):
     """The arguments the cases above break one at a time are themselves accepted."""
-    args = _attention()
+    args = _all_as(dtype, _attention())
     kernels.paged_attention(**args)
     assert torch.isfinite(args["out"]).all()
+
+
+# One float argument in the other dtype: (kernel, argument) -> the dtype the call has.
+_MIXED = {
+    ("paged_attention", "out"): "query",
+    ("paged_attention", "k_cache"): "query",
+    ("paged_attention", "v_cache"): "query",
+    ("rms_norm", "weight"): "x",
+    ("rms_norm", "residual"): "x",
+    ("rope", "cos_sin"): "x",
+    ("write_kv", "value"): "key",
+    ("write_kv", "k_cache"): "key",
+    ("write_kv", "v_cache"): "key",
+}
+
+
+def _valid_args(kernel: str) -> dict:
+    if kernel == "paged_attention":
+        return _attention()
+    if kernel == "rms_norm":
+        return {"x": _X.clone(), "weight": _W, "eps": 1e-5, "residual": torch.randn(4, 96)}
+    return _rope() if kernel == "rope" else _write()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("kernel", "name"), list(_MIXED))
+def test_mixed_dtypes_are_refused(kernels, kernel, name, dtype):
+    """The call's dtype is its first float argument's; any other float argument in
+    another dtype is named, with both dtypes, before anything is written."""
+    other = _BF16 if dtype == torch.float32 else torch.float32
+    args = _all_as(dtype, _valid_args(kernel))
+    args[name] = args[name].to(other)
+    before = {k: v.clone() for k, v in args.items() if isinstance(v, torch.Tensor)}
+    first = _MIXED[(kernel, name)]
+    _refused(
+        lambda: getattr(kernels, kernel)(**args),
+        f"^{name} is {other} but {first} is {dtype}: the float tensors of one call must "
+        "share one dtype$",
+    )
+    for k, v in before.items():
+        assert torch.equal(args[k], v), k
+
+
+@pytest.mark.parametrize("kernel", ["paged_attention", "rms_norm", "rope", "write_kv"])
+def test_bf16_baselines_are_valid(kernels, kernel):
+    """The bf16 twins of the arguments the mixed cases break are accepted."""
+    getattr(kernels, kernel)(**_all_as(_BF16, _valid_args(kernel)))
 
 
 # ---- rms_norm, rope, write_kv, silu_and_mul ----
@@ -182,7 +253,7 @@ _X, _W = torch.randn(4, 96), torch.randn(96)
 _NORM_MISUSE = {
     "x 1-D": ((torch.randn(96), _W), {}, "x must be 2-D"),
     "x 3-D": ((torch.randn(2, 4, 96), _W), {}, "x must be 2-D"),
-    "x int": ((torch.ones(4, 96, dtype=_I32), _W), {}, "x must be a float32"),
+    "x int": ((torch.ones(4, 96, dtype=_I32), _W), {}, "x must be a float32 or bfloat16"),
     "x sparse": ((torch.randn(4, 96).to_sparse(), _W), {}, r"x must be a float32 .*sparse"),
     "x transposed": ((torch.randn(96, 4).t(), _W), {}, "x must be contiguous"),
     "1-element weight": ((_X, torch.randn(1)), {}, r"weight \[1\] must be \[96\]"),
@@ -203,9 +274,11 @@ _NORM_MISUSE = {
 }
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("case", list(_NORM_MISUSE))
-def test_rms_norm_refuses(kernels, case):
+def test_rms_norm_refuses(kernels, case, dtype):
     (x, weight), kwargs, match = _NORM_MISUSE[case]
+    x, weight, kwargs = _as(dtype, x), _as(dtype, weight), _all_as(dtype, kwargs)
     _refused(lambda: kernels.rms_norm(x, weight, 1e-5, **kwargs), match)
 
 
@@ -249,10 +322,11 @@ _ROPE_MISUSE = {
 }
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("case", list(_ROPE_MISUSE))
-def test_rope_refuses(kernels, case):
+def test_rope_refuses(kernels, case, dtype):
     overrides, match = _ROPE_MISUSE[case]
-    args = _rope(**overrides)
+    args = _all_as(dtype, _rope(**overrides))
     before = args["x"].clone()
     _refused(lambda: kernels.rope(**args), match)
     assert torch.equal(args["x"], before)  # nothing rotated before refusing
@@ -281,17 +355,18 @@ _WRITE_MISUSE = {
     ),
     "key heads differ": ({"key": torch.randn(3, 1, 8)}, "do not fit cache"),
     "value shorter": ({"value": torch.randn(2, 2, 8)}, "do not fit cache"),
-    "key bf16": ({"key": torch.randn(3, 2, 8, dtype=torch.bfloat16)}, "key must be a float32"),
+    "key fp64": ({"key": torch.randn(3, 2, 8, dtype=torch.float64)}, "key must be a float32"),
     "slots int32": ({"slots": torch.tensor([5, -1, 11], dtype=_I32)}, "slots must be an int64"),
     "slots short": ({"slots": torch.tensor([5, 6])}, r"slots \(2,\) must be \[3\]"),
     "slot past the cache": ({"slots": torch.tensor([0, 1, 12])}, "past the cache's 12 slots"),
 }
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("case", list(_WRITE_MISUSE))
-def test_write_kv_refuses(kernels, case):
+def test_write_kv_refuses(kernels, case, dtype):
     overrides, match = _WRITE_MISUSE[case]
-    args = _write(**overrides)
+    args = _all_as(dtype, _write(**overrides))
     _refused(lambda: kernels.write_kv(**args), match)
     assert not args["k_cache"].any() and not args["v_cache"].any()  # nothing written
 
@@ -302,13 +377,15 @@ _SILU_MISUSE = {
     "3-D": (torch.randn(2, 4, 8), "x must be 2-D"),
     "transposed": (torch.randn(8, 4).t(), "x must be contiguous"),
     "fp16": (torch.randn(4, 8, dtype=torch.float16), "x must be a float32"),
-    "meta": (torch.randn(4, 8, device="meta"), "x must be a float32 CPU tensor"),
+    "meta": (torch.randn(4, 8, device="meta"), "x must be a float32 or bfloat16 CPU tensor"),
 }
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("case", list(_SILU_MISUSE))
-def test_silu_and_mul_refuses(kernels, case):
+def test_silu_and_mul_refuses(kernels, case, dtype):
     x, match = _SILU_MISUSE[case]
+    x = _as(dtype, x)
     _refused(lambda: kernels.silu_and_mul(x), match)
 
 
@@ -318,23 +395,40 @@ _SETTINGS = settings(max_examples=60, deadline=None)
 _index = st.one_of(st.integers(-3, 20), st.integers(_INT32_MIN, _INT32_MAX))
 
 
+def _torch_rms_norm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    if x.dtype == torch.float32:
+        return F.rms_norm(x, (x.shape[1],), weight, 1e-5)
+    # the model's bf16 path (layers.RMSNorm._norm)
+    x32 = x.float()
+    return weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + 1e-5)).to(x.dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @_SETTINGS
 @given(rows=st.integers(0, 5), width=st.integers(0, 9), weight_len=st.integers(0, 9))
-def test_rms_norm_and_silu_random_shapes(kernels, rows, width, weight_len):
-    x = torch.randn(rows, width)
-    weight = torch.randn(weight_len)
+def test_rms_norm_and_silu_random_shapes(kernels, dtype, rows, width, weight_len):
+    x = torch.randn(rows, width).to(dtype)
+    weight = torch.randn(weight_len).to(dtype)
     if weight_len == width:
-        expected = F.rms_norm(x, (width,), weight, 1e-5)
-        torch.testing.assert_close(kernels.rms_norm(x, weight, 1e-5), expected)
+        out, expected = kernels.rms_norm(x, weight, 1e-5), _torch_rms_norm(x, weight)
+        if dtype == torch.float32:
+            torch.testing.assert_close(out, expected)
+        else:
+            assert_bf16_close(out, expected, max_ulps=2, max_fraction=1.0)
     else:
         _refused(lambda: kernels.rms_norm(x, weight, 1e-5), "weight")
     if width % 2 == 0:
         gate, up = x.split(width // 2, dim=1) if width else (x, x)
-        torch.testing.assert_close(kernels.silu_and_mul(x), F.silu(gate) * up)
+        out, expected = kernels.silu_and_mul(x), F.silu(gate) * up
+        if dtype == torch.float32:
+            torch.testing.assert_close(out, expected)
+        else:
+            assert torch.equal(out, expected)
     else:
         _refused(lambda: kernels.silu_and_mul(x), "must be even")
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
 @_SETTINGS
 @given(
     data=st.data(),
@@ -344,13 +438,13 @@ def test_rms_norm_and_silu_random_shapes(kernels, rows, width, weight_len):
     num_rotated=st.integers(-1, 4),
     extra=st.integers(0, 5),
 )
-def test_rope_random(kernels, data, num_tokens, half, num_positions, num_rotated, extra):
+def test_rope_random(kernels, dtype, data, num_tokens, half, num_positions, num_rotated, extra):
     head_dim = 2 * half
     width = 3 * head_dim + extra
-    x = torch.randn(num_tokens, width)
+    x = torch.randn(num_tokens, width).to(dtype)
     positions = torch.tensor(data.draw(st.lists(_index, min_size=num_tokens, max_size=num_tokens)))
     positions = positions.to(torch.int64).reshape(num_tokens)
-    cos_sin = torch.randn(num_positions, 2, half)
+    cos_sin = torch.randn(num_positions, 2, half).to(dtype)
     args = (x, positions, cos_sin, num_rotated)
     if not 0 <= num_rotated * head_dim <= width:
         return _refused(lambda: kernels.rope(*args), "num_rotated")
@@ -362,10 +456,14 @@ def test_rope_random(kernels, data, num_tokens, half, num_positions, num_rotated
     expected = apply_rope(qk, cs[:, 0:1], cs[:, 1:2]).reshape(num_tokens, width_rotated)
     rest = x[:, width_rotated:].clone()
     kernels.rope(*args)
-    torch.testing.assert_close(x[:, :width_rotated], expected)
+    if dtype == torch.float32:
+        torch.testing.assert_close(x[:, :width_rotated], expected)
+    else:  # rounded as torch's bf16 ops round
+        assert torch.equal(x[:, :width_rotated], expected)
     assert torch.equal(x[:, width_rotated:], rest)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
 @_SETTINGS
 @given(
     data=st.data(),
@@ -374,11 +472,12 @@ def test_rope_random(kernels, data, num_tokens, half, num_positions, num_rotated
     block_size=st.integers(1, 3),
     kv_heads=st.integers(1, 2),
 )
-def test_write_kv_random(kernels, data, num_tokens, num_blocks, block_size, kv_heads):
+def test_write_kv_random(kernels, dtype, data, num_tokens, num_blocks, block_size, kv_heads):
     num_slots = num_blocks * block_size
     slots = data.draw(st.lists(_index, min_size=num_tokens, max_size=num_tokens))
-    key, value = torch.randn(num_tokens, kv_heads, 4), torch.randn(num_tokens, kv_heads, 4)
-    k_cache = torch.zeros(num_blocks, block_size, kv_heads, 4)
+    key = torch.randn(num_tokens, kv_heads, 4).to(dtype)
+    value = torch.randn(num_tokens, kv_heads, 4).to(dtype)
+    k_cache = torch.zeros(num_blocks, block_size, kv_heads, 4, dtype=dtype)
     v_cache = torch.zeros_like(k_cache)
     args = (key, value, k_cache, v_cache, torch.tensor(slots, dtype=torch.int64))
     if any(s >= num_slots for s in slots):
@@ -387,8 +486,8 @@ def test_write_kv_random(kernels, data, num_tokens, num_blocks, block_size, kv_h
         return
     kernels.write_kv(*args)
     expected_k, expected_v = (
-        torch.zeros(num_slots, kv_heads, 4),
-        torch.zeros(num_slots, kv_heads, 4),
+        torch.zeros(num_slots, kv_heads, 4, dtype=dtype),
+        torch.zeros(num_slots, kv_heads, 4, dtype=dtype),
     )
     for i, s in enumerate(slots):
         if s >= 0:
@@ -453,13 +552,14 @@ def _reference_attention(query, k_cache, v_cache, meta, s, group, scale):
     return (scores.softmax(-1) @ vals).transpose(0, 1)  # [q_len, heads, hd]
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
 @_SETTINGS
 @given(case=_attention_case())
-def test_paged_attention_random(kernels, case):
+def test_paged_attention_random(kernels, dtype, case):
     (kv_heads, group, block_size, num_blocks), meta, max_query_len, num_tokens = case
-    k_cache = torch.randn(num_blocks, block_size, kv_heads, 4)
+    k_cache = torch.randn(num_blocks, block_size, kv_heads, 4).to(dtype)
     v_cache = torch.randn_like(k_cache)
-    query = torch.randn(num_tokens, kv_heads * group, 4)
+    query = torch.randn(num_tokens, kv_heads * group, 4).to(dtype)
     out = torch.full_like(query, float("nan"))
 
     def call():
@@ -479,7 +579,10 @@ def test_paged_attention_random(kernels, case):
     if not _attention_valid(meta, max_query_len, num_tokens, group, block_size, num_blocks):
         return _refused(call, "max_query_len|block id")
     call()
+    tol = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else BF16_ATTENTION_TOL
     for s in set(meta["seq_ids"]):
-        expected = _reference_attention(query, k_cache, v_cache, meta, s, group, 0.5)
-        rows = out[meta["qsl"][s] : meta["qsl"][s + 1]]
-        torch.testing.assert_close(rows, expected, rtol=1e-5, atol=1e-5)
+        expected = _reference_attention(
+            query.float(), k_cache.float(), v_cache.float(), meta, s, group, 0.5
+        )
+        rows = out[meta["qsl"][s] : meta["qsl"][s + 1]].float()
+        torch.testing.assert_close(rows, expected, **tol)

@@ -1,4 +1,14 @@
-"""The compiled fp32 CPU kernels against plain torch references."""
+"""The compiled CPU kernels against plain torch references, in float32 and bfloat16.
+
+bfloat16 tolerances: the residual add, rotary and SiLU-and-mul are bit-identical to
+torch's bfloat16 ops (SiLU over every bfloat16 input). RMSNorm sums its squares in
+another order than torch's reduction, so a row's fp32 scale can differ in its last bit
+and put a few elements (about 1 in 10^5) on the other side of a bfloat16 rounding
+boundary: at most 2 ulps (the rounded normalised value, then times the weight), in at
+most 1 in 1000 elements. Attention is computed in fp32 and rounded once, so it is held
+to the exact (fp32) attention of its bfloat16 inputs within half a bfloat16 ulp,
+rtol 2^-8, plus fp32 summation error.
+"""
 
 from __future__ import annotations
 
@@ -12,7 +22,14 @@ import torch.nn.functional as F
 from engine.kernels import build as build_mod
 from engine.kernels import cpu as cpu_mod
 from engine.kernels.cpu import CpuKernels, KernelBuildError, build_library, cpu_kernels
-from engine.models.layers import apply_rope
+from engine.models.layers import RMSNorm, apply_rope
+
+DTYPES = [
+    pytest.param(torch.float32, id="fp32"),
+    pytest.param(torch.bfloat16, id="bf16"),
+]
+# bf16 attention: half an ulp of rounding (<= 2^-8 relative) plus fp32 sums
+BF16_ATTENTION_TOL = {"rtol": 4e-3, "atol": 1e-5}
 
 
 @pytest.fixture(scope="module")
@@ -42,6 +59,30 @@ def _reference_attention(q, k_cache, v_cache, tables, seq_lens, q_lens, scale):
     return torch.cat(outs)
 
 
+def _ordered(t: torch.Tensor) -> torch.Tensor:
+    """bfloat16 bit patterns as integers in the order of the values (+0 and -0 equal)."""
+    bits = t.view(torch.int16).int()
+    return torch.where(bits < 0, -(bits + 32768), bits)
+
+
+def assert_bf16_close(out, expected, max_ulps: int, max_fraction: float) -> None:
+    """Every element within ``max_ulps`` bfloat16 ulps, and at most ``max_fraction`` of
+    them different at all."""
+    assert out.dtype == expected.dtype == torch.bfloat16 and out.shape == expected.shape
+    ulps = (_ordered(out) - _ordered(expected)).abs()
+    assert ulps.numel() == 0 or int(ulps.max()) <= max_ulps
+    assert int((ulps > 0).sum()) <= max_fraction * ulps.numel()
+
+
+def _torch_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """The model's torch path (RMSNorm._norm) in x's dtype."""
+    norm = RMSNorm(x.shape[1], eps).to(x.dtype)
+    with torch.no_grad():
+        norm.weight.copy_(weight)
+    return norm._norm(x)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(
     ("heads", "kv_heads", "head_dim", "q_lens", "seq_lens"),
     [
@@ -50,22 +91,24 @@ def _reference_attention(q, k_cache, v_cache, tables, seq_lens, q_lens, scale):
         (8, 2, 32, [16, 1, 7], [16, 50, 7]),  # a whole-prompt prefill beside decodes
     ],
 )
-def test_paged_attention_matches_reference(kernels, heads, kv_heads, head_dim, q_lens, seq_lens):
+def test_paged_attention_matches_reference(
+    kernels, heads, kv_heads, head_dim, q_lens, seq_lens, dtype
+):
     gen = torch.Generator().manual_seed(0)
     block_size, num_blocks = 16, 32
-    k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen)
-    v_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen)
+    k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen).to(dtype)
+    v_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen).to(dtype)
     free = torch.randperm(num_blocks - 1, generator=gen).add(1).tolist()  # shuffled, no 0
     tables = [[free.pop() for _ in range(-(-s // block_size))] for s in seq_lens]
     width = max(map(len, tables))
     table_t = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
     # Queries live inside a wider fused buffer, like the q heads of a qkv projection.
     num_tokens = sum(q_lens)
-    fused = torch.randn(num_tokens, (heads + 2 * kv_heads) * head_dim, generator=gen)
+    fused = torch.randn(num_tokens, (heads + 2 * kv_heads) * head_dim, generator=gen).to(dtype)
     q = fused[:, : heads * head_dim].view(num_tokens, heads, head_dim)
     qsl = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
     scale = head_dim**-0.5
-    out = torch.full((num_tokens, heads, head_dim), float("nan"))
+    out = torch.full((num_tokens, heads, head_dim), float("nan"), dtype=dtype)
     kernels.paged_attention(
         out,
         q,
@@ -78,8 +121,14 @@ def test_paged_attention_matches_reference(kernels, heads, kv_heads, head_dim, q
         max(q_lens),
         scale,
     )
-    expected = _reference_attention(q, k_cache, v_cache, tables, seq_lens, q_lens, scale)
-    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    # fp32 reference of the values as stored
+    expected = _reference_attention(
+        q.float(), k_cache.float(), v_cache.float(), tables, seq_lens, q_lens, scale
+    )
+    if dtype == torch.float32:
+        torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    else:
+        torch.testing.assert_close(out.float(), expected, **BF16_ATTENTION_TOL)
 
 
 def test_paged_attention_selected_sequences_only(kernels):
@@ -144,8 +193,8 @@ def test_paged_attention_refuses_metadata_that_does_not_fit(kernels, seq_lens, s
         )
 
 
-def test_paged_attention_refuses_wrong_dtypes(kernels):
-    with pytest.raises(ValueError, match="query must be a float32 CPU tensor"):
+def test_paged_attention_refuses_mixed_dtypes(kernels):
+    with pytest.raises(ValueError, match="out is torch.float32 but query is torch.bfloat16"):
         kernels.paged_attention(
             torch.zeros(1, 2, 8),
             torch.randn(1, 2, 8, dtype=torch.bfloat16),
@@ -175,28 +224,47 @@ def test_rms_norm_and_fused_residual(kernels, rows):
     torch.testing.assert_close(out, expected)
 
 
-def test_rope_rotates_q_and_k_heads_in_place(kernels):
+@pytest.mark.parametrize("rows", [3, 100, 2000])
+def test_rms_norm_bf16_rounds_like_the_torch_path(kernels, rows):
+    gen = torch.Generator().manual_seed(rows)
+    bf16 = torch.bfloat16
+    x = (torch.randn(rows, 576, generator=gen) * 3).to(bf16)
+    residual = torch.randn(rows, 576, generator=gen).to(bf16)
+    weight = torch.randn(576, generator=gen).to(bf16)
+    assert_bf16_close(kernels.rms_norm(x, weight, 1e-5), _torch_rms_norm(x, weight, 1e-5), 2, 1e-3)
+    expected_residual = x + residual  # rounded to bf16 once, as the kernel does
+    out = kernels.rms_norm(x, weight, 1e-5, residual=residual)
+    assert torch.equal(residual, expected_residual)
+    assert_bf16_close(out, _torch_rms_norm(expected_residual, weight, 1e-5), 2, 1e-3)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rope_rotates_q_and_k_heads_in_place(kernels, dtype):
     heads, kv_heads, head_dim, n = 4, 2, 16, 70
-    qkv = torch.randn(n, (heads + 2 * kv_heads) * head_dim)
+    qkv = torch.randn(n, (heads + 2 * kv_heads) * head_dim).to(dtype)
     positions = torch.randint(0, 50, (n,))
     angles = torch.arange(64)[:, None] * torch.rand(head_dim // 2)[None, :]
-    cos_sin = torch.stack([angles.cos(), angles.sin()], dim=1)  # [64, 2, hd/2]
+    cos_sin = torch.stack([angles.cos(), angles.sin()], dim=1).to(dtype)  # [64, 2, hd/2]
     qk = qkv[:, : (heads + kv_heads) * head_dim].reshape(n, heads + kv_heads, head_dim)
     cs = cos_sin[positions]
     expected = apply_rope(qk, cs[:, 0:1], cs[:, 1:2])
     v_before = qkv[:, (heads + kv_heads) * head_dim :].clone()
     kernels.rope(qkv, positions, cos_sin, heads + kv_heads)
     rotated = qkv[:, : (heads + kv_heads) * head_dim].view(n, heads + kv_heads, head_dim)
-    torch.testing.assert_close(rotated, expected)
+    if dtype == torch.float32:
+        torch.testing.assert_close(rotated, expected)
+    else:  # torch rounds each product and each sum to bf16; so does the kernel
+        assert torch.equal(rotated, expected)
     assert torch.equal(qkv[:, (heads + kv_heads) * head_dim :], v_before)
     with pytest.raises(ValueError, match="outside the rotary table"):
         kernels.rope(qkv, torch.full((n,), 64), cos_sin, heads + kv_heads)
 
 
-def test_write_kv_skips_padding_and_refuses_out_of_range_slots(kernels):
-    k_cache = torch.zeros(3, 4, 2, 8)
-    v_cache = torch.zeros(3, 4, 2, 8)
-    fused = torch.randn(3, 48)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_write_kv_skips_padding_and_refuses_out_of_range_slots(kernels, dtype):
+    k_cache = torch.zeros(3, 4, 2, 8, dtype=dtype)
+    v_cache = torch.zeros(3, 4, 2, 8, dtype=dtype)
+    fused = torch.randn(3, 48).to(dtype)
     key = fused[:, 16:32].view(3, 2, 8)
     value = fused[:, 32:48].view(3, 2, 8)
     kernels.write_kv(key, value, k_cache, v_cache, torch.tensor([5, -1, 11]))
@@ -215,6 +283,22 @@ def test_silu_and_mul(kernels, rows):
     out = kernels.silu_and_mul(x)
     assert torch.isfinite(out).all()
     torch.testing.assert_close(out, F.silu(gate) * up)
+
+
+@pytest.mark.parametrize("rows", [2, 80])
+def test_silu_and_mul_bf16_is_torchs(kernels, rows):
+    x = (torch.randn(rows, 2 * 40) * 4).to(torch.bfloat16)
+    gate, up = x.split(40, dim=1)
+    assert torch.equal(kernels.silu_and_mul(x), F.silu(gate) * up)
+
+
+def test_silu_bf16_is_torchs_for_every_input(kernels):
+    """Every finite bfloat16 gate from -80 up (below, exp(-gate) is clamped: the result
+    is a tiny negative number where torch's is -0 or subnormal)."""
+    gate = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    gate = gate[torch.isfinite(gate) & (gate >= -80)]
+    x = torch.stack([gate, torch.ones_like(gate)], dim=1)  # up = 1: silu alone
+    assert torch.equal(kernels.silu_and_mul(x)[:, 0], F.silu(gate))
 
 
 def test_build_failure_is_one_line_and_falls_back(monkeypatch, tmp_path, caplog):

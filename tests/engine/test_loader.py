@@ -166,11 +166,12 @@ def test_device_dtype_and_backend_resolution(tiny_model_dir):
         resolve_device("tpu")
     if not torch.cuda.is_available():
         assert resolve_device("auto") == torch.device("cpu")
-        assert resolve_attn_backend("auto", torch.device("cpu"), torch.bfloat16) == "torch"
-        # fp32 on CPU: the compiled kernels (the CI machine has gcc)
+        assert resolve_attn_backend("auto", torch.device("cpu"), torch.float16) == "torch"
+        # fp32 and bf16 on CPU: the compiled kernels (the CI machine has gcc)
         assert resolve_attn_backend("auto", torch.device("cpu"), torch.float32) == "cpu"
+        assert resolve_attn_backend("auto", torch.device("cpu"), torch.bfloat16) == "cpu"
         with pytest.raises(ValueError, match="attn_backend 'cpu' runs float32 on the CPU"):
-            resolve_attn_backend("cpu", torch.device("cpu"), torch.bfloat16)
+            resolve_attn_backend("cpu", torch.device("cpu"), torch.float16)
         with pytest.raises(RuntimeError, match="CUDA is not available"):
             resolve_device("cuda:0")
         with pytest.raises(RuntimeError, match="needs a CUDA GPU and the xformers package"):

@@ -1,0 +1,97 @@
+"""bfloat16 on CPU through the real engine: the compiled kernels against torch ops.
+
+Two engines on the same tiny bf16 checkpoint and the same requests: one with the
+kernels (the `cpu` attention backend, norm / rotary / SiLU kernels), one with
+``cpu_kernels_enabled(False)`` (torch ops, the `torch` backend). Each step's batch is the
+same in both, so their logits can be compared step by step.
+
+They are not bit-identical: the norm, rotary and SiLU kernels round like torch's bf16
+ops (tests/engine/test_cpu_kernels.py), but attention is not. The kernel keeps the
+softmax and P.V in fp32 and rounds its output once; torch's SDPA rounds the
+probabilities to bf16 before P.V. Each layer's attention output then differs by about
+a bf16 ulp in some elements, which the next layers carry on. The logits stay within
+LOGIT_TOL of the logit scale (measured: at most 2.0% on these models; a real bug, such as
+an unrounded norm, a wrong cos/sin table or a misread cache, moves them by tens of
+percent). Greedy tokens are asserted equal on prompts and lengths where the two paths
+agree here: a random tiny model has near-ties that a one-ulp difference could break
+on another CPU, so every divergence is reported with the torch path's top-2 margin.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.kernels.cpu import cpu_kernels_enabled
+from tests.engine.engine_helpers import greedy, make_engine, prompts_of_lengths, run_to_completion
+
+# |kernels - torch ops| <= LOGIT_TOL * max |logit| (bf16 has 8 significant bits: ~0.4%
+# per rounding; a few roundings apart per layer).
+LOGIT_TOL = 0.05
+
+MODELS = {
+    "llama-gqa-hd16": ("llama", {}),
+    "llama-hd64": ("llama", {"head_dim": 64, "num_attention_heads": 2, "num_key_value_heads": 1}),
+    "qwen2-bias-tied": ("qwen2", {"tie_word_embeddings": True}),
+}
+# decode-only (short), a prompt over the kernel's 16-token query limit (SDPA half)
+PROMPT_LENGTHS = [3, 9, 17, 40]
+
+
+def _run(model_dir: str, kernels: bool, max_tokens: int) -> tuple[list[torch.Tensor], dict]:
+    """(each step's logits, results) of greedy decoding of PROMPT_LENGTHS prompts."""
+    with cpu_kernels_enabled(kernels):
+        engine = make_engine(model_dir, dtype="bfloat16", attn_backend="auto")
+        backend = engine.runner.model.model.layers[0].self_attn.attn_backend
+        assert backend.name == ("cpu" if kernels else "torch")
+        logits: list[torch.Tensor] = []
+        execute = engine.runner.execute
+
+        def recording(prepared):
+            out = execute(prepared)
+            logits.append(out.clone())
+            return out
+
+        engine.runner.execute = recording
+        prompts = prompts_of_lengths(PROMPT_LENGTHS, seed=3)
+        requests = [(str(i), p, greedy(max_tokens)) for i, p in enumerate(prompts)]
+        results = run_to_completion(engine, {0: requests})
+    return logits, results
+
+
+@pytest.fixture(scope="module", params=list(MODELS), ids=list(MODELS))
+def both(request, tiny_model_factory):
+    arch, overrides = MODELS[request.param]
+    model_dir = tiny_model_factory(arch=arch, **overrides)
+    return _run(model_dir, True, 12), _run(model_dir, False, 12)
+
+
+def test_bf16_uses_the_kernels(tiny_model_dir):
+    """A bf16 model on CPU gets the kernel attention backend and bf16 caches."""
+    engine = make_engine(tiny_model_dir, dtype="bfloat16", attn_backend="auto")
+    attn = engine.runner.model.model.layers[0].self_attn
+    assert attn.attn_backend.name == "cpu" and attn.kv_cache.dtype == torch.bfloat16
+
+
+def test_logits_match_torch_ops_every_step(both):
+    (ours, _), (ref, _) = both
+    assert len(ours) == len(ref) > 10  # prefill, then decode steps
+    for step, (a, b) in enumerate(zip(ours, ref, strict=True)):
+        assert a.shape == b.shape and torch.isfinite(a).all()
+        scale = b.abs().max().item()
+        err = (a - b).abs().max().item()
+        assert err <= LOGIT_TOL * scale, f"step {step}: max |diff| {err:.4f}, scale {scale:.3f}"
+
+
+def test_greedy_tokens_match_torch_ops(both):
+    (ours_logits, ours), (ref_logits, ref) = both
+    for request_id, result in ref.items():
+        assert ours[request_id]["token_ids"] == result["token_ids"], (
+            f"request {request_id} diverged; the torch path's top-2 margins per step: "
+            f"{[round(float(_margin(step)), 4) for step in ref_logits]}"
+        )
+
+
+def _margin(logits: torch.Tensor) -> torch.Tensor:
+    top2 = logits.topk(2, dim=-1).values
+    return (top2[:, 0] - top2[:, 1]).min()
