@@ -543,7 +543,8 @@ WRITE_KV(bf16, specserve_write_kv_bf16)
 #ifdef __FMA__
 INLINE float div_corrected(float g, float d) {
     const float q = g / d;
-    return fmaf(fmaf(-q, d, g), 1.0f / d, q);
+    const float r = fmaf(-q, d, g);
+    return r == 0.0f ? q : fmaf(r, 1.0f / d, q); /* keeps silu(-0) = -0 */
 }
 #define SILU_DIV_bf16(g, d) div_corrected(g, d)
 #else
