@@ -128,7 +128,12 @@ def add_engine_args(parser: argparse.ArgumentParser, *, with_seed: bool = True) 
         default=False,
     )
     flag("--device", "auto, cpu, cuda or cuda:N")
-    flag("--dtype", "auto: float32 on CPU, bfloat16 on CUDA", choices=DTYPES)
+    flag(
+        "--dtype",
+        "auto: bfloat16 on CUDA and on CPUs with native bf16 (AVX512-BF16, AMX, Arm BF16), "
+        "else float32; float32 for exact parity with transformers fp32",
+        choices=DTYPES,
+    )
     flag(
         "--attn-backend",
         "auto: xformers on CUDA when installed, the compiled kernels for float32 on CPU, "

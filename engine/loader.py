@@ -73,16 +73,51 @@ def resolve_device(device: str = "auto") -> torch.device:
 
 
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
-    """ "auto" -> float32 on CPU, bfloat16 on CUDA; else one of float32/bfloat16/float16."""
+    """ "auto" -> bfloat16 on CUDA and on CPUs with native bf16 arithmetic
+    (``cpu_has_native_bf16``), float32 on other CPUs; else one of float32/bfloat16/float16."""
     if dtype == "auto":
-        return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+        if torch.device(device).type == "cuda" or cpu_has_native_bf16():
+            return torch.bfloat16
+        return torch.float32
     if dtype not in _DTYPES:
         raise ValueError(f"dtype must be 'auto' or one of {', '.join(_DTYPES)}, got {dtype!r}")
     return _DTYPES[dtype]
 
 
+def describe_dtype(requested: str, resolved: str, device: str) -> str:
+    """The dtype for the startup log, with why when ``auto`` chose it."""
+    if requested != "auto":
+        return resolved
+    if device.startswith("cuda"):
+        why = "CUDA"
+    elif resolved == "bfloat16":
+        why = "this CPU has native bf16; --dtype float32 for exact fp32"
+    else:
+        why = "this CPU has no native bf16"
+    return f"{resolved} (auto: {why})"
+
+
+def cpu_has_native_bf16(cpuinfo: str | None = None) -> bool:
+    """Whether this CPU (or the given /proc/cpuinfo text) has bf16 dot-product
+    instructions (x86 AVX512-BF16 or AMX-BF16, Arm BF16): where oneDNN's bf16 GEMMs beat
+    fp32 ones, so ``--dtype auto`` picks bf16. Without them torch emulates bf16 and fp32
+    is as fast and exact."""
+    text = cpuinfo
+    if text is None:
+        try:
+            text = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            return False
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() in ("flags", "Features"):
+            flags = set(value.split())
+            return bool(flags & {"avx512_bf16", "amx_bf16", "bf16"})
+    return False
+
+
 def resolve_attn_backend(name: str, device: torch.device, dtype: torch.dtype) -> str:
-    """ "auto" -> xformers on CUDA when importable; on CPU in fp32 specserve's compiled
+    """ "auto" -> xformers on CUDA when importable; on CPU in fp32 or bf16 specserve's compiled
     kernels ("cpu") when they build; else torch."""
     if name == "auto":
         if xformers_available(device):
@@ -90,7 +125,7 @@ def resolve_attn_backend(name: str, device: torch.device, dtype: torch.dtype) ->
         return "cpu" if kernels_for(device, dtype) is not None else "torch"
     if name == "cpu" and not serves(device, dtype):
         raise ValueError(
-            f"attn_backend 'cpu' runs float32 on the CPU, not {dtype} on {device}; "
+            f"attn_backend 'cpu' runs float32 or bfloat16 on the CPU, not {dtype} on {device}; "
             "use 'auto', 'torch' or 'xformers'"
         )
     return name

@@ -4,10 +4,11 @@ kernel.
 Sequences with a short query (decode, 1 + k verification, a short prefill chunk) are
 computed straight from the paged cache by ``engine/kernels/cpu_kernels.c``: no gather
 of the context into a padded copy, no mask, each K/V block read once per KV head.
-That kernel is a plain loop over keys, so long prefill chunks (more than
+That kernel is a plain loop over keys, so in float32 long prefill chunks (more than
 ``SHORT_QUERY_MAX`` tokens, where attention is real compute) go through the torch
 backend's SDPA path instead, batched among themselves; both halves write into one
-output in packed order.
+output in packed order. In bfloat16 every query goes through the kernel (``_make_plan``
+says why).
 
 Measured on the 2-core CI machine (SmolLM2-135M, 32 decoding requests, contexts of
 ~40-100 tokens, `specserve bench step`): attention fell from 22-35 ms to 8-10 ms per
@@ -19,6 +20,7 @@ values to fp32 as it reads them and accumulates in fp32.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
@@ -70,7 +72,9 @@ class CpuAttentionBackend:
         scale: float,
     ) -> torch.Tensor:  # [num_tokens, num_heads * head_dim]
         metadata = get_attention_metadata()
-        plan = metadata.backend_plan(self.name, _make_plan)
+        plan = metadata.backend_plan(
+            f"{self.name}-{query.dtype}", partial(_make_plan, dtype=query.dtype)
+        )
         k_cache, v_cache = kv_cache[0], kv_cache[1]
         self.kernels.write_kv(key, value, k_cache, v_cache, metadata.slot_mapping)
         num_tokens, num_heads, head_dim = query.shape
@@ -97,10 +101,16 @@ class CpuAttentionBackend:
         return out.view(num_tokens, num_heads * head_dim)
 
 
-def _make_plan(metadata: AttentionMetadata) -> _Plan:
+def _make_plan(metadata: AttentionMetadata, dtype: torch.dtype) -> _Plan:
     q_lens = metadata.query_lens_cpu
-    short = [i for i, q in enumerate(q_lens) if q <= SHORT_QUERY_MAX]
-    long = [i for i, q in enumerate(q_lens) if q > SHORT_QUERY_MAX]
+    # bfloat16: every query through the kernel. Each output row is rounded to bf16, so
+    # the ulp by which SDPA and the kernel disagree would flip near-tied argmaxes, and a
+    # row's result would depend on the chunk it was scheduled in (a prefix-cache hit or
+    # a chunked prefill makes the same prompt's last chunk short). One kernel keeps
+    # greedy output identical with and without speculation, at some prefill speed.
+    limit = SHORT_QUERY_MAX if dtype == torch.float32 else max(q_lens, default=0)
+    short = [i for i, q in enumerate(q_lens) if q <= limit]
+    long = [i for i, q in enumerate(q_lens) if q > limit]
     short_ids = torch.tensor(short, dtype=torch.int32) if short else None
     short_max = max((q_lens[i] for i in short), default=0)
     if not long:

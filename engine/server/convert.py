@@ -59,6 +59,9 @@ def to_model_info(info: dict[str, Any]) -> pb.ModelInfo:
         max_waiting_requests=int(info.get("max_waiting_requests") or 0),
         num_kv_blocks=int(info.get("num_kv_blocks") or 0),
         eos_token_ids=[int(t) for t in info.get("eos_token_ids") or ()],
+        device=str(info.get("device") or ""),
+        dtype=str(info.get("dtype") or ""),
+        attn_backend=str(info.get("attn_backend") or ""),
     )
 
 

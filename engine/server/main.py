@@ -10,6 +10,7 @@ from collections.abc import Callable
 from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
 from engine.errors import EngineDeadError
+from engine.loader import describe_dtype
 from engine.server.app import ServerOptions, SpecserveServer
 from engine.server.ports import PortInUseError
 
@@ -59,7 +60,7 @@ async def _serve(
                 options.host,
                 port,
                 info.get("device"),
-                info.get("dtype"),
+                describe_dtype(config.dtype, info.get("dtype"), info.get("device")),
                 info.get("attn_backend"),
             )
         except (EngineDeadError, TimeoutError) as exc:

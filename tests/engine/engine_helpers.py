@@ -26,7 +26,9 @@ XFORMERS_ONLY = [
 
 
 def make_engine(model_dir: str, **overrides) -> LLMEngine:
-    config = dict(model=model_dir, speculative_method="none", num_kv_blocks=128, device="cpu")
+    config = dict(
+        model=model_dir, speculative_method="none", num_kv_blocks=128, device="cpu", dtype="float32"
+    )
     config.update(overrides)
     return LLMEngine(EngineConfig(**config))
 
@@ -79,10 +81,10 @@ def assert_all_blocks_released(engine: LLMEngine) -> None:
 
 
 @functools.lru_cache(maxsize=8)
-def _hf_model(model_dir: str):
+def _hf_model(model_dir: str, dtype: torch.dtype = torch.float32):
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
 
 
 def hf_greedy(model_dir: str, prompt_ids: list[int], max_tokens: int) -> list[int]:

@@ -14,11 +14,12 @@ LOGIT_TOL of the logit scale (measured: at most 2.0% on these models; a real bug
 as an unrounded norm, a wrong cos/sin table or a misread cache, moves them by tens of
 percent) for as long as both runs have fed a request the same tokens. Where the torch
 path's top two logits are closer than that, greedy decoding can pick differently and
-the runs go separate ways from there: a random tiny model has such near-ties. So the
-logits are compared per request up to the step where its tokens diverge (every request
-through prefill and its first decode, and most to the end), and the greedy tokens are
-asserted equal on the prompts where the two paths agree here, with every divergence
-reported with the torch path's top-2 margins.
+the runs go separate ways from there: a random tiny model has such near-ties (the
+40-token prompt of llama-gqa-hd16 meets one, a single bf16 ulp, at its second decode
+step). So logits are compared per request up to the step where its tokens diverge,
+and a divergence must be at such a near-tie. What must not depend on the path or the
+batch is the engine's own output with and without speculation: tests/engine/
+test_spec_decode.py checks that in bf16 (there one kernel computes every query row).
 """
 
 from __future__ import annotations
@@ -40,10 +41,6 @@ MODELS = {
 }
 # decode-only (short), prompts over fp32's 16-token kernel limit (bf16 has no limit)
 PROMPT_LENGTHS = [3, 9, 17, 40]
-# Left out of the greedy comparison: llama-gqa-hd16's 40-token prompt meets a near-tie
-# (top-2 margin 0.0156, one bf16 ulp at its logit scale) in its second decode step when
-# its prefill runs in the kernel rather than in SDPA.
-NEAR_TIED = {40}
 
 
 def _run(model_dir: str, kernels: bool, max_tokens: int) -> tuple[list[torch.Tensor], dict]:

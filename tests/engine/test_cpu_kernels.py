@@ -94,6 +94,9 @@ def _torch_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.
         (9, 3, 64, [1, 1, 1, 1], [1, 17, 40, 64]),  # decode, GQA 3, block boundaries
         (4, 4, 16, [1, 5, 3], [33, 5, 19]),  # verification-sized queries, MHA
         (8, 2, 32, [16, 1, 7], [16, 50, 7]),  # a whole-prompt prefill beside decodes
+        # bf16 sends every query to the kernel: long prefills and chunks beside decodes
+        (4, 2, 16, [40, 1, 17, 33], [40, 30, 60, 33]),
+        (9, 3, 64, [1, 100], [70, 130]),
     ],
 )
 def test_paged_attention_matches_reference(

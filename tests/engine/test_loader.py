@@ -16,6 +16,8 @@ from engine import envs
 from engine.default_model import default_gguf_path
 from engine.loader import (
     ModelLoadError,
+    cpu_has_native_bf16,
+    describe_dtype,
     load_model,
     resolve_attn_backend,
     resolve_device,
@@ -47,7 +49,7 @@ def _assert_same_logits(loaded, hf_dir: str) -> None:
 
 
 def test_hf_directory(tiny_model_dir):
-    loaded = load_model(tiny_model_dir)
+    loaded = load_model(tiny_model_dir, dtype="float32")
     assert loaded.name == str(Path(tiny_model_dir).resolve())
     assert (loaded.dtype, loaded.device) == (torch.float32, torch.device("cpu"))
     assert loaded.eos_token_ids == {EOS_ID}
@@ -70,19 +72,19 @@ def test_sharded_safetensors(tiny_model_dir, tmp_path):
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(Path(tiny_model_dir) / name, sharded / name)
     assert len(list(sharded.glob("*.safetensors"))) > 1
-    _assert_same_logits(load_model(str(sharded)), tiny_model_dir)
+    _assert_same_logits(load_model(str(sharded), dtype="float32"), tiny_model_dir)
 
 
 def test_gguf_file_converts_once(tiny_model_dir, tmp_path, cache_root, capfd):
     gguf_path = write_tiny_gguf(tiny_model_dir, tmp_path / "tiny.gguf")
-    loaded = load_model(gguf_path)
+    loaded = load_model(gguf_path, dtype="float32")
     assert capfd.readouterr().err.count("converting tiny.gguf") == 1  # one progress line
     assert loaded.model_dir.is_relative_to(cache_root)
     # readable by other users: an image converts as root and serves as uid 10001
     assert loaded.model_dir.stat().st_mode & 0o755 == 0o755
     for path in loaded.model_dir.iterdir():
         assert path.stat().st_mode & 0o644 == 0o644, path.name
-    again = load_model(str(tmp_path))  # a directory holding exactly one .gguf
+    again = load_model(str(tmp_path), dtype="float32")  # a directory holding one .gguf
     assert capfd.readouterr().err == ""  # served from the converted cache, silently
     assert again.model_dir == loaded.model_dir
     assert again.eos_token_ids == {EOS_ID}
@@ -157,7 +159,8 @@ def test_default_model_fetch_failure(monkeypatch, cache_root):
 
 
 def test_device_dtype_and_backend_resolution(tiny_model_dir):
-    assert resolve_dtype("auto", torch.device("cpu")) == torch.float32
+    native = torch.bfloat16 if cpu_has_native_bf16() else torch.float32
+    assert resolve_dtype("auto", torch.device("cpu")) == native
     assert resolve_dtype("auto", torch.device("cuda")) == torch.bfloat16
     assert resolve_dtype("float16", torch.device("cpu")) == torch.float16
     with pytest.raises(ValueError, match="dtype must be"):
@@ -170,12 +173,36 @@ def test_device_dtype_and_backend_resolution(tiny_model_dir):
         # fp32 and bf16 on CPU: the compiled kernels (the CI machine has gcc)
         assert resolve_attn_backend("auto", torch.device("cpu"), torch.float32) == "cpu"
         assert resolve_attn_backend("auto", torch.device("cpu"), torch.bfloat16) == "cpu"
-        with pytest.raises(ValueError, match="attn_backend 'cpu' runs float32 on the CPU"):
+        with pytest.raises(
+            ValueError, match="attn_backend 'cpu' runs float32 or bfloat16 on the CPU"
+        ):
             resolve_attn_backend("cpu", torch.device("cpu"), torch.float16)
         with pytest.raises(RuntimeError, match="CUDA is not available"):
             resolve_device("cuda:0")
         with pytest.raises(RuntimeError, match="needs a CUDA GPU and the xformers package"):
             load_model(tiny_model_dir, attn_backend="xformers")
+
+
+@pytest.mark.parametrize(
+    ("cpuinfo", "native"),
+    [
+        ("flags\t\t: fpu sse2 avx2 avx512f avx512_bf16 avx512_vnni\n", True),  # Zen 4, Cooper Lake
+        ("flags\t\t: fpu avx512f amx_bf16 amx_tile\n", True),  # Sapphire Rapids
+        ("flags\t\t: fpu sse2 avx2 avx512f avx512bw avx512_vnni\n", False),  # Skylake-SP
+        ("Features\t: fp asimd sve bf16 i8mm\n", True),  # Graviton 3, Neoverse V1
+        ("Features\t: fp asimd crc32 atomics\n", False),  # Graviton 2
+        ("processor\t: 0\n", False),  # no flags line at all
+    ],
+)
+def test_auto_dtype_is_bf16_only_where_the_cpu_has_native_bf16(cpuinfo, native):
+    assert cpu_has_native_bf16(cpuinfo) is native
+
+
+def test_startup_log_says_why_auto_chose_the_dtype():
+    assert describe_dtype("float32", "float32", "cpu") == "float32"
+    assert "native bf16" in describe_dtype("auto", "bfloat16", "cpu")
+    assert "no native bf16" in describe_dtype("auto", "float32", "cpu")
+    assert describe_dtype("auto", "bfloat16", "cuda:0") == "bfloat16 (auto: CUDA)"
 
 
 def test_bfloat16_load(tiny_model_dir):

@@ -193,7 +193,8 @@ def test_cpu_weight_packing_matches_plain_linear(tiny_model_dir):
 
     from engine.models.weights import PackedLinear
 
-    qkv = load_model(tiny_model_dir, device="cpu").model.model.layers[0].self_attn.qkv_proj
+    loaded = load_model(tiny_model_dir, device="cpu", dtype="float32")
+    qkv = loaded.model.model.layers[0].self_attn.qkv_proj
     if not isinstance(qkv, PackedLinear):
         pytest.skip("oneDNN weight packing is not available on this CPU build")
     attn = AutoModelForCausalLM.from_pretrained(tiny_model_dir).model.layers[0].self_attn

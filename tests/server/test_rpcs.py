@@ -11,6 +11,7 @@ import grpc
 import pytest
 
 from engine.client import AsyncSpecserveClient, SpecserveClient, build_request, retry_after_s
+from engine.loader import cpu_has_native_bf16
 from engine.rpc import generation_pb2 as pb
 from tests.server.helpers import InProcessServer, wait_no_blocks_in_use, wait_until
 
@@ -35,6 +36,9 @@ def test_tokenize_model_info_and_stats(client: SpecserveClient):
     info = client.model_info()
     assert info.vocab_size > 0 and info.max_model_len > 0 and info.block_size == 16
     assert info.num_kv_blocks == 512 and len(info.eos_token_ids) >= 1
+    # the server's config says dtype auto: the model info says what auto chose
+    expected = "bfloat16" if cpu_has_native_bf16() else "float32"
+    assert (info.device, info.dtype) == ("cpu", expected) and info.attn_backend
     ids = client.tokenize("Hello world")
     assert ids and all(0 <= t < info.vocab_size for t in ids)
     chat_ids = client.tokenize(messages=[{"role": "user", "content": "Hello"}])

@@ -40,9 +40,8 @@ def spec_client(spec_server):
 
 def _plain(model_dir, prompt, **kw) -> list[int]:
     params = SamplingParams(**kw)
-    return run_to_completion(make_engine(str(model_dir)), {0: [("r", prompt, params)]})["r"][
-        "token_ids"
-    ]
+    engine = make_engine(str(model_dir), dtype="auto")  # the servers' dtype
+    return run_to_completion(engine, {0: [("r", prompt, params)]})["r"]["token_ids"]
 
 
 @pytest.mark.parametrize("features", FEATURES)

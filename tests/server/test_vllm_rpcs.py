@@ -360,7 +360,7 @@ def test_model_server_info_loads_and_health(stub, client, model_dir):
     assert server_info.server_type == "vllm-grpc"
     assert server_info.block_size == 16 and server_info.data_parallel_size == 1
     assert server_info.max_num_seqs == specserve_info.max_num_seqs
-    assert server_info.model_dtype == "torch.float32"
+    assert server_info.model_dtype == f"torch.{specserve_info.dtype}"
     loads = stub.GetLoads(vpb.GetLoadsRequest(), timeout=10)
     (load,) = loads.loads
     assert loads.dp_rank_count == 1 and load.max_running_requests == specserve_info.max_num_seqs
