@@ -25,6 +25,17 @@ XFORMERS_ONLY = [
 ]
 
 
+# (speculative_method, engine overrides) that the greedy losslessness tests run: plain,
+# chunked prefill, preemption, for n-gram and draft-model speculation.
+SPEC_CONFIGS = [
+    ("ngram", {}),
+    ("ngram", {"max_num_batched_tokens": 24}),  # chunked prefill
+    ("ngram", {"num_kv_blocks": 10}),  # preemption
+    ("draft", {}),
+    ("draft", {"max_num_batched_tokens": 24, "num_kv_blocks": 12}),
+]
+
+
 def make_engine(model_dir: str, **overrides) -> LLMEngine:
     config = dict(
         model=model_dir, speculative_method="none", num_kv_blocks=128, device="cpu", dtype="float32"

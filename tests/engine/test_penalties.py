@@ -11,6 +11,7 @@ import torch
 
 from engine.sampling_params import SamplingParams
 from tests.engine.engine_helpers import (
+    SPEC_CONFIGS,
     _hf_model,
     assert_all_blocks_released,
     make_engine,
@@ -73,13 +74,7 @@ def test_the_features_change_the_greedy_output(tiny_model_dir, plain_reference):
 
 @pytest.mark.parametrize(
     ("method", "engine_kwargs"),
-    [
-        ("ngram", {}),
-        ("ngram", {"max_num_batched_tokens": 24}),  # chunked prefill
-        ("ngram", {"num_kv_blocks": 10}),  # preemption
-        ("draft", {}),
-        ("draft", {"max_num_batched_tokens": 24, "num_kv_blocks": 12}),
-    ],
+    SPEC_CONFIGS,
 )
 def test_penalized_greedy_speculation_is_token_for_token_the_plain_output(
     tiny_model_dir, tiny_draft_model_dir, plain_reference, method, engine_kwargs

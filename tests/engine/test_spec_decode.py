@@ -8,6 +8,7 @@ import torch
 
 from engine.sampling_params import SamplingParams
 from tests.engine.engine_helpers import (
+    SPEC_CONFIGS,
     _hf_model,
     assert_all_blocks_released,
     greedy,
@@ -39,13 +40,7 @@ def _greedy_reference(model_dir, dtype="float32"):
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize(
     ("method", "engine_kwargs"),
-    [
-        ("ngram", {}),
-        ("ngram", {"max_num_batched_tokens": 24}),  # chunked prefill
-        ("ngram", {"num_kv_blocks": 10}),  # preemption
-        ("draft", {}),
-        ("draft", {"max_num_batched_tokens": 24, "num_kv_blocks": 12}),
-    ],
+    SPEC_CONFIGS,
 )
 def test_greedy_speculation_is_token_for_token_the_targets_output(
     tiny_model_dir, tiny_draft_model_dir, method, engine_kwargs, dtype
