@@ -14,12 +14,13 @@ import time
 from collections import deque
 from dataclasses import replace
 
+from engine.benchmarks import external
 from engine.benchmarks.report import RequestTiming, RunResult, format_table, summarize
 from engine.benchmarks.workloads import load_prompts
 from engine.cli import add_engine_args, engine_config_from_args
 from scheduler.spec_length import expected_tokens_per_step
 
-BASELINES = ("generate", "generate_batch", "assisted")
+BASELINES = ("generate", "generate_batch", "assisted", "vllm", "llamacpp")
 
 
 def add_workload_args(parser: argparse.ArgumentParser, num_prompts: int) -> None:
@@ -57,6 +58,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--json", default=None, help="write the results to this JSON file")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars on stderr")
+    external.add_arguments(parser)
     add_engine_args(parser)
 
 
@@ -67,6 +69,7 @@ def run(args: argparse.Namespace) -> int:
     if args.num_prompts < 1 or args.output_len < 1:
         raise ValueError("--num-prompts and --output-len must be >= 1")
     concurrency = args.concurrency or args.num_prompts
+    external.preflight(args, concurrency)
     base_config = engine_config_from_args(args)
     _log(f"loading {base_config.model or 'the default model'}...")
     loaded = load_model(
@@ -191,14 +194,16 @@ def _run_baselines(args, loaded, prompts, concurrency) -> list[RunResult]:
     bad = [b for b in names if b not in BASELINES]
     if bad:
         raise ValueError(f"--baselines must be from {', '.join(BASELINES)} or 'none'; got {bad}")
-    if not names:
-        return []
-    if loaded.model_dir is None:
-        raise ValueError("baselines need the model's HF directory; this model has none")
-    model = hf.load_hf_model(loaded.model_dir, str(loaded.device), loaded.dtype)
-    pad_id = loaded.tokenizer.pad_token_id or 0
-    results = []
+    results, model = [], None
     for name in names:
+        if name in external.NAMES:
+            results.append(external.run(args, name, loaded, prompts, concurrency))
+            continue
+        if model is None:
+            if loaded.model_dir is None:
+                raise ValueError("baselines need the model's HF directory; this model has none")
+            model = hf.load_hf_model(loaded.model_dir, str(loaded.device), loaded.dtype)
+        pad_id = loaded.tokenizer.pad_token_id or 0
         bar = _bar(len(prompts), f"hf {name}", args.no_progress)
         if name == "generate":
             hf.run_generate(model, prompts[:1], 4, 1, pad_id)  # warm-up

