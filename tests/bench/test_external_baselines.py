@@ -338,3 +338,82 @@ def test_workers_do_not_import_specserve():
         source = (WORKERS / name).read_text()
         assert "from engine" not in source and "import engine" not in source, name
     assert 'if __name__ == "__main__":' in (WORKERS / "vllm_worker.py").read_text()
+
+
+FAKE_VLLM = '''\
+import json, os
+__version__ = "0.0-fake"
+
+
+class SamplingParams:
+    def __init__(self, temperature, max_tokens, min_tokens, ignore_eos, output_kind):
+        assert temperature == 0.0 and ignore_eos and min_tokens == max_tokens
+        self.max_tokens = max_tokens
+
+
+class _Out:
+    def __init__(self, request_id, token_ids, finished):
+        self.request_id, self.finished = request_id, finished
+        self.outputs = [type("C", (), {"token_ids": token_ids})()]
+
+
+class _Engine:
+    """One token per request per step, as DELTA outputs; records what it was given."""
+
+    def __init__(self, max_num_seqs):
+        self.max_num_seqs, self.live, self.peak, self.prompts = max_num_seqs, {}, 0, []
+
+    def add_request(self, request_id, prompt, params):
+        self.live[request_id] = [params.max_tokens, 0]
+        self.prompts.append(prompt["prompt_token_ids"])
+        self.peak = max(self.peak, len(self.live))
+
+    def has_unfinished_requests(self):
+        return bool(self.live)
+
+    def step(self):
+        outs = []
+        for rid, state in list(self.live.items()):
+            state[1] += 1
+            done = state[1] == state[0]
+            outs.append(_Out(rid, [7], done))
+            if done:
+                del self.live[rid]
+        with open(os.environ["FAKE_LOG"], "w") as f:
+            json.dump({"peak": self.peak, "prompts": self.prompts,
+                       "bind": os.environ.get("VLLM_CPU_OMP_THREADS_BIND")}, f)
+        return outs
+
+
+class LLM:
+    def __init__(self, model, dtype, max_num_seqs, **kwargs):
+        assert dtype == "bfloat16" and kwargs["kv_cache_memory_bytes"] > 0
+        self.llm_engine = _Engine(max_num_seqs)
+'''
+
+
+def test_vllm_worker_keeps_concurrency_in_flight_and_counts_deltas(tmp_path):
+    package = tmp_path / "vllm"
+    package.mkdir()
+    (package / "__init__.py").write_text(FAKE_VLLM)
+    (package / "sampling_params.py").write_text("class RequestOutputKind:\n    DELTA = 1\n")
+    log = tmp_path / "log.json"
+    prompts = [[1, 2], [3], [4, 5, 6], [7]]
+    env = {"PYTHONPATH": str(tmp_path), "FAKE_LOG": str(log)}
+    env_without_bind = {k: v for k, v in os.environ.items() if k != "VLLM_CPU_OMP_THREADS_BIND"}
+    proc = subprocess.run(
+        [sys.executable, str(WORKERS / "vllm_worker.py")],
+        input=json.dumps(_request(prompts=prompts, output_len=5, concurrency=2)),
+        capture_output=True,
+        text=True,
+        env={**env_without_bind, **env},
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    result = proto.parse_answer(proc.stdout)["result"]
+    assert result["engine"] == "vllm" and result["version"] == "0.0-fake"
+    assert [r["num_tokens"] for r in result["requests"]] == [5, 5, 5, 5]
+    seen = json.loads(log.read_text())
+    assert seen["peak"] == 2  # never more than --concurrency in flight
+    assert seen["prompts"] == prompts[:1] + prompts  # warm-up, then the workload in order
+    assert seen["bind"] == str(sorted(os.sched_getaffinity(0))[0])  # num_threads=1
