@@ -122,7 +122,7 @@ def run(args: argparse.Namespace, name: str, loaded, prompts, concurrency: int) 
         "num_threads": torch.get_num_threads(),
         "prefix_caching": not getattr(args, "no_prefix_caching", False),
     }
-    print(f"running the {system} baseline with {python} ...", file=sys.stderr, flush=True)
+    print(f"running the {name} baseline with {python} ...", file=sys.stderr, flush=True)
     answer = run_worker(python, b, request)
     return to_run_result(answer, system, len(prompts), args.output_len)
 
