@@ -12,6 +12,7 @@ import argparse
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -99,12 +100,15 @@ def resolve_python(args: argparse.Namespace, name: str) -> str:
             f"--baselines {name} needs {b.flag} PATH or ${b.env}: the python of a venv with "
             f"{b.package}; create one with {b.install}"
         )
-    if not (os.path.isfile(python) and os.access(python, os.X_OK)):
+    # Absolute (not resolved: a venv's python is a symlink whose location is the venv),
+    # since the worker runs from the workers' directory; a bare name is looked up on PATH.
+    found = shutil.which(python) if os.sep not in python else os.path.abspath(python)
+    if not (found and os.path.isfile(found) and os.access(found, os.X_OK)):
         raise ValueError(
             f"{b.flag} / ${b.env}: {python} is not an executable python; create the venv with "
             f"{b.install}"
         )
-    return python
+    return found
 
 
 def run(args: argparse.Namespace, name: str, loaded, prompts, concurrency: int) -> RunResult:
@@ -129,14 +133,17 @@ def run(args: argparse.Namespace, name: str, loaded, prompts, concurrency: int) 
 
 def run_worker(python: str, b: Baseline, request: dict, timeout_s: float | None = None) -> dict:
     """The worker's result object; one-line errors for whatever went wrong."""
-    proc = subprocess.run(
-        [python, str(_HERE / b.worker)],
-        input=json.dumps(request),
-        capture_output=True,
-        text=True,
-        cwd=_HERE,
-        timeout=timeout_s,
-    )
+    try:
+        proc = subprocess.run(
+            [python, str(_HERE / b.worker)],
+            input=json.dumps(request),
+            capture_output=True,
+            text=True,
+            cwd=_HERE,
+            timeout=timeout_s,
+        )
+    except OSError as exc:
+        raise RuntimeError(f"--baselines {b.name}: cannot run {python}: {exc}") from None
     answer = proto.parse_answer(proc.stdout)
     if "result" in answer and proc.returncode == 0:
         return answer["result"]

@@ -117,6 +117,21 @@ def test_missing_interpreter_is_one_line_naming_flag_env_and_install(monkeypatch
         )
 
 
+def test_relative_and_bare_interpreters_become_absolute(fake_python, tmp_path, monkeypatch):
+    # The worker runs from the workers' directory: a relative path must not be resolved
+    # there, and a venv's python symlink must not be followed out of its venv.
+    link = tmp_path / "venv" / "bin" / "python"
+    link.parent.mkdir(parents=True)
+    link.symlink_to(fake_python)
+    monkeypatch.chdir(tmp_path)
+    args = _parse("--baselines", "vllm", "--vllm-python", "venv/bin/python", "--output-len", "4")
+    assert external.resolve_python(args, "vllm") == str(link)
+    result = external.run(args, "vllm", _loaded(tmp_path), PROMPTS, 1)
+    assert result.num_output_tokens == 8
+    monkeypatch.setenv("PATH", str(link.parent))
+    assert external.resolve_python(_parse("--vllm-python", "python"), "vllm") == str(link)
+
+
 def test_llamacpp_refuses_concurrency_above_one(fake_python):
     args = _parse("--baselines", "llamacpp", "--llamacpp-python", str(fake_python))
     external.preflight(args, concurrency=1)
