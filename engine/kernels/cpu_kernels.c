@@ -39,6 +39,9 @@
 
 #define INLINE static inline __attribute__((always_inline))
 
+/* Query tokens per paged-attention work item (see PAGED_ATTENTION). */
+#define Q_TILE 32
+
 /* ---- element types: load as fp32, store from fp32, round to the storage precision ---- */
 
 typedef uint16_t bf16;
@@ -291,12 +294,17 @@ static int check_sequences(
  * the step, so its query j sits at position seq_len - q_len + j and sees keys
  * 0 .. seq_len - q_len + j (the new tokens' K/V must already be in the cache).
  *
- * A work item is one (sequence, KV head): every query row of that KV head (its group
- * of query heads x the query tokens) is folded over each cache block in turn with a
- * streaming softmax, so each K/V block is read from memory once. (Items of a whole
- * sequence, all KV heads at once, measured 1.7x slower on SmolLM2's 32-sequence
- * decode, and would leave threads idle at batch 1.) The bf16 kernel widens each query
- * row to fp32 once per item (into `qf`), the keys and values as it reads them.
+ * A work item is one (sequence, KV head, tile of up to Q_TILE query tokens): every
+ * query row of that KV head in the tile (its group of query heads x the tile's tokens)
+ * is folded over each cache block in turn with a streaming softmax, so each K/V block
+ * is read from memory once per tile, and only the blocks the tile's last token sees.
+ * Decode and verification queries are one tile. A long prefill chunk is many: a lone
+ * prompt would otherwise be as many items as KV heads (SmolLM2: 3, for 2 threads).
+ * Each row is computed the same whatever its tile, so results do not depend on how a
+ * prompt was chunked. (Items of a whole sequence, all KV heads at
+ * once, measured 1.7x slower on SmolLM2's 32-sequence decode.) The bf16 kernel widens
+ * each query row to fp32 once per item (into `qf`), the keys and values as it reads
+ * them.
  *
  * out[token, head, :] is written for every query token of the selected sequences.
  * Returns 0; 1 when scratch memory could not be allocated, 2 when a sequence has more
@@ -320,7 +328,6 @@ static int check_sequences(
         const int is_f32 = sizeof(T) == sizeof(float);                                         \
         const int64_t group = num_heads / num_kv_heads;                                        \
         const int64_t kv_stride = num_kv_heads * head_dim;                                     \
-        const int64_t num_items = num_selected * num_kv_heads;                                 \
         /* one prefetch per cache line */                                                     \
         const int64_t line = 64 / (int64_t)sizeof(T);                                          \
         int failed = check_sequences(block_tables, block_table_stride, table_width, seq_lens,  \
@@ -328,6 +335,31 @@ static int check_sequences(
                                      num_selected, group, block_size, num_cache_blocks,        \
                                      max_rows);                                                \
         if (failed) return failed;                                                             \
+        /* tile t covers query tokens tile_j0[t] .. +Q_TILE of sequence seq_ids[tile_sel[t]] */ \
+        int64_t num_tiles = 0;                                                                 \
+        for (int64_t i = 0; i < num_selected; i++) {                                           \
+            const int64_t s = seq_ids[i];                                                      \
+            const int64_t len = (int64_t)query_start_loc[s + 1] - query_start_loc[s];          \
+            num_tiles += len > 0 ? (len + Q_TILE - 1) / Q_TILE : 1;                            \
+        }                                                                                      \
+        int64_t *tile_sel = malloc(sizeof(int64_t) * (size_t)(num_tiles > 0 ? num_tiles : 1)); \
+        int64_t *tile_j0 = malloc(sizeof(int64_t) * (size_t)(num_tiles > 0 ? num_tiles : 1));  \
+        if (!tile_sel || !tile_j0) {                                                           \
+            free(tile_sel);                                                                    \
+            free(tile_j0);                                                                     \
+            return 1;                                                                          \
+        }                                                                                      \
+        for (int64_t i = 0, t = 0; i < num_selected; i++) {                                    \
+            const int64_t s = seq_ids[i];                                                      \
+            const int64_t len = (int64_t)query_start_loc[s + 1] - query_start_loc[s];          \
+            int64_t j0 = 0;                                                                    \
+            do {                                                                               \
+                tile_sel[t] = i;                                                               \
+                tile_j0[t++] = j0;                                                             \
+                j0 += Q_TILE;                                                                  \
+            } while (j0 < len);                                                                \
+        }                                                                                      \
+        const int64_t num_items = num_tiles * num_kv_heads;                                    \
                                                                                                \
         _Pragma("omp parallel num_threads(num_threads)") {                                     \
             float *acc = malloc(sizeof(float) * (size_t)max_rows * head_dim);                  \
@@ -343,13 +375,18 @@ static int check_sequences(
                 int stop;                                                                      \
                 _Pragma("omp atomic read") stop = failed;                                      \
                 if (stop) continue;                                                            \
-                const int64_t seq = seq_ids[item / num_kv_heads];                              \
+                const int64_t tile = item / num_kv_heads;                                      \
+                const int64_t seq = seq_ids[tile_sel[tile]];                                   \
                 const int64_t kv_head = item % num_kv_heads;                                   \
-                const int64_t q_start = query_start_loc[seq];                                  \
-                const int64_t q_len = (int64_t)query_start_loc[seq + 1] - q_start;             \
-                const int64_t seq_len = seq_lens[seq];                                         \
+                const int64_t q_len = (int64_t)query_start_loc[seq + 1] - query_start_loc[seq]; \
+                const int64_t j0 = tile_j0[tile];                                              \
+                /* this tile's query tokens j0 .. j0 + tl, as a query of their own */         \
+                const int64_t tl = q_len - j0 < Q_TILE ? q_len - j0 : Q_TILE;                  \
+                const int64_t q_start = query_start_loc[seq] + j0;                             \
+                /* the context its last token sees: what a query of tl tokens sees */         \
+                const int64_t seq_len = seq_lens[seq] - (q_len - j0 - tl);                     \
                 /* rows: query head (of this KV head's group) major, query token minor */     \
-                const int64_t rows = group * q_len;                                            \
+                const int64_t rows = group * tl;                                               \
                 const int32_t *table = block_tables + seq * block_table_stride;                \
                 const int64_t num_blocks = (seq_len + block_size - 1) / block_size;            \
                 for (int64_t r = 0; r < rows; r++) {                                           \
@@ -360,8 +397,8 @@ static int check_sequences(
                 const int64_t first_head = kv_head * group;                                    \
                 if (!is_f32) {                                                                 \
                     for (int64_t hl = 0; hl < group; hl++)                                     \
-                        for (int64_t j = 0; j < q_len; j++)                                    \
-                            load_query_##S(qf + (hl * q_len + j) * head_dim,                   \
+                        for (int64_t j = 0; j < tl; j++)                                    \
+                            load_query_##S(qf + (hl * tl + j) * head_dim,                   \
                                            q + (q_start + j) * q_token_stride +                \
                                                (first_head + hl) * head_dim,                   \
                                            head_dim);                                          \
@@ -382,12 +419,12 @@ static int check_sequences(
                     }                                                                          \
                     for (int64_t hl = 0; hl < group; hl++) {                                   \
                         const int64_t head = first_head + hl;                                  \
-                        for (int64_t j = 0; j < q_len; j++) {                                  \
-                            /* keys first_key .. seq_len - q_len + j are visible to query j */ \
-                            const int64_t visible = seq_len - q_len + j + 1 - first_key;       \
+                        for (int64_t j = 0; j < tl; j++) {                                  \
+                            /* keys first_key .. seq_len - tl + j are visible to query j */ \
+                            const int64_t visible = seq_len - tl + j + 1 - first_key;       \
                             if (visible <= 0) continue;                                        \
                             const int n = (int)(visible < block_size ? visible : block_size);  \
-                            const int64_t r = hl * q_len + j;                                  \
+                            const int64_t r = hl * tl + j;                                  \
                             const float *qr =                                                  \
                                 is_f32 ? (const float *)(q + (q_start + j) * q_token_stride +  \
                                                          head * head_dim)                      \
@@ -399,8 +436,8 @@ static int check_sequences(
                     }                                                                          \
                 }                                                                              \
                 for (int64_t hl = 0; hl < group; hl++) {                                       \
-                    for (int64_t j = 0; j < q_len; j++) {                                      \
-                        const int64_t r = hl * q_len + j;                                      \
+                    for (int64_t j = 0; j < tl; j++) {                                      \
+                        const int64_t r = hl * tl + j;                                      \
                         T *o = out + (q_start + j) * out_token_stride +                        \
                                (first_head + hl) * head_dim;                                   \
                         store_row_##S(o, acc + r * head_dim, 1.0f / row_sum[r], head_dim);     \
@@ -413,6 +450,8 @@ static int check_sequences(
             free(scores);                                                                      \
             free(qf);                                                                          \
         }                                                                                      \
+        free(tile_sel);                                                                        \
+        free(tile_j0);                                                                         \
         return failed;                                                                         \
     }
 
