@@ -97,3 +97,26 @@ def parse_answer(stdout: str) -> dict:
                 except json.JSONDecodeError:
                     return {}
     return {}
+
+
+def serve(module: str, run, check=None) -> int:
+    """A worker's main: read the request, ``check(request)`` it (raise WorkerError to
+    refuse), import ``module`` (missing: the "missing_package" answer the parent turns
+    into the install command), then ``run(imported module, request)``; any failure is
+    one error line for the parent."""
+    try:
+        request = read_request()
+        if check is not None:
+            check(request)
+    except WorkerError as exc:
+        return emit_error(exc.kind, str(exc))
+    try:
+        imported = __import__(module)
+    except ImportError as exc:
+        return emit_error("missing_package", f"{module} is not importable: {exc}")
+    try:
+        return run(imported, request)
+    except WorkerError as exc:
+        return emit_error(exc.kind, str(exc))
+    except Exception as exc:  # any engine failure: one line for the parent
+        return emit_error("failed", f"{type(exc).__name__}: {exc}")

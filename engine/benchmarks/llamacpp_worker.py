@@ -16,29 +16,18 @@ import time
 from external_protocol import (
     WorkerError,
     check_counts,
-    emit_error,
     emit_result,
-    read_request,
+    serve,
 )
 
 
 def main() -> int:
-    try:
-        request = read_request()
-        if request["concurrency"] != 1:
-            raise WorkerError("bad_request", "llama.cpp runs one request at a time")
-    except WorkerError as exc:
-        return emit_error(exc.kind, str(exc))
-    try:
-        import llama_cpp
-    except ImportError as exc:
-        return emit_error("missing_package", f"llama_cpp is not importable: {exc}")
-    try:
-        return _run(llama_cpp, request)
-    except WorkerError as exc:
-        return emit_error(exc.kind, str(exc))
-    except Exception as exc:  # any engine failure: one line for the parent
-        return emit_error("failed", f"{type(exc).__name__}: {exc}")
+    return serve("llama_cpp", _run, check=_one_at_a_time)
+
+
+def _one_at_a_time(request: dict) -> None:
+    if request["concurrency"] != 1:
+        raise WorkerError("bad_request", "llama.cpp runs one request at a time")
 
 
 def _run(llama_cpp, request: dict) -> int:

@@ -16,32 +16,16 @@ import sys
 import time
 
 from external_protocol import (
-    WorkerError,
     check_counts,
-    emit_error,
     emit_result,
-    read_request,
+    serve,
 )
 
 _KV_CACHE_BYTES = 2 << 30  # ~90k tokens of the default model's bf16 KV
 
 
 def main() -> int:
-    try:
-        request = read_request()
-    except WorkerError as exc:
-        return emit_error(exc.kind, str(exc))
-    _bind_threads(request["num_threads"])
-    try:
-        import vllm
-    except ImportError as exc:
-        return emit_error("missing_package", f"vllm is not importable: {exc}")
-    try:
-        return _run(vllm, request)
-    except WorkerError as exc:
-        return emit_error(exc.kind, str(exc))
-    except Exception as exc:  # any engine failure: one line for the parent
-        return emit_error("failed", f"{type(exc).__name__}: {exc}")
+    return serve("vllm", _run, check=lambda request: _bind_threads(request["num_threads"]))
 
 
 def _bind_threads(num_threads: int) -> None:
