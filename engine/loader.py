@@ -21,6 +21,7 @@ import torch
 from engine import envs
 from engine.attention import get_attention_backend, xformers_available
 from engine.default_model import DEFAULT_MODEL_NAME, ModelLoadError, default_gguf_path
+from engine.kernels.build import cpu_flags
 from engine.kernels.cpu import kernels_for, serves
 from engine.model_config import ModelArchConfig, architectures_of
 from engine.models.gguf_convert import ensure_converted
@@ -102,18 +103,7 @@ def cpu_has_native_bf16(cpuinfo: str | None = None) -> bool:
     instructions (x86 AVX512-BF16 or AMX-BF16, Arm BF16): where oneDNN's bf16 GEMMs beat
     fp32 ones, so ``--dtype auto`` picks bf16. Without them torch emulates bf16 and fp32
     is as fast and exact."""
-    text = cpuinfo
-    if text is None:
-        try:
-            text = Path("/proc/cpuinfo").read_text()
-        except OSError:
-            return False
-    for line in text.splitlines():
-        key, _, value = line.partition(":")
-        if key.strip() in ("flags", "Features"):
-            flags = set(value.split())
-            return bool(flags & {"avx512_bf16", "amx_bf16", "bf16"})
-    return False
+    return bool(cpu_flags(cpuinfo) & {"avx512_bf16", "amx_bf16", "bf16"})
 
 
 def resolve_attn_backend(name: str, device: torch.device, dtype: torch.dtype) -> str:

@@ -134,7 +134,7 @@ def prebuilt_name(source: bytes, level: str) -> str:
 
 def _prebuilt(cache: Path, source: bytes) -> Path | None:
     """The best trusted prebuilt variant in ``cache`` whose level this CPU supports."""
-    have = set(_cpu_flags().split(":", 1)[-1].split())
+    have = cpu_flags()
     for level, needs in PREBUILT_LEVELS.get(platform.machine(), []):
         path = cache / prebuilt_name(source, level)
         if not needs <= have or not os.path.lexists(path):
@@ -315,13 +315,22 @@ def _open_build(dir_fd: int, name: str) -> int:
     return fd
 
 
-def _cpu_flags() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return line
-    except OSError:
-        pass
+def cpu_flags(cpuinfo: str | None = None) -> frozenset[str]:
+    """This CPU's feature flags (or those of the given /proc/cpuinfo text)."""
+    return frozenset(_cpu_flags(cpuinfo).partition(":")[2].split())
+
+
+def _cpu_flags(cpuinfo: str | None = None) -> str:
+    """The /proc/cpuinfo line naming the CPU's features: "flags" on x86, "Features" on
+    Arm; empty when there is none."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            return ""
+    for line in cpuinfo.splitlines():
+        if line.partition(":")[0].strip() in ("flags", "Features"):
+            return line
     return ""
 
 
