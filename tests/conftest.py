@@ -51,3 +51,25 @@ def tiny_draft_model_dir(tiny_model_dir, tmp_path_factory) -> str:
     """A draft for tiny_model_dir: the target cut down to its first layer. Same
     tokenizer, correlated predictions, so some drafts are accepted and some are not."""
     return make_truncated_draft(tiny_model_dir, tmp_path_factory.mktemp("tiny-draft"))
+
+
+@pytest.fixture(scope="session")
+def spec_draft_dirs(tiny_draft_model_dir, tiny_trained_draft_dir) -> dict[str, str]:
+    """The draft each speculative method runs with in the lossless tests: "draft" the
+    truncated target, "hybrid" (n-gram where the context repeats) the trained draft."""
+    return {"draft": tiny_draft_model_dir, "hybrid": tiny_trained_draft_dir}
+
+
+@pytest.fixture(scope="session")
+def tiny_trained_draft_dir(tiny_model_dir, tmp_path_factory) -> str:
+    """A draft for tiny_model_dir made by `specserve train-draft` itself (a few seconds):
+    two layers, the target's embedding and head rows, trained on its own answers."""
+    from engine.cli import main
+
+    out = tmp_path_factory.mktemp("tiny-trained-draft")
+    argv = ["train-draft", "--model", tiny_model_dir, "--out", str(out), "--num-prompts", "48"]
+    argv += ["--max-tokens", "48", "--epochs", "3", "--tokens-per-batch", "1024"]
+    argv += ["--train-dtype", "float32", "--draft-vocab", "200"]
+    if main(argv) != 0:
+        raise RuntimeError("train-draft failed for the tiny model")
+    return str(out)

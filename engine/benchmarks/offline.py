@@ -48,8 +48,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--spec-modes",
         default=None,
-        help="comma list of none,ngram,draft: one specserve run each "
-        "(default: none plus the configured method, if any)",
+        help="comma list of none,ngram,draft,hybrid: one specserve run each "
+        "(default: none plus the configured method, if any); draft and hybrid use "
+        "--draft-model, or the default model's shipped draft",
+    )
+    parser.add_argument(
+        "--temperature",
+        type=float,
+        default=0.0,
+        help="sampling temperature of the specserve runs (above 0: with --baselines none)",
     )
     parser.add_argument(
         "--baselines",
@@ -68,6 +75,10 @@ def run(args: argparse.Namespace) -> int:
 
     if args.num_prompts < 1 or args.output_len < 1:
         raise ValueError("--num-prompts and --output-len must be >= 1")
+    if not 0.0 <= args.temperature <= 2.0:
+        raise ValueError(f"--temperature must be in [0, 2], got {args.temperature}")
+    if args.temperature > 0 and args.baselines != "none":
+        raise ValueError("--temperature above 0 compares specserve runs only: add --baselines none")
     concurrency = args.concurrency or args.num_prompts
     external.preflight(args, concurrency)
     base_config = engine_config_from_args(args)
@@ -84,18 +95,16 @@ def run(args: argparse.Namespace) -> int:
     )
     results: list[RunResult] = []
     for mode in _spec_modes(args, base_config):
-        config = replace(
-            base_config,
-            speculative_method=mode,
-            draft_model=base_config.draft_model if mode == "draft" else None,
-        )
+        draft = base_config.resolved_draft_model if mode in ("draft", "hybrid") else None
+        if mode in ("draft", "hybrid") and draft is None:
+            raise ValueError(f"--spec-modes {mode} needs --draft-model (no shipped draft here)")
+        config = replace(base_config, speculative_method=mode, draft_model=draft)
         engine = LLMEngine(config, loaded=loaded)
         _run_engine(engine, prompts[:1], min(args.output_len, 8), 1, None)  # warm-up
         bar = _bar(len(prompts), f"specserve spec={mode}", args.no_progress)
+        name = f"specserve (spec: {mode})"
         results.append(
-            _run_engine(
-                engine, prompts, args.output_len, concurrency, bar, f"specserve (spec: {mode})"
-            )
+            _run_engine(engine, prompts, args.output_len, concurrency, bar, name, args.temperature)
         )
         _close(bar)
     results += _run_baselines(args, loaded, prompts, concurrency)
@@ -109,9 +118,9 @@ def run(args: argparse.Namespace) -> int:
 def _spec_modes(args, config) -> list[str]:
     if args.spec_modes:
         modes = [m.strip() for m in args.spec_modes.split(",") if m.strip()]
-        bad = [m for m in modes if m not in ("none", "ngram", "draft")]
+        bad = [m for m in modes if m not in ("none", "ngram", "draft", "hybrid")]
         if bad:
-            raise ValueError(f"--spec-modes must be from none, ngram, draft; got {bad}")
+            raise ValueError(f"--spec-modes must be from none, ngram, draft, hybrid; got {bad}")
         return modes
     method = config.speculative_method or "none"
     return ["none"] if method == "none" else ["none", method]
@@ -130,10 +139,12 @@ def tokenize_prompts(tokenizer, prompts: list[str], chat: bool) -> list[list[int
     return out
 
 
-def _run_engine(engine, prompts, output_len, concurrency, bar, name="specserve") -> RunResult:
+def _run_engine(
+    engine, prompts, output_len, concurrency, bar, name="specserve", temperature=0.0
+) -> RunResult:
     from engine.sampling_params import SamplingParams
 
-    params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=output_len, temperature=temperature, ignore_eos=True)
     pending = deque(enumerate(prompts))
     timings: dict[str, RequestTiming] = {}
     in_flight = 0
@@ -182,9 +193,22 @@ def spec_stats(steps) -> dict[str, float]:
         "per_token_acceptance": rate,
         "mean_k": sum(drafts) / len(drafts),
         "tokens_per_verification": sum(a + 1 for a in accepted) / len(accepted),
+        "acceptance_by_position": acceptance_by_position(drafts, accepted),
         "expected_tokens_per_verification": sum(expected_tokens_per_step(rate, d) for d in drafts)
         / len(drafts),
     }
+
+
+def acceptance_by_position(drafts: list[int], accepted: list[int]) -> list[float]:
+    """For each draft position j (1-based), the share of drafts at j that were accepted,
+    among verifications that proposed j drafts or more and accepted all before j."""
+    rates = []
+    for j in range(1, max(drafts, default=0) + 1):
+        reached = [a for d, a in zip(drafts, accepted) if d >= j and a >= j - 1]
+        if not reached:
+            break
+        rates.append(sum(1 for a in reached if a >= j) / len(reached))
+    return rates
 
 
 def _run_baselines(args, loaded, prompts, concurrency) -> list[RunResult]:
@@ -231,7 +255,9 @@ def _run_baselines(args, loaded, prompts, concurrency) -> list[RunResult]:
 def _print_report(args, concurrency, results: list[RunResult]) -> None:
     print(
         f"\nworkload {args.workload}: {args.num_prompts} prompts x {args.output_len} tokens, "
-        f"concurrency {concurrency}, greedy, dtype {args.dtype}"
+        f"concurrency {concurrency}, "
+        f"{'greedy' if args.temperature == 0 else f'temperature {args.temperature}'}, "
+        f"dtype {args.dtype}"
     )
     print(format_table(results, reference=results[0]))
     specserve = [r for r in results if r.system.startswith("specserve")]
@@ -243,7 +269,8 @@ def _print_report(args, concurrency, results: list[RunResult]) -> None:
                 f"{r.system}: acceptance {s['acceptance_rate']:.2f} (per token "
                 f"{s['per_token_acceptance']:.2f}), mean k {s['mean_k']:.2f}, tokens/verification "
                 f"{s['tokens_per_verification']:.2f} (expected "
-                f"{s['expected_tokens_per_verification']:.2f})"
+                f"{s['expected_tokens_per_verification']:.2f}); by draft position "
+                + " ".join(f"{x:.2f}" for x in s["acceptance_by_position"])
             )
         print(f"{r.system}: scheduling + batch building per step {r.step_overhead_ms:.2f} ms")
     if specserve and baselines:

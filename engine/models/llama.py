@@ -114,6 +114,11 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         # Counted before CPU weight packing turns Linear weights into non-parameters.
         self.num_params = sum(p.numel() for p in self.parameters())
+        # What one step reads: an untied embedding is a lookup of a few rows.
+        embedding = self.model.embed_tokens.weight.numel()
+        self.num_streamed_params = self.num_params - (
+            0 if config.tie_word_embeddings else embedding
+        )
 
     def forward(
         self,

@@ -55,13 +55,14 @@ async def _serve(
             ready.result()
             info = server.engine.model_info
             logger.info(
-                "serving %s on %s:%d (%s, %s, attention: %s)",
+                "serving %s on %s:%d (%s, %s, attention: %s, speculation: %s)",
                 info.get("model") or config.model,
                 options.host,
                 port,
                 info.get("device"),
                 describe_dtype(config.dtype, info.get("dtype"), info.get("device")),
                 info.get("attn_backend"),
+                describe_speculation(info),
             )
         except (EngineDeadError, TimeoutError) as exc:
             logger.error("model failed to load: %s", exc)
@@ -73,3 +74,10 @@ async def _serve(
     await server.shutdown()
     logger.info("stopped")
     return exit_code
+
+
+def describe_speculation(info: dict) -> str:
+    """ "ngram", "none", or the method with its draft ("hybrid, draft .../drafts/x")."""
+    method = info.get("speculative_method") or "none"
+    draft = info.get("draft_model")
+    return f"{method}, draft {draft}" if draft else method

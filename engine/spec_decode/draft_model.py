@@ -34,7 +34,7 @@ from engine.stats import PoolStats
 
 
 def _num_params(loaded) -> int:
-    return max(1, loaded.model.num_params)
+    return max(1, getattr(loaded.model, "num_streamed_params", loaded.model.num_params))
 
 
 def check_same_vocabulary(target_loaded, draft_loaded) -> None:

@@ -14,8 +14,12 @@ class NgramProposer:
 
     def propose(self, token_ids: list[int], k: int) -> list[int]:
         """Up to k draft tokens continuing ``token_ids`` (empty when nothing matches)."""
+        return self.propose_with_match(token_ids, k)[0]
+
+    def propose_with_match(self, token_ids: list[int], k: int) -> tuple[list[int], int]:
+        """(up to k draft tokens, length of the matched suffix; 0 when nothing matches)."""
         if k <= 0 or len(token_ids) < self.ngram_min + 1:
-            return []
+            return [], 0
         tokens = np.asarray(token_ids, dtype=np.int64)
         for n in range(min(self.ngram_max, len(tokens) - 1), self.ngram_min - 1, -1):
             # Windows that start before the suffix itself: tokens[j : j + n], j < L - n.
@@ -23,5 +27,5 @@ class NgramProposer:
             hits = np.flatnonzero((windows == tokens[-n:]).all(axis=1))
             if hits.size:
                 start = int(hits[-1]) + n  # the most recent occurrence
-                return token_ids[start : start + k]
-        return []
+                return token_ids[start : start + k], n
+        return [], 0

@@ -33,7 +33,14 @@ SPEC_CONFIGS = [
     ("ngram", {"num_kv_blocks": 10}),  # preemption
     ("draft", {}),
     ("draft", {"max_num_batched_tokens": 24, "num_kv_blocks": 12}),
+    ("hybrid", {}),  # n-gram where the context repeats, the trained draft elsewhere
+    ("hybrid", {"max_num_batched_tokens": 24, "num_kv_blocks": 12}),
 ]
+
+
+def draft_proposer(engine: LLMEngine):
+    """The draft-model proposer, inside a hybrid one or not (None without one)."""
+    return getattr(engine.proposer, "_draft", engine.proposer)
 
 
 def make_engine(model_dir: str, **overrides) -> LLMEngine:
@@ -49,7 +56,7 @@ def check_pools(engine: LLMEngine) -> None:
     (lookahead slots of rejected drafts are gone after each step)."""
     engine.kv_manager.check_integrity()
     pools = [engine.kv_manager]
-    proposer_kv = getattr(engine.proposer, "kv", None)
+    proposer_kv = getattr(draft_proposer(engine), "kv", None)
     if proposer_kv is not None:
         proposer_kv.check_integrity()
         pools.append(proposer_kv)

@@ -77,11 +77,11 @@ def test_the_features_change_the_greedy_output(tiny_model_dir, plain_reference):
     SPEC_CONFIGS,
 )
 def test_penalized_greedy_speculation_is_token_for_token_the_plain_output(
-    tiny_model_dir, tiny_draft_model_dir, plain_reference, method, engine_kwargs
+    tiny_model_dir, spec_draft_dirs, plain_reference, method, engine_kwargs
 ):
     kwargs = dict(speculative_method=method, speculative_disable_batch_size=64, **engine_kwargs)
-    if method == "draft":
-        kwargs["draft_model"] = tiny_draft_model_dir
+    if method in spec_draft_dirs:
+        kwargs["draft_model"] = spec_draft_dirs[method]
     engine = make_engine(tiny_model_dir, num_speculative_tokens=4, **kwargs)
     for k in (1, 4, None):  # fixed k, then adaptive
         drafted, accepted = engine.stats.num_draft_tokens, engine.stats.num_accepted_tokens

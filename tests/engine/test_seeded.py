@@ -71,15 +71,17 @@ def _crowd(k: int | None) -> dict[int, list]:
         ("ngram", {"num_kv_blocks": 12}),  # preemption
         ("draft", {}),
         ("draft", {"max_num_batched_tokens": 24, "num_kv_blocks": 14}),
+        ("hybrid", {}),
+        ("hybrid", {"max_num_batched_tokens": 24, "num_kv_blocks": 14}),
     ],
 )
 def test_a_seeded_request_is_the_same_alone_in_a_crowd_and_with_any_speculation(
-    tiny_model_dir, tiny_draft_model_dir, method, engine_kwargs
+    tiny_model_dir, spec_draft_dirs, method, engine_kwargs
 ):
     alone = _alone(tiny_model_dir)
     kwargs = dict(speculative_method=method, speculative_disable_batch_size=64, seed=7)
-    if method == "draft":
-        kwargs["draft_model"] = tiny_draft_model_dir
+    if method in spec_draft_dirs:
+        kwargs["draft_model"] = spec_draft_dirs[method]
     kwargs.update(engine_kwargs)
     engine = make_engine(tiny_model_dir, **kwargs)
     accepted = 0

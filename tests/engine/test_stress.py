@@ -18,7 +18,12 @@ import random
 from dataclasses import replace
 
 from engine.sampling_params import SamplingParams
-from tests.engine.engine_helpers import assert_all_blocks_released, check_pools, make_engine
+from tests.engine.engine_helpers import (
+    assert_all_blocks_released,
+    check_pools,
+    draft_proposer,
+    make_engine,
+)
 
 
 def pytest_generate_tests(metafunc):
@@ -103,8 +108,8 @@ def _workload(rng: random.Random, max_k: int):
     return arrivals, aborts
 
 
-def _engine_config(rng: random.Random, draft_dir: str) -> dict:
-    method = rng.choice(["ngram", "draft"])
+def _engine_config(rng: random.Random, draft_dirs: dict[str, str]) -> dict:
+    method = rng.choice(["ngram", "draft", "hybrid"])
     config = dict(
         speculative_method=method,
         num_speculative_tokens=rng.randint(1, 5),
@@ -114,16 +119,17 @@ def _engine_config(rng: random.Random, draft_dir: str) -> dict:
         max_num_seqs=rng.choice([3, 8, 256]),
         seed=rng.randrange(1000),
     )
-    if method == "draft":
-        config["draft_model"] = draft_dir
+    if method in draft_dirs:
+        config["draft_model"] = draft_dirs[method]
     return config
 
 
 def _check_draft_cache(engine) -> None:
-    kv = getattr(engine.proposer, "kv", None)
+    proposer = draft_proposer(engine)
+    kv = getattr(proposer, "kv", None)
     if kv is None:
         return
-    for dreq in engine.proposer._requests.values():
+    for dreq in proposer._requests.values():
         assert dreq.num_computed_tokens < dreq.num_tokens, dreq.request_id
 
 
@@ -153,9 +159,9 @@ def _run(engine, arrivals, aborts) -> dict[str, dict]:
     raise AssertionError("the engine did not finish its work in 5000 steps")
 
 
-def test_randomized_engine_stress(tiny_model_dir, tiny_draft_model_dir, stress_seed):
+def test_randomized_engine_stress(tiny_model_dir, spec_draft_dirs, stress_seed):
     rng = random.Random(stress_seed)
-    config = _engine_config(rng, tiny_draft_model_dir)
+    config = _engine_config(rng, spec_draft_dirs)
     arrivals, aborts = _workload(rng, config["num_speculative_tokens"])
     # odd seeds in bfloat16: greedy and seeded output must not depend on the batch there
     # either (one attention kernel for every query row, batch-invariant GEMMs)

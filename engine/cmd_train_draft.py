@@ -1,0 +1,241 @@
+"""`specserve train-draft --out DIR`: train a draft model for a target on this machine.
+
+1. The target answers a prompt set through this engine (self-distillation; nothing is
+   downloaded). Answers land in DIR/data in shards; a rerun keeps finished shards.
+2. A shallow copy of the target (its embedding and head rows, L of its layers) learns
+   to predict those answers; DIR/checkpoint.pt is written as it goes and a rerun resumes.
+3. DIR gets the draft (config.json, model.safetensors, draft.json with the command that
+   made it); `specserve serve --draft-model DIR` serves it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import shlex
+import shutil
+import sys
+import time
+from pathlib import Path
+
+from engine.cli import command
+from engine.sampling_params import check_int
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--out", required=True, help="directory for the data, checkpoints and draft"
+    )
+    parser.add_argument(
+        "--model",
+        default=None,
+        help="the target: HF dir, .gguf, hub id (default: the default model)",
+    )
+    parser.add_argument("--tokenizer", default=None, help="tokenizer directory for --model")
+    g = parser.add_argument_group("data (self-distillation)")
+    g.add_argument(
+        "--prompts",
+        default=None,
+        help="prompt file (one per line, or JSONL with a 'prompt' field) instead of the "
+        "built-in set",
+    )
+    g.add_argument(
+        "--num-prompts",
+        type=int,
+        default=None,
+        help="use this many prompts of the set (default: all of them)",
+    )
+    g.add_argument("--max-tokens", type=int, default=256, help="longest answer per prompt")
+    g.add_argument("--max-num-seqs", type=int, default=64, help="answers generated at once")
+    g.add_argument("--dtype", default="auto", help="the target's dtype while it answers")
+    g = parser.add_argument_group("draft and training")
+    g.add_argument("--num-layers", type=int, default=2, help="decoder layers in the draft")
+    g.add_argument("--draft-vocab", type=int, default=8192, help="tokens the draft's head scores")
+    g.add_argument("--epochs", type=int, default=2, help="passes over the data")
+    g.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (AdamW, cosine)")
+    g.add_argument(
+        "--tokens-per-batch", type=int, default=8192, help="padded tokens per training step"
+    )
+    g.add_argument(
+        "--train-dtype",
+        choices=("auto", "float32", "bfloat16"),
+        default="auto",
+        help="bfloat16 autocast in training; auto: where the CPU has native bf16",
+    )
+    g.add_argument("--seed", type=int, default=0, help="the same seed makes the same draft")
+    g.add_argument(
+        "--restart",
+        action="store_true",
+        help="delete DIR's data and checkpoint first instead of resuming",
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    _check_args(args)
+    out = Path(args.out).expanduser()
+    if args.restart and out.exists():
+        for name in ("data", "checkpoint.pt"):
+            path = out / name
+            if path.is_dir():
+                shutil.rmtree(path)
+            elif path.exists():
+                path.unlink()
+    out.mkdir(parents=True, exist_ok=True)
+    prompts = _prompts(args)
+    started = time.perf_counter()
+    target_dir, target_name, eos_ids, data = _make_data(args, out, prompts)
+    from engine.train_draft.data import load_sequences
+
+    sequences = load_sequences(out / "data")
+    return _train_and_export(args, out, target_dir, target_name, eos_ids, sequences, data, started)
+
+
+def _check_args(args: argparse.Namespace) -> None:
+    if args.num_prompts is not None:
+        check_int("--num-prompts", args.num_prompts, 1, None)
+    check_int("--max-tokens", args.max_tokens, 1, 8192)
+    check_int("--max-num-seqs", args.max_num_seqs, 1, 4096)
+    check_int("--num-layers", args.num_layers, 1, 64)
+    check_int("--draft-vocab", args.draft_vocab, 2, None)
+    check_int("--epochs", args.epochs, 1, 1000)
+    check_int("--tokens-per-batch", args.tokens_per_batch, 64, None)
+    check_int("--seed", args.seed, 0, 2**31 - 1)
+    if not 0 < args.lr <= 1:
+        raise ValueError(f"--lr must be in (0, 1], got {args.lr}")
+    out = Path(args.out).expanduser()
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {args.out}: exists and is not a directory")
+
+
+def _prompts(args: argparse.Namespace) -> list[str]:
+    from engine.train_draft.prompts import builtin_prompt_count, builtin_prompts, load_prompt_file
+
+    if args.prompts:
+        prompts = load_prompt_file(args.prompts)
+        return prompts[: args.num_prompts] if args.num_prompts else prompts
+    return builtin_prompts(args.num_prompts or builtin_prompt_count(), seed=0)
+
+
+def _make_data(args, out: Path, prompts: list[str]):
+    from engine.config import EngineConfig
+    from engine.llm_engine import LLMEngine
+    from engine.train_draft.data import generate_data, manifest_for
+    from engine.train_draft.model import layer_sources
+
+    engine = LLMEngine(
+        EngineConfig(
+            model=args.model,
+            tokenizer=args.tokenizer,
+            speculative_method="none",
+            dtype=args.dtype,
+            max_num_seqs=args.max_num_seqs,
+            seed=args.seed,
+        )
+    )
+    loaded = engine.loaded
+    layer_sources(loaded.arch.num_layers, args.num_layers)  # refuse before generating
+    if loaded.model_dir is None:
+        raise ValueError(f"{loaded.name}: the target's weights have no local directory")
+    manifest = manifest_for(loaded.name, prompts, args.max_tokens, args.seed)
+    bar = _bar(len(prompts), "answering", "prompt")
+    tokens = [0]
+
+    def progress(num_prompts: int, num_tokens: int) -> None:
+        tokens[0] += num_tokens
+        bar.update(num_prompts)
+        bar.set_postfix_str(f"{tokens[0]} tokens", refresh=False)
+
+    try:
+        summary = generate_data(
+            engine, prompts, out / "data", manifest, progress, max_in_flight=args.max_num_seqs
+        )
+    finally:
+        bar.close()
+    _log(
+        f"data: {summary.num_sequences} answers, {summary.num_response_tokens} response tokens"
+        + (f", generated in {summary.seconds:.0f} s" if summary.seconds else " (all resumed)")
+    )
+    return loaded.model_dir, loaded.name, set(loaded.eos_token_ids), summary
+
+
+def _train_and_export(args, out, target_dir, target_name, eos_ids, sequences, data, started):
+    import torch
+
+    from engine.loader import cpu_has_native_bf16
+    from engine.train_draft.model import DraftLM, choose_vocab
+    from engine.train_draft.train import TrainSettings, export, train
+
+    if args.train_dtype == "auto":
+        bf16 = cpu_has_native_bf16()
+    else:
+        bf16 = args.train_dtype == "bfloat16"
+    settings = TrainSettings(
+        num_layers=args.num_layers,
+        vocab_size=args.draft_vocab,
+        epochs=args.epochs,
+        lr=args.lr,
+        tokens_per_batch=args.tokens_per_batch,
+        seed=args.seed,
+        bf16=bf16,
+    )
+    torch.manual_seed(args.seed)
+    import json
+
+    target_vocab = json.loads((Path(target_dir) / "config.json").read_text())["vocab_size"]
+    vocab = choose_vocab(sequences, target_vocab, min(args.draft_vocab, target_vocab), eos_ids)
+    model = DraftLM(Path(target_dir), args.num_layers, vocab)
+    bar = _bar(None, "training", "step")
+
+    def progress(step: int, total: int, loss: float) -> None:
+        bar.total = total
+        bar.n = step
+        bar.set_postfix_str(f"loss {loss:.3f}", refresh=False)
+        bar.refresh()
+
+    try:
+        result = train(model, sequences, out, settings, progress)
+    finally:
+        bar.close()
+    summary = {
+        "command": "specserve train-draft " + shlex.join(sys.argv[2:] if _is_cli() else []),
+        "data": {
+            "answers": data.num_sequences,
+            "response_tokens": data.num_response_tokens,
+            "generation_seconds": round(data.seconds, 1),
+        },
+        "training": {
+            "steps": result.steps,
+            "seconds": round(result.seconds, 1),
+            "heldout_top1_by_epoch": [round(x, 4) for x in result.heldout_top1_by_epoch],
+        },
+        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}",
+    }
+    export(model, out, target_name, settings, summary)
+    size_mb = (out / "model.safetensors").stat().st_size / 1e6
+    _log(
+        f"draft: {args.num_layers} layers, {len(vocab)}-token head, {size_mb:.1f} MB; held-out "
+        f"top-1 agreement with the target {result.heldout_top1:.3f}; "
+        f"{time.perf_counter() - started:.0f} s in all"
+    )
+    print(f"serve it with: specserve serve --draft-model {out}")
+    return 0
+
+
+def _is_cli() -> bool:
+    return len(sys.argv) > 1 and sys.argv[1] == "train-draft"
+
+
+def _bar(total, desc: str, unit: str):
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, unit=unit, file=sys.stderr, dynamic_ncols=True)
+
+
+def _log(msg: str) -> None:
+    print(f"train-draft: {msg}", file=sys.stderr, flush=True)
+
+
+command("train-draft", "train a draft model for a target, on this machine, from its own answers")(
+    (add_arguments, run)
+)

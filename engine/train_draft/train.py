@@ -1,0 +1,254 @@
+"""Train the draft on self-distilled sequences, with checkpoints, and export it.
+
+The loss is cross-entropy on response tokens only (the prompt is context, not the
+target's output) over the draft vocabulary; tokens outside it are never proposed and
+carry no loss. Sampled answers make this the forward KL to the target's distribution
+in expectation, greedy ones its argmax. Batches are sequences of similar length, padded,
+shuffled per epoch from ``seed``; 5% of the sequences are held out and the top-1
+agreement with the target on them is reported after each epoch: a proxy for the first
+draft's acceptance under greedy decoding.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from engine.train_draft.data import Sequence
+from engine.train_draft.model import DraftLM
+
+CHECKPOINT = "checkpoint.pt"
+DRAFT_FILE = "draft.json"
+FORMAT = "specserve-draft"
+FORMAT_VERSION = 1
+
+
+@dataclass
+class TrainSettings:
+    num_layers: int = 2
+    vocab_size: int = 8192
+    epochs: int = 2
+    lr: float = 1e-3
+    warmup_steps: int = 50
+    tokens_per_batch: int = 8192
+    max_seq_len: int = 512
+    seed: int = 0
+    checkpoint_every: int = 100
+    bf16: bool = False  # autocast the forward and backward in bfloat16 (CPU with native bf16)
+
+
+@dataclass
+class TrainResult:
+    steps: int
+    seconds: float
+    train_tokens: int
+    heldout_top1: float
+    heldout_top1_by_epoch: list[float]
+
+
+def split_heldout(sequences: list[Sequence], seed: int) -> tuple[list[Sequence], list[Sequence]]:
+    order = list(range(len(sequences)))
+    random.Random(seed).shuffle(order)
+    num_heldout = max(1, len(sequences) // 20) if len(sequences) >= 4 else 0
+    heldout = [sequences[i] for i in order[:num_heldout]]
+    return [sequences[i] for i in order[num_heldout:]], heldout
+
+
+def make_batches(sequences: list[Sequence], settings: TrainSettings) -> list[list[int]]:
+    """Indices of sequences grouped by length, at most ``tokens_per_batch`` padded tokens."""
+    lengths = [min(len(s.token_ids), settings.max_seq_len) for s in sequences]
+    order = sorted(range(len(sequences)), key=lambda i: lengths[i])
+    batches, current, longest = [], [], 0
+    for i in order:
+        longest_if = max(longest, lengths[i])
+        if current and longest_if * (len(current) + 1) > settings.tokens_per_batch:
+            batches.append(current)
+            current, longest_if = [], lengths[i]
+        current.append(i)
+        longest = longest_if
+    if current:
+        batches.append(current)
+    return batches
+
+
+def collate(sequences: list[Sequence], index_of: np.ndarray, max_len: int):
+    """(input_ids [B, T], attention_mask [B, T], labels [B, T] in draft-vocab ids, -100
+    where no loss: prompt, padding, tokens outside the draft vocabulary)."""
+    length = min(max(len(s.token_ids) for s in sequences), max_len)
+    ids = torch.zeros(len(sequences), length, dtype=torch.long)
+    mask = torch.zeros(len(sequences), length, dtype=torch.long)
+    labels = torch.full((len(sequences), length), -100, dtype=torch.long)
+    for row, seq in enumerate(sequences):
+        tokens = seq.token_ids[:length]
+        n = len(tokens)
+        ids[row, :n] = torch.from_numpy(tokens)
+        mask[row, :n] = 1
+        # position t predicts token t + 1; a loss where t + 1 is a response token
+        nxt = index_of[tokens[1:]]
+        start = max(seq.prompt_len - 1, 0)
+        labels[row, start : n - 1] = torch.from_numpy(nxt[start:])
+    return ids, mask, labels
+
+
+def lr_at(step: int, total: int, settings: TrainSettings) -> float:
+    if step < settings.warmup_steps:
+        return settings.lr * (step + 1) / settings.warmup_steps
+    progress = (step - settings.warmup_steps) / max(1, total - settings.warmup_steps)
+    return settings.lr * (0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * min(progress, 1.0))))
+
+
+def train(
+    model: DraftLM,
+    sequences: list[Sequence],
+    out_dir: Path,
+    settings: TrainSettings,
+    progress=None,
+) -> TrainResult:
+    """Train ``model`` in place; resumes from ``out_dir/checkpoint.pt`` when present."""
+    torch.manual_seed(settings.seed)
+    train_seqs, heldout = split_heldout(sequences, settings.seed)
+    if not train_seqs:
+        raise ValueError("no training sequences: generate more data (--num-prompts)")
+    index_of = np.full(model.hf_config["vocab_size"], -100, dtype=np.int64)
+    index_of[model.draft_vocab.numpy()] = np.arange(len(model.draft_vocab))
+    batches = make_batches(train_seqs, settings)
+    total = settings.epochs * len(batches)
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=settings.lr, betas=(0.9, 0.95), weight_decay=0.0)
+    step, by_epoch, seconds = _resume(model, optimizer, out_dir, settings)
+    start = time.perf_counter()
+    train_tokens = 0
+    model.train()
+    while step < total:
+        epoch, within = divmod(step, len(batches))
+        order = list(range(len(batches)))
+        random.Random(settings.seed * 7919 + epoch).shuffle(order)
+        for position in range(within, len(batches)):
+            batch = [train_seqs[i] for i in batches[order[position]]]
+            ids, mask, labels = collate(batch, index_of, settings.max_seq_len)
+            for group in optimizer.param_groups:
+                group["lr"] = lr_at(step, total, settings)
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=settings.bf16):
+                logits = model(ids, mask)
+            loss = torch.nn.functional.cross_entropy(
+                logits.float().flatten(0, 1), labels.flatten(), ignore_index=-100
+            )
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
+            optimizer.step()
+            step += 1
+            train_tokens += int((labels != -100).sum())
+            if progress is not None:
+                progress(step, total, float(loss.detach()))
+            if step % settings.checkpoint_every == 0 and step < total:
+                _save_checkpoint(model, optimizer, out_dir, step, by_epoch, seconds, start)
+        by_epoch.append(evaluate(model, heldout, index_of, settings))
+        model.train()
+        _save_checkpoint(model, optimizer, out_dir, step, by_epoch, seconds, start)
+    model.eval()
+    return TrainResult(
+        steps=step,
+        seconds=seconds + time.perf_counter() - start,
+        train_tokens=train_tokens,
+        heldout_top1=by_epoch[-1] if by_epoch else float("nan"),
+        heldout_top1_by_epoch=by_epoch,
+    )
+
+
+@torch.no_grad()
+def evaluate(model: DraftLM, heldout: list[Sequence], index_of, settings: TrainSettings) -> float:
+    """Top-1 agreement of the draft with the target's next token on held-out responses."""
+    if not heldout:
+        return float("nan")
+    model.eval()
+    hits = count = 0
+    for batch in make_batches(heldout, settings):
+        ids, mask, labels = collate([heldout[i] for i in batch], index_of, settings.max_seq_len)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=settings.bf16):
+            logits = model(ids, mask)
+        scored = _scored_positions(ids, mask, heldout, batch, settings.max_seq_len)
+        predicted = logits.argmax(-1)
+        hits += int(((predicted == labels) & scored).sum())
+        count += int(scored.sum())
+    return hits / max(count, 1)
+
+
+def _scored_positions(ids, mask, heldout, batch, max_len) -> torch.Tensor:
+    """Response positions, including tokens outside the draft vocabulary (counted as misses)."""
+    scored = torch.zeros_like(mask, dtype=torch.bool)
+    for row, i in enumerate(batch):
+        n = min(len(heldout[i].token_ids), max_len)
+        scored[row, max(heldout[i].prompt_len - 1, 0) : n - 1] = True
+    return scored
+
+
+def _save_checkpoint(model, optimizer, out_dir, step, by_epoch, seconds, start) -> None:
+    state = {
+        "trained": model.trained_state(),
+        "optimizer": optimizer.state_dict(),
+        "step": step,
+        "by_epoch": by_epoch,
+        "seconds": seconds + time.perf_counter() - start,
+    }
+    tmp = out_dir / (CHECKPOINT + ".tmp")
+    torch.save(state, tmp)
+    tmp.replace(out_dir / CHECKPOINT)
+
+
+def _resume(model, optimizer, out_dir: Path, settings: TrainSettings):
+    path = out_dir / CHECKPOINT
+    if not path.exists():
+        return 0, [], 0.0
+    state = torch.load(path, map_location="cpu", weights_only=True)
+    own = dict(model.model.named_parameters())
+    with torch.no_grad():
+        for name, tensor in state["trained"].items():
+            own[name.removeprefix("model.")].copy_(tensor)
+    optimizer.load_state_dict(state["optimizer"])
+    return int(state["step"]), list(state["by_epoch"]), float(state["seconds"])
+
+
+def export(
+    model: DraftLM,
+    out_dir: Path,
+    target_name: str,
+    settings: TrainSettings,
+    summary: dict,
+    save_dtype: torch.dtype = torch.bfloat16,
+) -> None:
+    """config.json + model.safetensors (layers and norm, HF names, plus the draft vocabulary
+    and an embedding probe) + draft.json (what it drafts for, how it was made)."""
+    from safetensors.torch import save_file
+
+    tensors = {name: t.to(save_dtype).contiguous() for name, t in model.trained_state().items()}
+    tensors["specserve.draft_vocab"] = model.draft_vocab.clone()
+    probe_ids = embed_probe_ids(model.hf_config["vocab_size"])
+    tensors["specserve.embed_probe"] = model.model.embed_tokens.weight[probe_ids].float().clone()
+    save_file(tensors, str(out_dir / "model.safetensors"))
+    (out_dir / "model.safetensors").chmod(0o644)  # safetensors writes 0600; servers run as others
+    (out_dir / "config.json").write_text(json.dumps(model.hf_config, indent=2) + "\n")
+    meta = {
+        "format": FORMAT,
+        "version": FORMAT_VERSION,
+        "target": target_name,
+        "target_vocab_size": model.hf_config["vocab_size"],
+        "draft_vocab_size": len(model.draft_vocab),
+        "num_layers": model.hf_config["num_hidden_layers"],
+        "layers_from": model.layers_from,
+        "settings": asdict(settings),
+        **summary,
+    }
+    (out_dir / DRAFT_FILE).write_text(json.dumps(meta, indent=2) + "\n")
+
+
+def embed_probe_ids(vocab_size: int) -> torch.Tensor:
+    """16 embedding rows spread over the vocabulary: enough to tell one target from another."""
+    return torch.linspace(0, vocab_size - 1, 16).round().long().unique()

@@ -1,0 +1,96 @@
+"""Trained-draft benchmark: speed-up and acceptance against temperature and batch size.
+
+    .venv/bin/python scripts/bench_draft.py --dtype bfloat16 --rounds 3 --out bench-draft/
+
+Runs `specserve bench offline` on the chat workload (held out of the draft's training
+prompts) for each temperature at batch 1, and greedy at 8 and 32 concurrent requests,
+with spec modes none, ngram, draft and hybrid side by side in each invocation, and
+prints one markdown table: the median (range) over rounds of each mode's throughput
+relative to no speculation in the same invocation, and the draft's acceptance.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+MODES = ("none", "ngram", "draft", "hybrid")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument("--temperatures", default="0,0.3,0.7,1.0")
+    parser.add_argument("--concurrency", default="8,32", help="greedy runs at these batch sizes")
+    parser.add_argument("--num-prompts", type=int, default=8)
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--draft-model", default=None, help="default: the shipped draft")
+    parser.add_argument("--out", default="bench-draft")
+    args = parser.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    cases = [(float(t), 1, args.num_prompts) for t in args.temperatures.split(",") if t]
+    cases += [(0.0, int(c), 2 * int(c)) for c in args.concurrency.split(",") if c]
+    rows = []
+    for temperature, concurrency, num_prompts in cases:
+        runs = []
+        for r in range(args.rounds):
+            path = out / f"{args.dtype}-t{temperature}-c{concurrency}-r{r}.json"
+            if not path.exists():
+                _run(args, temperature, concurrency, num_prompts, path)
+            runs.append(json.loads(path.read_text())["results"])
+        rows.append((temperature, concurrency, runs))
+    print(_table(rows, args.dtype))
+    return 0
+
+
+def _run(args, temperature: float, concurrency: int, num_prompts: int, path: Path) -> None:
+    cmd = [sys.executable, "-m", "engine", "bench", "offline", "--workload", "chat"]
+    cmd += ["--num-prompts", str(num_prompts), "--concurrency", str(concurrency)]
+    cmd += ["--output-len", str(args.output_len), "--spec-modes", ",".join(MODES)]
+    cmd += ["--baselines", "none", "--temperature", str(temperature), "--dtype", args.dtype]
+    cmd += ["--json", str(path), "--no-progress"]
+    if args.draft_model:
+        cmd += ["--draft-model", args.draft_model]
+    print("+", " ".join(cmd[1:]), file=sys.stderr, flush=True)
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+
+
+def _table(rows, dtype: str) -> str:
+    head = (
+        "| temperature | batch | none tok/s | "
+        + " | ".join(f"{m} vs none" for m in MODES[1:])
+        + " | draft: tokens/verification | draft: acceptance by position |"
+    )
+    lines = [f"dtype {dtype}", head, "|" + "---|" * (head.count("|") - 1)]
+    for temperature, concurrency, runs in rows:
+        by_mode = [{r["system"].split("spec: ")[1].rstrip(")"): r for r in run} for run in runs]
+        base = [m["none"]["output_tokens_per_s"] for m in by_mode]
+        cells = [f"{temperature:g}", str(concurrency), _median_range(base, "{:.1f}")]
+        for mode in MODES[1:]:
+            ratios = [
+                m[mode]["output_tokens_per_s"] / m["none"]["output_tokens_per_s"] for m in by_mode
+            ]
+            cells.append(_median_range(ratios, "{:.2f}x"))
+        spec = by_mode[0]["draft"].get("spec") or {}
+        cells.append(f"{spec['tokens_per_verification']:.2f}" if spec else "-")
+        positions = spec.get("acceptance_by_position") or []
+        cells.append(" / ".join(f"{x:.2f}" for x in positions) if positions else "-")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def _median_range(values: list[float], fmt: str) -> str:
+    median = fmt.format(statistics.median(values))
+    if len(values) == 1:
+        return median
+    return f"{median} ({fmt.format(min(values))}-{fmt.format(max(values))})"
+
+
+if __name__ == "__main__":
+    sys.exit(main())

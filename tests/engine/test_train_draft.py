@@ -1,0 +1,309 @@
+"""`specserve train-draft`: data, training, resume, determinism, export, and serving the
+result (the lossless tests in test_spec_decode / test_seeded / test_stress run it too)."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from engine.cli import main
+from engine.config import EngineConfig
+from engine.default_model import ModelLoadError
+from engine.sampling_params import SamplingParams
+from engine.spec_decode.trained_draft import load_trained_draft
+from engine.train_draft.data import generate_data, load_sequences, manifest_for
+from engine.train_draft.model import DraftLM, choose_vocab, layer_sources
+from engine.train_draft.prompts import builtin_prompt_count, builtin_prompts, load_prompt_file
+from engine.train_draft.train import TrainSettings, train
+from tests.engine.engine_helpers import make_engine, run_to_completion
+
+_FAST = ["--max-tokens", "24", "--epochs", "1", "--tokens-per-batch", "512"]
+_FAST += ["--train-dtype", "float32"]
+
+
+def _train(model_dir, out, *extra) -> int:
+    return main(["train-draft", "--model", model_dir, "--out", str(out), *_FAST, *extra])
+
+
+# ---- the prompt set ---------------------------------------------------------------------
+def test_the_builtin_prompts_are_many_distinct_and_hold_out_the_benchmark_prompts():
+    from engine.benchmarks.workloads import BUILTIN
+
+    assert builtin_prompt_count() >= 2000
+    prompts = builtin_prompts(builtin_prompt_count())
+    assert len(set(prompts)) == len(prompts)
+    held_out = {p for ps in BUILTIN.values() for p in ps}
+    assert not held_out & set(prompts)
+    assert builtin_prompts(50, seed=1) == builtin_prompts(50, seed=1)
+    assert builtin_prompts(50, seed=1) != builtin_prompts(50, seed=2)
+
+
+def test_a_prompt_file_takes_lines_or_jsonl_and_names_a_bad_line(tmp_path):
+    good = tmp_path / "p.txt"
+    good.write_text('first prompt\n\n{"prompt": "second"}\n')
+    assert load_prompt_file(str(good)) == ["first prompt", "second"]
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('ok\n{"text": "no prompt field"}\n')
+    with pytest.raises(ValueError, match=r"bad.jsonl:2: a JSON line needs a string 'prompt'"):
+        load_prompt_file(str(bad))
+    with pytest.raises(ValueError, match="no such file"):
+        load_prompt_file(str(tmp_path / "missing.txt"))
+
+
+# ---- the command ------------------------------------------------------------------------
+def test_train_draft_writes_a_small_draft_that_says_how_it_was_made(tiny_model_dir, tmp_path):
+    out = tmp_path / "draft"
+    assert _train(tiny_model_dir, out, "--num-prompts", "16", "--draft-vocab", "100") == 0
+    meta = json.loads((out / "draft.json").read_text())
+    assert meta["format"] == "specserve-draft" and meta["num_layers"] == 2
+    assert meta["command"].startswith("specserve train-draft")
+    assert meta["data"]["answers"] == 16 and meta["data"]["response_tokens"] > 0
+    assert meta["training"]["steps"] > 0
+    weights = load_file(str(out / "model.safetensors"))
+    # only what was trained (plus the vocabulary and the embedding probe): no embedding,
+    # no head, both come from the target when served
+    assert not any("embed_tokens" in n or "lm_head" in n for n in weights)
+    assert {n.split(".")[2] for n in weights if n.startswith("model.layers.")} == {"0", "1"}
+    assert weights["specserve.draft_vocab"].numel() == 100
+    assert all(t.dtype == torch.bfloat16 for n, t in weights.items() if n.startswith("model."))
+    assert (out / "model.safetensors").stat().st_mode & 0o044 == 0o044  # readable by a server
+
+
+def test_the_same_seed_makes_the_same_draft_and_another_seed_another(tiny_model_dir, tmp_path):
+    runs = {}
+    for name, seed in (("a", "3"), ("b", "3"), ("c", "4")):
+        assert _train(tiny_model_dir, tmp_path / name, "--num-prompts", "12", "--seed", seed) == 0
+        runs[name] = load_file(str(tmp_path / name / "model.safetensors"))
+    assert all(torch.equal(runs["a"][n], runs["b"][n]) for n in runs["a"])
+    assert not all(torch.equal(runs["a"][n], runs["c"][n]) for n in runs["a"])
+
+
+@pytest.mark.parametrize(
+    ("flag", "value", "message"),
+    [
+        ("--num-layers", "0", r"--num-layers must be \[1, 64\], got 0"),
+        ("--epochs", "0", r"--epochs must be \[1, 1000\], got 0"),
+        ("--draft-vocab", "1", "--draft-vocab must be >= 2, got 1"),
+        ("--lr", "0", r"--lr must be in \(0, 1\]"),
+        ("--prompts", "/nonexistent/prompts.txt", "no such file"),
+    ],
+)
+def test_bad_input_is_one_line_naming_the_flag(
+    tiny_model_dir, tmp_path, capsys, flag, value, message
+):
+    assert _train(tiny_model_dir, tmp_path / "d", flag, value) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("specserve train-draft: error:")
+    assert re.search(message, err[0])
+    assert not (tmp_path / "d" / "data").exists()  # refused before any work
+
+
+def test_out_that_is_a_file_is_refused(tiny_model_dir, tmp_path, capsys):
+    file = tmp_path / "file"
+    file.write_text("x")
+    assert _train(tiny_model_dir, file) == 2
+    assert "exists and is not a directory" in capsys.readouterr().err
+
+
+# ---- resume -----------------------------------------------------------------------------
+def test_data_generation_resumes_from_its_shards_and_refuses_other_settings(
+    tiny_model_dir, tmp_path
+):
+    engine = make_engine(tiny_model_dir, max_num_seqs=8)
+    prompts = builtin_prompts(20)
+    manifest = manifest_for("tiny", prompts, 12, 0)
+    counted = []
+    first = generate_data(engine, prompts, tmp_path, manifest, lambda n, t: counted.append(n))
+    assert first.num_sequences == 20 and first.seconds > 0
+    shards = sorted(tmp_path.glob("shard-*.npz"))
+    stamps = [s.stat().st_mtime_ns for s in shards]
+    # a second run generates nothing: every shard is there
+    added = []
+    original_add = engine.add_request
+    engine.add_request = lambda *a, **k: added.append(a) or original_add(*a, **k)
+    again = generate_data(engine, prompts, tmp_path, manifest, lambda n, t: None)
+    assert not added and again.seconds == 0
+    assert [s.stat().st_mtime_ns for s in shards] == stamps
+    assert again.num_response_tokens == first.num_response_tokens
+    # a lost shard is generated again, the same as before (seeded requests)
+    before = load_sequences(tmp_path)
+    shards[0].unlink()
+    generate_data(engine, prompts, tmp_path, manifest, lambda n, t: None)
+    after = load_sequences(tmp_path)
+    assert all(np.array_equal(a.token_ids, b.token_ids) for a, b in zip(before, after))
+    with pytest.raises(ValueError, match=r"other settings \(max_tokens\)"):
+        generate_data(engine, prompts, tmp_path, manifest_for("tiny", prompts, 13, 0), print)
+
+
+def test_interrupted_training_resumes_to_the_same_weights(tiny_model_dir, tmp_path):
+    engine = make_engine(tiny_model_dir, max_num_seqs=16)
+    prompts = builtin_prompts(24)
+    generate_data(engine, prompts, tmp_path / "data", manifest_for("t", prompts, 24, 0), print)
+    sequences = load_sequences(tmp_path / "data")
+    vocab = choose_vocab(sequences, 259, 150, {2})
+    settings = TrainSettings(epochs=2, tokens_per_batch=256, checkpoint_every=3, warmup_steps=2)
+
+    whole_dir, cut_dir = tmp_path / "whole", tmp_path / "cut"
+    whole_dir.mkdir(), cut_dir.mkdir()
+    whole = DraftLM(Path(tiny_model_dir), 2, vocab)
+    train(whole, sequences, whole_dir, settings)
+
+    class Interrupt(Exception):
+        pass
+
+    def stop_at_7(step, total, loss):
+        if step == 7:
+            raise Interrupt
+
+    with pytest.raises(Interrupt):
+        train(DraftLM(Path(tiny_model_dir), 2, vocab), sequences, cut_dir, settings, stop_at_7)
+    resumed = DraftLM(Path(tiny_model_dir), 2, vocab)
+    steps = []
+    result = train(resumed, sequences, cut_dir, settings, lambda s, t, loss: steps.append(s))
+    assert steps[0] == 7  # resumed after the checkpoint at step 6
+    assert result.steps == steps[-1]
+    for name, tensor in whole.trained_state().items():
+        assert torch.equal(tensor, resumed.trained_state()[name]), name
+
+
+# ---- the draft as served ----------------------------------------------------------------
+def test_the_served_draft_computes_what_was_trained(tiny_model_dir, tiny_trained_draft_dir):
+    """specserve's paged model with the target's embedding and head rows gives the
+    training module's logits, -inf outside the draft vocabulary."""
+    target = make_engine(tiny_model_dir).loaded
+    served = load_trained_draft(tiny_trained_draft_dir, target)
+    assert served.model.model.embed_tokens.weight is target.model.model.embed_tokens.weight
+    trained = DraftLM(
+        Path(tiny_model_dir),
+        2,
+        load_file(f"{tiny_trained_draft_dir}/model.safetensors")["specserve.draft_vocab"].numpy(),
+    )
+    saved = load_file(f"{tiny_trained_draft_dir}/model.safetensors")
+    with torch.no_grad():
+        for name, p in trained.model.named_parameters():
+            if f"model.{name}" in saved:
+                p.copy_(saved[f"model.{name}"].float())
+    tokens = [1, 40, 77, 90, 100, 2, 1, 5, 9, 14, 3, 120]
+    from engine.model_runner import ModelRunner, SeqInput
+
+    runner = ModelRunner(served, num_blocks=8, block_size=16)
+    served_logits = runner.forward([SeqInput(tokens, 0, [0], len(tokens))])  # last row
+    with torch.no_grad():
+        ids = torch.tensor([tokens])
+        reduced = trained(ids, torch.ones_like(ids))[0, -1]
+    vocab = trained.draft_vocab
+    outside = torch.ones(259, dtype=torch.bool)
+    outside[vocab] = False
+    assert torch.isneginf(served_logits[-1, outside]).all()
+    torch.testing.assert_close(served_logits[-1, vocab], reduced, rtol=1e-4, atol=1e-4)
+
+
+def test_a_draft_for_another_target_is_refused_in_one_line(
+    tiny_model_factory, tiny_trained_draft_dir
+):
+    other = make_engine(tiny_model_factory(seed=1234)).loaded
+    with pytest.raises(ModelLoadError, match="whose embedding differs") as info:
+        load_trained_draft(tiny_trained_draft_dir, other)
+    assert "specserve train-draft --model" in str(info.value)
+    wider = make_engine(tiny_model_factory(hidden_size=96, head_dim=24)).loaded
+    with pytest.raises(ModelLoadError, match="hidden size 64"):
+        load_trained_draft(tiny_trained_draft_dir, wider)
+
+
+def test_greedy_with_the_trained_draft_is_the_targets_output(
+    tiny_model_dir, tiny_trained_draft_dir
+):
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    prompts = [[1, 40, 77, 90], [1, 5, 9, 14, 3], [1] + [60, 61, 62] * 6]
+    workload = {0: [(f"r{i}", p, params) for i, p in enumerate(prompts)]}
+    reference = run_to_completion(make_engine(tiny_model_dir), workload)
+    for method in ("draft", "hybrid"):
+        engine = make_engine(
+            tiny_model_dir,
+            speculative_method=method,
+            draft_model=tiny_trained_draft_dir,
+            speculative_disable_batch_size=64,
+        )
+        results = run_to_completion(engine, workload)
+        for request_id, ref in reference.items():
+            assert results[request_id]["token_ids"] == ref["token_ids"], (method, request_id)
+        assert engine.stats.num_draft_tokens > 0
+
+
+def test_hybrid_gives_repeating_contexts_to_ngram_and_the_rest_to_the_model():
+    from types import SimpleNamespace
+
+    from engine.spec_decode.ngram import NgramProposer
+    from engine.spec_decode.proposers import HybridProposer
+
+    class FakeDraft:
+        draft_cost = 0.1
+
+        def __init__(self):
+            self.asked = []
+
+        def propose(self, items, states):
+            self.asked += [s.request.request_id for s in states]
+            return [[7] * i.num_spec_tokens for i in items], [torch.ones(1)] * len(items)
+
+    draft = FakeDraft()
+    hybrid = HybridProposer(NgramProposer(1, 4), draft, min_match=3)
+    contexts = {
+        "rep": [1, 60, 61, 62, 63, 64, 60, 61, 62],  # last 3 tokens occurred before
+        "short": [1, 60, 61, 62, 63, 64, 9, 61, 62],  # only a 2-token match
+        "fresh": [1, 40, 77, 90, 120],  # nothing repeats
+    }
+    states = [SimpleNamespace(request=SimpleNamespace(request_id=r, all_token_ids=t))
+              for r, t in contexts.items()]  # fmt: skip
+    items = [SimpleNamespace(num_spec_tokens=3) for _ in states]
+    drafts, probs = hybrid.propose(items, states)
+    assert drafts[0] == [63, 64, 60] and probs[0] is None  # n-gram: one-hot, no probs
+    assert drafts[1] == drafts[2] == [7, 7, 7] and probs[1] is not None
+    assert draft.asked == ["short", "fresh"]
+    assert hybrid.draft_cost == draft.draft_cost
+
+
+def test_the_default_model_speculates_with_its_shipped_draft_unless_told_otherwise(
+    monkeypatch, tmp_path
+):
+    shipped = tmp_path / "shipped"
+    shipped.mkdir()
+    (shipped / "draft.json").write_text("{}")
+    monkeypatch.setattr("engine.default_model.DRAFTS_DIR", tmp_path)
+    monkeypatch.setattr("engine.default_model.DEFAULT_MODEL_NAME", "shipped")
+    monkeypatch.setattr("engine.config.DEFAULT_MODEL_NAME", "shipped", raising=False)
+    config = EngineConfig()
+    assert config.resolved_draft_model == str(shipped)
+    assert config.resolved_speculative_method == "hybrid"
+    assert EngineConfig(speculative_method="draft").resolved_draft_model == str(shipped)
+    assert EngineConfig(speculative_method="ngram").resolved_draft_model is None
+    assert EngineConfig(speculative_method="none").resolved_speculative_method == "none"
+    assert EngineConfig(model="/some/other/model").resolved_speculative_method == "ngram"
+    (shipped / "draft.json").unlink()
+    assert EngineConfig().resolved_speculative_method == "ngram"
+
+
+def test_the_draft_starts_from_the_targets_first_layers():
+    assert layer_sources(30, 1) == [0]
+    assert layer_sources(30, 4) == [0, 1, 2, 3]
+    with pytest.raises(ValueError, match="at most the target's 30 layers, got 31"):
+        layer_sources(30, 31)
+
+
+def test_a_draft_trains_for_qwen2_and_tied_targets_too(tiny_model_factory, tmp_path):
+    for arch, tied in (("qwen2", False), ("llama", True)):
+        target = tiny_model_factory(arch=arch, tie_word_embeddings=tied)
+        out = tmp_path / f"{arch}-{tied}"
+        assert _train(target, out, "--num-prompts", "8", "--num-layers", "1") == 0
+        engine = make_engine(target, speculative_method="draft", draft_model=str(out))
+        params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+        reference = run_to_completion(make_engine(target), {0: [("r", [1, 5, 9], params)]})
+        results = run_to_completion(engine, {0: [("r", [1, 5, 9], params)]})
+        assert results["r"]["token_ids"] == reference["r"]["token_ids"], arch
+        assert engine.stats.num_draft_tokens > 0
