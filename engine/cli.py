@@ -211,6 +211,8 @@ def _load_commands() -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    # The command as typed, for outputs that record how they were made.
+    args.argv = ["specserve", *(sys.argv[1:] if argv is None else argv)]
     _help, _add, run = _COMMANDS[args.command]
     try:
         return int(run(args) or 0)

@@ -52,10 +52,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("draft and training")
     g.add_argument("--num-layers", type=int, default=2, help="decoder layers in the draft")
     g.add_argument("--draft-vocab", type=int, default=8192, help="tokens the draft's head scores")
-    g.add_argument("--epochs", type=int, default=2, help="passes over the data")
+    g.add_argument("--epochs", type=int, default=6, help="passes over the data")
     g.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (AdamW, cosine)")
     g.add_argument(
-        "--tokens-per-batch", type=int, default=8192, help="padded tokens per training step"
+        "--tokens-per-batch", type=int, default=4096, help="padded tokens per training step"
     )
     g.add_argument(
         "--train-dtype",
@@ -84,11 +84,12 @@ def run(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     prompts = _prompts(args)
     started = time.perf_counter()
-    target_dir, target_name, eos_ids, data = _make_data(args, out, prompts)
+    target_dir, target_name, target_vocab, eos_ids, data = _make_data(args, out, prompts)
     from engine.train_draft.data import load_sequences
 
     sequences = load_sequences(out / "data")
-    return _train_and_export(args, out, target_dir, target_name, eos_ids, sequences, data, started)
+    target = (Path(target_dir), target_name, target_vocab, eos_ids)
+    return _train_and_export(args, out, target, sequences, data, started)
 
 
 def _check_args(args: argparse.Namespace) -> None:
@@ -156,10 +157,11 @@ def _make_data(args, out: Path, prompts: list[str]):
         f"data: {summary.num_sequences} answers, {summary.num_response_tokens} response tokens"
         + (f", generated in {summary.seconds:.0f} s" if summary.seconds else " (all resumed)")
     )
-    return loaded.model_dir, loaded.name, set(loaded.eos_token_ids), summary
+    return loaded.model_dir, loaded.name, loaded.arch.vocab_size, set(loaded.eos_token_ids), summary
 
 
-def _train_and_export(args, out, target_dir, target_name, eos_ids, sequences, data, started):
+def _train_and_export(args, out, target, sequences, data, started):
+    target_dir, target_name, target_vocab, eos_ids = target
     import torch
 
     from engine.loader import cpu_has_native_bf16
@@ -180,11 +182,8 @@ def _train_and_export(args, out, target_dir, target_name, eos_ids, sequences, da
         bf16=bf16,
     )
     torch.manual_seed(args.seed)
-    import json
-
-    target_vocab = json.loads((Path(target_dir) / "config.json").read_text())["vocab_size"]
     vocab = choose_vocab(sequences, target_vocab, min(args.draft_vocab, target_vocab), eos_ids)
-    model = DraftLM(Path(target_dir), args.num_layers, vocab)
+    model = DraftLM(target_dir, args.num_layers, vocab)
     bar = _bar(None, "training", "step")
 
     def progress(step: int, total: int, loss: float) -> None:
@@ -198,7 +197,7 @@ def _train_and_export(args, out, target_dir, target_name, eos_ids, sequences, da
     finally:
         bar.close()
     summary = {
-        "command": "specserve train-draft " + shlex.join(sys.argv[2:] if _is_cli() else []),
+        "command": shlex.join(getattr(args, "argv", ["specserve", "train-draft"])),
         "data": {
             "answers": data.num_sequences,
             "response_tokens": data.num_response_tokens,
@@ -220,10 +219,6 @@ def _train_and_export(args, out, target_dir, target_name, eos_ids, sequences, da
     )
     print(f"serve it with: specserve serve --draft-model {out}")
     return 0
-
-
-def _is_cli() -> bool:
-    return len(sys.argv) > 1 and sys.argv[1] == "train-draft"
 
 
 def _bar(total, desc: str, unit: str):

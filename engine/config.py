@@ -19,9 +19,11 @@ class EngineConfig:
     # A directory with the tokenizer files, for a model directory that has none.
     tokenizer: str | None = None
     draft_model: str | None = None
-    # None picks a default: "draft" when a draft model is given; for the default model,
-    # "hybrid" with its shipped draft (engine/drafts/); else "ngram". "hybrid": n-gram
-    # drafts where the context repeats, the draft model's elsewhere.
+    # None picks a default: "draft" when a draft model is given, else "ngram". "hybrid":
+    # n-gram drafts where the context repeats, the draft model's elsewhere. "draft" and
+    # "hybrid" without a draft model use the default model's shipped draft
+    # (engine/drafts/), which is not the default: it gains ~1% over n-gram lookup alone at
+    # batch 1 and loses at 4 (docs/benchmarks.md, "A trained draft for the default model").
     speculative_method: str | None = None
     num_speculative_tokens: int = 4
     # Above this many running requests nobody speculates. None: 4 on CPU (a few
@@ -87,15 +89,13 @@ class EngineConfig:
     def resolved_speculative_method(self) -> str:
         if self.speculative_method is not None:
             return self.speculative_method
-        if self.draft_model:
-            return "draft"
-        return "hybrid" if self.resolved_draft_model else "ngram"
+        return "draft" if self.draft_model else "ngram"
 
     @property
     def resolved_draft_model(self) -> str | None:
-        """draft_model, or the default model's shipped draft when speculation is left to
-        its defaults (or asks for a draft) and none is given."""
-        if self.draft_model or self.speculative_method not in (None, "draft", "hybrid"):
+        """draft_model, or the default model's shipped draft when the method asks for a
+        draft model and none is given."""
+        if self.draft_model or self.speculative_method not in ("draft", "hybrid"):
             return self.draft_model
         from engine.default_model import DEFAULT_MODEL_NAME, default_draft_path
 

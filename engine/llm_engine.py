@@ -112,6 +112,10 @@ class LLMEngine:
             ),
             self.kv_manager,
         )
+        source_for = getattr(self.proposer, "source_for", None)
+        if source_for is not None:  # hybrid: k from the history of the proposer it picks
+            max_k = config.num_speculative_tokens
+            self.scheduler.spec_source = lambda request: source_for(request, max_k)
         self.eos_token_ids = frozenset(self.loaded.eos_token_ids)
         self.vocab_size = self.loaded.arch.vocab_size
         max_spec_tokens = config.num_speculative_tokens if self.proposer is not None else 0

@@ -22,6 +22,8 @@ class ScheduledRequest:
     needs_sample: bool
     num_spec_tokens: int  # lookahead slots granted; the proposer fills up to this many
     spec_token_ids: list[int] = field(default_factory=list)
+    # Which of the request's acceptance histories chose k (None: its only one).
+    spec_source: str | None = None
 
 
 @dataclass(slots=True)

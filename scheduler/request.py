@@ -50,10 +50,17 @@ class Request:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     spec_history: AcceptanceHistory = field(default_factory=AcceptanceHistory)
+    # One history per proposer when the engine combines several (hybrid speculation).
+    spec_histories: dict[str, AcceptanceHistory] = field(default_factory=dict)
     first_scheduled_time: float | None = None
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)
+
+    def history_for(self, source: str | None) -> AcceptanceHistory:
+        if source is None:
+            return self.spec_history
+        return self.spec_histories.setdefault(source, AcceptanceHistory())
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -12,6 +12,7 @@ import bisect
 import heapq
 import itertools
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from block_manager import KVCacheManager
@@ -50,6 +51,9 @@ class Scheduler:
         self._waiting: list[tuple[int, float, int, Request]] = []
         self._tiebreak = itertools.count()
         self.num_preemptions = 0
+        # Set by the engine for a proposer that combines several: request -> (the
+        # proposer it will use, that proposer's draft cost).
+        self.spec_source: Callable[[Request], tuple[str, float]] | None = None
 
     # ---- queue management ----------------------------------------------------------
     @property
@@ -115,13 +119,13 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            num_spec = self._num_spec_tokens(request, spec_cost) if speculate else 0
+            num_spec, source = self._num_spec_tokens(request, spec_cost) if speculate else (0, None)
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             if num_new + num_spec > budget:
                 num_spec = 0
             if not self._allocate_or_preempt(request, num_new, num_spec, preempted):
                 break  # the request itself was preempted; everyone after it is lower priority
-            scheduled.append(self._scheduled(request, num_new, num_spec))
+            scheduled.append(self._scheduled(request, num_new, num_spec, source))
             budget -= num_new + num_spec
             i += 1
         if not preempted:
@@ -140,19 +144,26 @@ class Scheduler:
             verify = self.config.default_verify_cost
         return self.config.draft_cost + verify
 
-    def _num_spec_tokens(self, request: Request, spec_cost: float) -> int:
-        """k for a decoding request: its own fixed k if it asked for one, else adaptive
-        up to the engine's maximum; never past the length limits (k drafts + 1 bonus)."""
+    def _num_spec_tokens(self, request: Request, spec_cost: float) -> tuple[int, str | None]:
+        """(k, the acceptance history that chose it) for a decoding request: its own fixed
+        k if it asked for one, else adaptive up to the engine's maximum; never past the
+        length limits (k drafts + 1 bonus). With ``spec_source`` set (a proposer that
+        combines several), the proposer names the one it will use and its draft cost,
+        and k comes from that proposer's history for this request."""
         if request.num_computed_tokens != request.num_tokens - 1:
-            return 0  # still prefilling
+            return 0, None  # still prefilling
         remaining = min(
             request.max_tokens - request.num_output_tokens,
             self.config.max_model_len - request.num_tokens,
         )
         max_k = min(self.config.num_spec_tokens, remaining - 1)
         if request.max_spec_tokens is not None:  # fixed k, never above the engine's
-            return max(0, min(request.max_spec_tokens, max_k))
-        return choose_num_spec_tokens(request.spec_history, max_k, spec_cost)
+            return max(0, min(request.max_spec_tokens, max_k)), None
+        source = None
+        if self.spec_source is not None and max_k > 0:
+            source, draft_cost = self.spec_source(request)
+            spec_cost += draft_cost - self.config.draft_cost
+        return choose_num_spec_tokens(request.history_for(source), max_k, spec_cost), source
 
     def _allocate_or_preempt(
         self, request: Request, num_new: int, num_spec: int, preempted: list[str]
@@ -196,7 +207,9 @@ class Scheduler:
             budget -= num_new
         return budget
 
-    def _scheduled(self, request: Request, num_new: int, num_spec: int) -> ScheduledRequest:
+    def _scheduled(
+        self, request: Request, num_new: int, num_spec: int, source: str | None = None
+    ) -> ScheduledRequest:
         return ScheduledRequest(
             request_id=request.request_id,
             num_computed_tokens=request.num_computed_tokens,
@@ -204,6 +217,7 @@ class Scheduler:
             block_ids=self.kv.get_block_ids(request.request_id),
             needs_sample=request.num_computed_tokens + num_new == request.num_tokens,
             num_spec_tokens=num_spec,
+            spec_source=source if num_spec else None,
         )
 
     # ---- update -----------------------------------------------------------------------
@@ -225,7 +239,7 @@ class Scheduler:
                 # the lookahead slots go back to the pool now.
                 valid = item.num_computed_tokens + 1 + num_accepted
                 request.num_computed_tokens = self.kv.rollback(request, valid)
-                request.spec_history.record(num_drafts, num_accepted)
+                request.history_for(item.spec_source).record(num_drafts, num_accepted)
                 request.num_draft_tokens += num_drafts
                 request.num_accepted_tokens += num_accepted
             request.append_output_tokens(runner_output.sampled_token_ids[item.request_id])

@@ -3,10 +3,11 @@
     .venv/bin/python scripts/bench_draft.py --dtype bfloat16 --rounds 3 --out bench-draft/
 
 Runs `specserve bench offline` on the chat workload (held out of the draft's training
-prompts) for each temperature at batch 1, and greedy at 8 and 32 concurrent requests,
-with spec modes none, ngram, draft and hybrid side by side in each invocation, and
-prints one markdown table: the median (range) over rounds of each mode's throughput
-relative to no speculation in the same invocation, and the draft's acceptance.
+prompts; or --workload grounded) for each temperature at batch 1, and greedy at 8 and
+32 concurrent requests, with spec modes none, ngram, draft and hybrid side by side in
+each invocation, and prints one markdown table: the median (range) over rounds of each
+mode's throughput relative to no speculation in the same invocation, and the draft's
+acceptance.
 """
 
 from __future__ import annotations
@@ -24,6 +25,9 @@ MODES = ("none", "ngram", "draft", "hybrid")
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--dtype", default="auto")
+    parser.add_argument(
+        "--workload", default="chat", help="chat (held out of training) or grounded"
+    )
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--temperatures", default="0,0.3,0.7,1.0")
     parser.add_argument("--concurrency", default="8,32", help="greedy runs at these batch sizes")
@@ -40,17 +44,18 @@ def main() -> int:
     for temperature, concurrency, num_prompts in cases:
         runs = []
         for r in range(args.rounds):
-            path = out / f"{args.dtype}-t{temperature}-c{concurrency}-r{r}.json"
+            name = f"{args.workload}-{args.dtype}-t{temperature}-c{concurrency}-r{r}.json"
+            path = out / name
             if not path.exists():
                 _run(args, temperature, concurrency, num_prompts, path)
             runs.append(json.loads(path.read_text())["results"])
         rows.append((temperature, concurrency, runs))
-    print(_table(rows, args.dtype))
+    print(_table(rows, f"{args.workload}, dtype {args.dtype}"))
     return 0
 
 
 def _run(args, temperature: float, concurrency: int, num_prompts: int, path: Path) -> None:
-    cmd = [sys.executable, "-m", "engine", "bench", "offline", "--workload", "chat"]
+    cmd = [sys.executable, "-m", "engine", "bench", "offline", "--workload", args.workload]
     cmd += ["--num-prompts", str(num_prompts), "--concurrency", str(concurrency)]
     cmd += ["--output-len", str(args.output_len), "--spec-modes", ",".join(MODES)]
     cmd += ["--baselines", "none", "--temperature", str(temperature), "--dtype", args.dtype]
@@ -61,13 +66,13 @@ def _run(args, temperature: float, concurrency: int, num_prompts: int, path: Pat
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
 
 
-def _table(rows, dtype: str) -> str:
+def _table(rows, title: str) -> str:
     head = (
         "| temperature | batch | none tok/s | "
         + " | ".join(f"{m} vs none" for m in MODES[1:])
         + " | draft: tokens/verification | draft: acceptance by position |"
     )
-    lines = [f"dtype {dtype}", head, "|" + "---|" * (head.count("|") - 1)]
+    lines = [title, head, "|" + "---|" * (head.count("|") - 1)]
     for temperature, concurrency, runs in rows:
         by_mode = [{r["system"].split("spec: ")[1].rstrip(")"): r for r in run} for run in runs]
         base = [m["none"]["output_tokens_per_s"] for m in by_mode]

@@ -95,9 +95,9 @@ def run(args: argparse.Namespace) -> int:
     )
     results: list[RunResult] = []
     for mode in _spec_modes(args, base_config):
-        draft = base_config.resolved_draft_model if mode in ("draft", "hybrid") else None
-        if mode in ("draft", "hybrid") and draft is None:
-            raise ValueError(f"--spec-modes {mode} needs --draft-model (no shipped draft here)")
+        draft = None
+        if mode in ("draft", "hybrid"):
+            draft = replace(base_config, speculative_method=mode).resolved_draft_model
         config = replace(base_config, speculative_method=mode, draft_model=draft)
         engine = LLMEngine(config, loaded=loaded)
         _run_engine(engine, prompts[:1], min(args.output_len, 8), 1, None)  # warm-up

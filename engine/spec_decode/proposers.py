@@ -11,6 +11,7 @@ Interface (duck-typed; the engine calls nothing else):
 from __future__ import annotations
 
 from engine.config import EngineConfig
+from engine.sampling_params import MAX_NUM_SPECULATIVE_TOKENS
 from engine.spec_decode.ngram import NgramProposer
 
 
@@ -39,47 +40,125 @@ class NgramSpecProposer:
         return None
 
 
+class _Acceptance:
+    """Engine-wide decayed per-token acceptance of one proposer (accepted / (accepted +
+    rejections)), the same estimate adaptive k uses per request."""
+
+    def __init__(self, prior_rate: float, decay: float = 0.98) -> None:
+        self.decay = decay
+        self.accepted, self.trials = 4.0 * prior_rate, 4.0
+
+    @property
+    def rate(self) -> float:
+        return self.accepted / self.trials
+
+    def record(self, num_drafts: int, num_accepted: int) -> None:
+        rejected = 1 if num_accepted < num_drafts else 0
+        self.accepted = self.decay * self.accepted + num_accepted
+        self.trials = self.decay * self.trials + num_accepted + rejected
+
+
 class HybridProposer:
     """n-gram drafts where the context repeats itself, the draft model's elsewhere.
 
     A request whose last ``min_match`` or more tokens occurred earlier (the model is
     copying from its prompt or its own output: summaries, extraction, code edits) takes
-    the continuation of that occurrence, which a small draft model predicts worse and
-    costs more to run. Every other speculating request goes to the draft model, which
-    catches up on the tokens it skipped the next time it proposes. Each request's k
-    stays adaptive: its acceptance history covers whichever proposer served it.
+    the continuation of that occurrence: such drafts are accepted far more often than
+    any small model's. Where n-gram lookup only matches a token or two, or nothing, the
+    proposer with the better acceptance so far gets the request: the engine keeps one
+    decayed acceptance estimate for short n-gram matches and one for the draft model,
+    fed by every verification, and hands every ``explore_every``-th such request to the
+    other one so both estimates stay current. The draft model catches up on the tokens
+    it skipped the next time it proposes.
+
+    The choice is made before k (``source_for``, called by the scheduler), so each
+    request keeps one acceptance history per proposer: the draft model's rejections do
+    not shorten the n-gram runs of a request that copies its prompt, nor the other way
+    round. ``propose`` uses the choice ``source_for`` made for the request this step.
     """
 
-    def __init__(self, ngram: NgramProposer, draft, min_match: int = 3) -> None:
+    SOURCES = ("ngram", "ngram-short", "model")
+
+    def __init__(self, ngram: NgramProposer, draft, min_match: int = 3, explore_every: int = 8):
         self._ngram = ngram
         self._draft = draft
         self.min_match = min_match
+        self.explore_every = explore_every
         self.draft_cost = draft.draft_cost
+        self.short_ngram = _Acceptance(prior_rate=0.3)
+        self.model = _Acceptance(prior_rate=0.5)
+        self._decisions = 0
+        # request id -> (number of tokens when decided, source, n-gram drafts)
+        self._decided: dict[str, tuple[int, str, list[int]]] = {}
+        # request id -> (the estimate to credit, drafts proposed, accepted before)
+        self._pending: dict[str, tuple[_Acceptance | None, int, int]] = {}
+
+    def source_for(self, request, max_k: int = MAX_NUM_SPECULATIVE_TOKENS) -> tuple[str, float]:
+        """(which proposer drafts for ``request`` this step, its cost per draft)."""
+        tokens, matched = self._ngram.propose_with_match(request.all_token_ids, max_k)
+        if tokens and matched >= self.min_match:
+            source = "ngram"
+        elif tokens and self._short_match_wins():
+            source = "ngram-short"
+        else:
+            source = "model"
+        self._decided[request.request_id] = (request.num_tokens, source, tokens)
+        cost = self.draft_cost if source == "model" else NgramSpecProposer.draft_cost
+        return source, cost
 
     def propose(self, items, states):
         drafts: list[list[int]] = [[] for _ in items]
         probs: list = [None] * len(items)
         to_model = []
         for i, (item, state) in enumerate(zip(items, states)):
-            tokens, matched = self._ngram.propose_with_match(
-                state.request.all_token_ids, item.num_spec_tokens
-            )
-            if tokens and matched >= self.min_match:
-                drafts[i] = tokens
-            else:
+            request = state.request
+            decided = self._decided.get(request.request_id)
+            if decided is None or decided[0] != request.num_tokens:  # fixed-k requests
+                self.source_for(request)
+                decided = self._decided[request.request_id]
+            _, source, tokens = decided
+            if source == "model":
                 to_model.append(i)
+                continue
+            drafts[i] = tokens[: item.num_spec_tokens]
+            estimate = self.short_ngram if source == "ngram-short" else None
+            self._pending[request.request_id] = (
+                estimate,
+                len(drafts[i]),
+                request.num_accepted_tokens,
+            )
+        self._decided.clear()
         if to_model:
             model_drafts, model_probs = self._draft.propose(
                 [items[i] for i in to_model], [states[i] for i in to_model]
             )
             for i, tokens, p in zip(to_model, model_drafts, model_probs):
                 drafts[i], probs[i] = tokens, p
+                request = states[i].request
+                self._pending[request.request_id] = (
+                    self.model,
+                    len(tokens),
+                    request.num_accepted_tokens,
+                )
         return drafts, probs
 
+    def _short_match_wins(self) -> bool:
+        self._decisions += 1
+        wins = self.short_ngram.rate > self.model.rate
+        return not wins if self._decisions % self.explore_every == 0 else wins
+
     def on_verified(self, requests) -> None:
+        for request in requests:
+            estimate, num_drafts, accepted_before = self._pending.pop(
+                request.request_id, (None, 0, 0)
+            )
+            if estimate is not None and num_drafts:
+                estimate.record(num_drafts, request.num_accepted_tokens - accepted_before)
         self._draft.on_verified(requests)
 
     def free(self, request_id: str) -> None:
+        self._pending.pop(request_id, None)
+        self._decided.pop(request_id, None)
         self._draft.free(request_id)
 
     def pool_stats(self):

@@ -34,10 +34,10 @@ FORMAT_VERSION = 1
 class TrainSettings:
     num_layers: int = 2
     vocab_size: int = 8192
-    epochs: int = 2
+    epochs: int = 6
     lr: float = 1e-3
     warmup_steps: int = 50
-    tokens_per_batch: int = 8192
+    tokens_per_batch: int = 4096
     max_seq_len: int = 512
     seed: int = 0
     checkpoint_every: int = 100

@@ -95,3 +95,24 @@ def test_adaptive_k_is_used_when_the_request_does_not_fix_it():
     for _ in range(15):
         granted = step(s, num_accepted=0).scheduled[0].num_spec_tokens
     assert granted <= 1
+
+
+def test_each_proposer_a_request_uses_keeps_its_own_acceptance_history():
+    """With a combining proposer (hybrid) the scheduler asks it which proposer drafts
+    next and sizes k from that proposer's history for the request: rejections of one
+    do not shorten the other's runs."""
+    s = make_scheduler(num_blocks=64, num_spec_tokens=4, spec_enabled=True)
+    r = make_request("a", 10, max_tokens=200)
+    s.add_request(r)
+    sources = iter(["good", "bad"] * 20)
+    s.spec_source = lambda request: (next(sources), 0.01)
+    step(s)  # prefill
+    for _ in range(8):
+        good = step(s, num_accepted=4)  # every draft of "good" is kept
+        bad = step(s, num_accepted=0)  # every draft of "bad" is rejected
+        assert good.scheduled[0].spec_source == "good" and bad.scheduled[0].spec_source == "bad"
+    assert set(r.spec_histories) == {"good", "bad"}
+    assert r.spec_histories["good"].rate > 0.9 and r.spec_histories["bad"].rate < 0.2
+    assert good.scheduled[0].num_spec_tokens == 4
+    assert bad.scheduled[0].num_spec_tokens <= 1
+    assert r.spec_history.accepted == AcceptanceHistory().accepted  # the shared one unused
