@@ -22,7 +22,13 @@ from engine.models.llama import LlamaForCausalLM
 
 DRAFT_FILE = "draft.json"
 FORMAT = "specserve-draft"
+FORMAT_VERSION = 1
 _OWN_TENSORS = ("specserve.draft_vocab", "specserve.embed_probe")
+
+
+def embed_probe_ids(vocab_size: int) -> torch.Tensor:
+    """16 embedding rows spread over the vocabulary: enough to tell one target from another."""
+    return torch.linspace(0, vocab_size - 1, 16).round().long().unique()
 
 
 def is_trained_draft(path: str | Path | None) -> bool:
@@ -105,8 +111,6 @@ def load_trained_draft(path: str | Path, target, attn_backend: str = "auto"):
 
 
 def _check_target(directory: Path, meta: dict, arch, target, probe: torch.Tensor) -> None:
-    from engine.train_draft.train import embed_probe_ids
-
     hint = f"train one for it with: specserve train-draft --model {_model_flag(target)} --out DIR"
     if arch.vocab_size != target.arch.vocab_size or arch.hidden_size != target.arch.hidden_size:
         raise ModelLoadError(

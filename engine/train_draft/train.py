@@ -21,13 +21,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from engine.spec_decode.trained_draft import DRAFT_FILE, FORMAT, FORMAT_VERSION, embed_probe_ids
 from engine.train_draft.data import Sequence
 from engine.train_draft.model import DraftLM
 
 CHECKPOINT = "checkpoint.pt"
-DRAFT_FILE = "draft.json"
-FORMAT = "specserve-draft"
-FORMAT_VERSION = 1
 
 
 @dataclass
@@ -247,8 +245,3 @@ def export(
         **summary,
     }
     (out_dir / DRAFT_FILE).write_text(json.dumps(meta, indent=2) + "\n")
-
-
-def embed_probe_ids(vocab_size: int) -> torch.Tensor:
-    """16 embedding rows spread over the vocabulary: enough to tell one target from another."""
-    return torch.linspace(0, vocab_size - 1, 16).round().long().unique()
