@@ -378,3 +378,18 @@ def test_the_shipped_draft_speculates_losslessly_for_the_default_model(dtype):
             assert results[rid]["token_ids"] == ref["token_ids"], (method, rid)
         # held-out per-token acceptance is ~0.4 for the draft
         assert engine.stats.num_accepted_tokens > 0.15 * engine.stats.num_draft_tokens
+
+
+def test_model_info_and_the_startup_line_name_the_method_and_its_draft(
+    tiny_model_dir, tiny_trained_draft_dir
+):
+    from engine.server.main import describe_speculation
+
+    engine = make_engine(
+        tiny_model_dir, speculative_method="hybrid", draft_model=tiny_trained_draft_dir
+    )
+    info = engine.model_info()
+    assert (info["speculative_method"], info["draft_model"]) == ("hybrid", tiny_trained_draft_dir)
+    assert describe_speculation(info) == f"hybrid, draft {tiny_trained_draft_dir}"
+    plain = make_engine(tiny_model_dir, speculative_method="ngram").model_info()
+    assert describe_speculation(plain) == "ngram"
