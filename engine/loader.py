@@ -216,13 +216,13 @@ def _load_hf_dir(
 ) -> LoadedModel:
     from transformers import AutoTokenizer
 
-    config = _read_json(hf_dir / "config.json")
+    config = read_json(hf_dir / "config.json")
     get_model_class(architectures_of(config))  # one line before any KeyError on odd configs
     if tokenizer_dir is None:
         _check_tokenizer_files(hf_dir, "--model")
     arch = ModelArchConfig.from_hf_config(config)
     model = build_model(arch, backend, dtype, device)
-    model.load_weights(_iter_safetensors(hf_dir, device))
+    model.load_weights(iter_safetensors(hf_dir, device))
     tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir or hf_dir))
     eos = _eos_token_ids(arch, hf_dir, tokenizer)
     return LoadedModel(model.eval(), tokenizer, arch, name, dtype, device, eos, hf_dir)
@@ -239,7 +239,7 @@ def build_model(arch: ModelArchConfig, backend, dtype: torch.dtype, device: torc
     return model
 
 
-def _iter_safetensors(hf_dir: Path, device: torch.device):
+def iter_safetensors(hf_dir: Path, device: torch.device):
     from safetensors import safe_open
 
     files = sorted(hf_dir.glob("*.safetensors"))
@@ -251,7 +251,7 @@ def _iter_safetensors(hf_dir: Path, device: torch.device):
                 yield key, f.get_tensor(key)
 
 
-def _read_json(path: Path) -> dict:
+def read_json(path: Path) -> dict:
     try:
         return json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as exc:
@@ -262,7 +262,7 @@ def _eos_token_ids(arch: ModelArchConfig, hf_dir: Path, tokenizer) -> set[int]:
     ids = set(arch.eos_token_ids)
     gen_path = hf_dir / "generation_config.json"
     if gen_path.exists():
-        gen_eos = _read_json(gen_path).get("eos_token_id")
+        gen_eos = read_json(gen_path).get("eos_token_id")
         if gen_eos is not None:
             ids |= {gen_eos} if isinstance(gen_eos, int) else set(gen_eos)
     if getattr(tokenizer, "eos_token_id", None) is not None:

@@ -24,6 +24,7 @@ class AcceptanceHistory:
     accepted: float = _PRIOR_ACCEPTED
     trials: float = _PRIOR_TRIALS
     steps_without_spec: int = 0
+    decay: float = _DECAY  # per verification; slower for engine-wide estimates
 
     @property
     def rate(self) -> float:
@@ -33,8 +34,8 @@ class AcceptanceHistory:
         if num_drafts == 0:
             return
         rejected = 1 if num_accepted < num_drafts else 0
-        self.accepted = _DECAY * self.accepted + num_accepted
-        self.trials = _DECAY * self.trials + num_accepted + rejected
+        self.accepted = self.decay * self.accepted + num_accepted
+        self.trials = self.decay * self.trials + num_accepted + rejected
 
 
 def expected_tokens_per_step(rate: float, k: int) -> float:

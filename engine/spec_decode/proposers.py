@@ -13,6 +13,7 @@ from __future__ import annotations
 from engine.config import EngineConfig
 from engine.sampling_params import MAX_NUM_SPECULATIVE_TOKENS
 from engine.spec_decode.ngram import NgramProposer
+from scheduler.spec_length import AcceptanceHistory
 
 
 class NgramSpecProposer:
@@ -40,22 +41,10 @@ class NgramSpecProposer:
         return None
 
 
-class _Acceptance:
-    """Engine-wide decayed per-token acceptance of one proposer (accepted / (accepted +
-    rejections)), the same estimate adaptive k uses per request."""
-
-    def __init__(self, prior_rate: float, decay: float = 0.98) -> None:
-        self.decay = decay
-        self.accepted, self.trials = 4.0 * prior_rate, 4.0
-
-    @property
-    def rate(self) -> float:
-        return self.accepted / self.trials
-
-    def record(self, num_drafts: int, num_accepted: int) -> None:
-        rejected = 1 if num_accepted < num_drafts else 0
-        self.accepted = self.decay * self.accepted + num_accepted
-        self.trials = self.decay * self.trials + num_accepted + rejected
+def _engine_wide_acceptance(prior_rate: float) -> AcceptanceHistory:
+    """One proposer's per-token acceptance over every request, decayed slowly: adaptive
+    k's estimate, with a prior worth 4 drafts."""
+    return AcceptanceHistory(accepted=4.0 * prior_rate, trials=4.0, decay=0.98)
 
 
 class HybridProposer:
@@ -77,21 +66,19 @@ class HybridProposer:
     round. ``propose`` uses the choice ``source_for`` made for the request this step.
     """
 
-    SOURCES = ("ngram", "ngram-short", "model")
-
     def __init__(self, ngram: NgramProposer, draft, min_match: int = 3, explore_every: int = 8):
         self._ngram = ngram
         self._draft = draft
         self.min_match = min_match
         self.explore_every = explore_every
         self.draft_cost = draft.draft_cost
-        self.short_ngram = _Acceptance(prior_rate=0.3)
-        self.model = _Acceptance(prior_rate=0.5)
+        self.short_ngram = _engine_wide_acceptance(prior_rate=0.3)
+        self.model = _engine_wide_acceptance(prior_rate=0.5)
         self._decisions = 0
         # request id -> (number of tokens when decided, source, n-gram drafts)
         self._decided: dict[str, tuple[int, str, list[int]]] = {}
         # request id -> (the estimate to credit, drafts proposed, accepted before)
-        self._pending: dict[str, tuple[_Acceptance | None, int, int]] = {}
+        self._pending: dict[str, tuple[AcceptanceHistory | None, int, int]] = {}
 
     def source_for(self, request, max_k: int = MAX_NUM_SPECULATIVE_TOKENS) -> tuple[str, float]:
         """(which proposer drafts for ``request`` this step, its cost per draft)."""
@@ -152,7 +139,7 @@ class HybridProposer:
             estimate, num_drafts, accepted_before = self._pending.pop(
                 request.request_id, (None, 0, 0)
             )
-            if estimate is not None and num_drafts:
+            if estimate is not None:
                 estimate.record(num_drafts, request.num_accepted_tokens - accepted_before)
         self._draft.on_verified(requests)
 

@@ -11,7 +11,6 @@ target's tokens as rejection sampling needs, zero outside the draft vocabulary.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
@@ -70,17 +69,17 @@ def load_trained_draft(path: str | Path, target, attn_backend: str = "auto"):
     """LoadedModel of the draft in ``path`` for the loaded ``target``; ModelLoadError in one
     line when it is not a draft for this target."""
     from engine.attention import get_attention_backend
-    from engine.loader import LoadedModel, resolve_attn_backend
+    from engine.loader import LoadedModel, read_json, resolve_attn_backend
     from engine.model_config import ModelArchConfig
     from engine.models.weights import load_hf_weights
 
     directory = Path(path).expanduser()
-    meta = _read_json(directory / DRAFT_FILE)
+    meta = read_json(directory / DRAFT_FILE)
     if meta.get("format") != FORMAT:
         raise ModelLoadError(
             f"{directory}/{DRAFT_FILE}: not a specserve draft (format {meta.get('format')!r})"
         )
-    arch = ModelArchConfig.from_hf_config(_read_json(directory / "config.json"))
+    arch = ModelArchConfig.from_hf_config(read_json(directory / "config.json"))
     weights = _read_weights(directory)
     draft_vocab = weights.pop("specserve.draft_vocab").long()
     probe = weights.pop("specserve.embed_probe")
@@ -166,10 +165,3 @@ def _read_weights(directory: Path) -> dict[str, torch.Tensor]:
     if missing:
         raise ModelLoadError(f"{path}: not a specserve draft (no {', '.join(missing)})")
     return weights
-
-
-def _read_json(path: Path) -> dict:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise ModelLoadError(f"cannot read {path}: {exc}") from None

@@ -13,12 +13,13 @@ specserve's own model. Only the layers and the norm are trained and saved: a few
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import numpy as np
 import torch
 from torch import nn
+
+from engine.loader import iter_safetensors, read_json
 
 
 def layer_sources(num_target_layers: int, num_layers: int) -> list[int]:
@@ -73,7 +74,7 @@ class DraftLM(nn.Module):
         from transformers import AutoConfig, AutoModelForCausalLM
 
         super().__init__()
-        target_config = json.loads((target_dir / "config.json").read_text())
+        target_config = read_json(target_dir / "config.json")
         self.hf_config = draft_hf_config(target_config, num_layers)
         config = AutoConfig.for_model(**self.hf_config)
         config._attn_implementation = "sdpa"
@@ -82,7 +83,7 @@ class DraftLM(nn.Module):
         self.layers_from = layers_from or layer_sources(
             target_config["num_hidden_layers"], num_layers
         )
-        weights = _read_safetensors(target_dir)
+        weights = dict(iter_safetensors(target_dir, torch.device("cpu")))
         head_name = "lm_head.weight"
         if head_name not in weights or target_config.get("tie_word_embeddings", False):
             head_name = "model.embed_tokens.weight"
@@ -118,15 +119,3 @@ class DraftLM(nn.Module):
             for name, p in self.model.named_parameters()
             if p.requires_grad
         }
-
-
-def _read_safetensors(model_dir: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
-    files = sorted(model_dir.glob("*.safetensors"))
-    if not files:
-        raise ValueError(f"{model_dir}: no *.safetensors weight files")
-    weights: dict[str, torch.Tensor] = {}
-    for file in files:
-        weights.update(load_file(str(file)))
-    return weights
