@@ -52,9 +52,17 @@ _PROC_FD = Path("/proc/self/fd")
 _X86_64_V2 = frozenset({"cx16", "lahf_lm", "popcnt", "pni", "sse4_1", "sse4_2", "ssse3"})
 _X86_64_V3 = _X86_64_V2 | {"abm", "avx", "avx2", "bmi1", "bmi2", "f16c", "fma", "movbe", "xsave"}
 _X86_64_V4 = _X86_64_V3 | {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"}
+# Not a psABI level: -v4 plus AVX512-BF16 (Zen 4 and later, Cooper Lake, Sapphire Rapids
+# and later), which the bf16 Linear kernel needs.
+_X86_64_V4_BF16 = _X86_64_V4 | {"avx512_bf16"}
 # Per architecture (``platform.machine()``): prebuilt levels, best first.
 PREBUILT_LEVELS: dict[str, list[tuple[str, frozenset[str]]]] = {
-    "x86_64": [("x86-64-v4", _X86_64_V4), ("x86-64-v3", _X86_64_V3), ("x86-64-v2", _X86_64_V2)],
+    "x86_64": [
+        ("x86-64-v4-bf16", _X86_64_V4_BF16),
+        ("x86-64-v4", _X86_64_V4),
+        ("x86-64-v3", _X86_64_V3),
+        ("x86-64-v2", _X86_64_V2),
+    ],
     "aarch64": [("armv8-a", frozenset())],
 }
 
@@ -275,8 +283,13 @@ def _build_dir(parent: Path) -> Iterator[tuple[Path, int]]:
             os.rmdir(path)
 
 
+# Levels that are a psABI level plus extensions: the -march value and the extra flags.
+_LEVEL_FLAGS = {"x86-64-v4-bf16": ["-march=x86-64-v4", "-mavx512bf16"]}
+
+
 def _compile_flags(march: str) -> list[str]:
-    return [f"-march={march}" if f == "-march=native" else f for f in _COMPILE_FLAGS]
+    level = _LEVEL_FLAGS.get(march, [f"-march={march}"])
+    return [g for f in _COMPILE_FLAGS for g in (level if f == "-march=native" else [f])]
 
 
 def _compile(

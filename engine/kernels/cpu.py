@@ -85,6 +85,82 @@ class CpuKernels:
                 fn.restype, fn.argtypes = restype, argtypes
                 setattr(entries, name.removeprefix("specserve_"), fn)
         self.path = path
+        linear = self.lib.specserve_linear_bf16
+        linear.restype, linear.argtypes = None, [_P, _P, _I64, _P, _P, _I64, _I64, _I64, _I32]
+        self._linear_bf16 = linear
+        tile = self.lib.specserve_linear_tile_bf16
+        tile.restype, tile.argtypes = ctypes.c_int32, []
+        # Outputs per packed weight tile; 0 when the library was built without
+        # AVX512-BF16, and bf16 Linear layers stay on torch's GEMMs.
+        self.linear_tile = int(tile())
+
+    @property
+    def has_bf16_linear(self) -> bool:
+        """Whether ``linear`` runs here (built for a CPU with AVX512-BF16)."""
+        return self.linear_tile > 0
+
+    def pack_linear_weight(self, weight: torch.Tensor) -> torch.Tensor:
+        """A bf16 Linear weight [n, k] in ``linear``'s layout,
+        [ceil(n / tile), ceil(k / 2), tile, 2], zero-padded (cpu_kernels.c)."""
+        self._require_linear()
+        if weight.dtype is not torch.bfloat16 or not weight.is_cpu or weight.dim() != 2:
+            raise ValueError(
+                f"weight must be a 2-D bfloat16 CPU tensor, got {weight.dtype} "
+                f"{tuple(weight.shape)} on {weight.device}"
+            )
+        n, k = weight.shape
+        tile = self.linear_tile
+        padded = weight.new_zeros(-(-n // tile) * tile, -(-k // 2) * 2)
+        padded[:n, :k] = weight
+        tiles = padded.view(-1, tile, padded.shape[1] // 2, 2).transpose(1, 2)
+        return tiles.contiguous()
+
+    def linear(
+        self,
+        x: torch.Tensor,  # [m, k] bf16, rows may be strided
+        packed: torch.Tensor,  # pack_linear_weight(weight [n, k])
+        bias: torch.Tensor | None,  # [n] bf16
+        out_features: int,  # n
+    ) -> torch.Tensor:  # [m, n] bf16: x @ weight.T + bias, independent of m
+        """bf16 ``F.linear`` with fp32 accumulation over k in order and one rounding per
+        output, so a row's result never depends on the other rows."""
+        self._require_linear()
+        if _check_float("x", x, 2, rows_strided=True) is not torch.bfloat16:
+            raise ValueError(f"x must be bfloat16 (the bf16 Linear kernel), got {x.dtype}")
+        _check_float("packed", packed, 4, (x.dtype, "x"))
+        m, k = x.shape
+        n = out_features
+        tile = self.linear_tile
+        if packed.shape != (-(-n // tile), -(-k // 2), tile, 2):
+            raise ValueError(
+                f"packed {tuple(packed.shape)} is not a packed [{n}, {k}] weight: "
+                f"expected {(-(-n // tile), -(-k // 2), tile, 2)}"
+            )
+        if bias is not None:
+            _check_float("bias", bias, 1, (x.dtype, "x"))
+            if bias.shape[0] != n:
+                raise ValueError(f"bias [{bias.shape[0]}] != out_features {n}")
+        out = x.new_empty(m, n)
+        if m:
+            self._linear_bf16(
+                out.data_ptr(),
+                x.data_ptr(),
+                x.stride(0),
+                packed.data_ptr(),
+                None if bias is None else bias.data_ptr(),
+                m,
+                n,
+                k,
+                torch.get_num_threads(),
+            )
+        return out
+
+    def _require_linear(self) -> None:
+        if not self.has_bf16_linear:
+            raise RuntimeError(
+                "the bf16 linear kernel needs a build for a CPU with AVX512-BF16; "
+                "this library has none (use torch's GEMMs)"
+            )
 
     def paged_attention(
         self,

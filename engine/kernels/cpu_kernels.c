@@ -611,3 +611,122 @@ INLINE float div_corrected(float g, float d) {
 
 SILU_AND_MUL(float, f32, specserve_silu_and_mul)
 SILU_AND_MUL(bf16, bf16, specserve_silu_and_mul_bf16)
+
+/* ---- bf16 linear layers: out = x @ W^T (+ bias), on AVX512-BF16 ----
+ *
+ * torch's oneDNN bf16 GEMM streams the weights at about half this machine's memory
+ * bandwidth for the few rows of a decode step, and a token's cost is its weights read
+ * once. This one reads them as one sequential stream and multiplies pairs of bf16
+ * values with vdpbf16ps (fp32 accumulation), several rows of x per load of W.
+ *
+ * Batch invariance, by construction: each output is one fp32 accumulator running over
+ * k in order, from zero, whatever the number of rows, the row block it falls in or the
+ * thread that computes it; then bias added and rounded to bf16 once. So a request's
+ * logits do not depend on what else is in the batch (greedy output with and without
+ * speculation, seeded output alone and in a crowd).
+ *
+ * Weights are packed once at load (engine/kernels/cpu.py, pack_linear_weight) as
+ * [ceil(n / 32)][ceil(k / 2)][32][2]: for each tile of 32 outputs, for each pair of
+ * input columns, the 32 outputs' two weights side by side (zeros past n and k). A tile
+ * of 32 outputs is two registers of 16 fp32 accumulators per row of x. */
+#define LINEAR_TILE 32
+#define LINEAR_ROWS 12 /* rows of x per register block: 24 accumulators */
+
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+#include <immintrin.h>
+
+int32_t specserve_linear_tile_bf16(void) { return LINEAR_TILE; }
+
+INLINE __m512bh x_pair(const bf16 *x, int64_t p) {
+    int32_t bits;
+    memcpy(&bits, x + 2 * p, 4);
+    return (__m512bh)_mm512_set1_epi32(bits);
+}
+
+INLINE void store_outputs(bf16 *out, __m512 lo, __m512 hi, const bf16 *bias, int64_t cols) {
+    if (bias != NULL) {
+        bf16 b[LINEAR_TILE] = {0};
+        memcpy(b, bias, sizeof(bf16) * (size_t)cols);
+        const __m512i b16 = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)b));
+        const __m512i b32 = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(b + 16)));
+        lo = _mm512_add_ps(lo, _mm512_castsi512_ps(_mm512_slli_epi32(b16, 16)));
+        hi = _mm512_add_ps(hi, _mm512_castsi512_ps(_mm512_slli_epi32(b32, 16)));
+    }
+    const __m256i lo16 = (__m256i)_mm512_cvtneps_pbh(lo); /* round to nearest even */
+    const __m256i hi16 = (__m256i)_mm512_cvtneps_pbh(hi);
+    if (cols == LINEAR_TILE) {
+        _mm256_storeu_si256((__m256i *)out, lo16);
+        _mm256_storeu_si256((__m256i *)(out + 16), hi16);
+    } else {
+        bf16 tmp[LINEAR_TILE];
+        _mm256_storeu_si256((__m256i *)tmp, lo16);
+        _mm256_storeu_si256((__m256i *)(tmp + 16), hi16);
+        memcpy(out, tmp, sizeof(bf16) * (size_t)cols);
+    }
+}
+
+/* `rows` (a constant after inlining) rows of x against one tile of W. */
+INLINE void linear_tile(bf16 *out, int64_t n, const bf16 *x, int64_t x_stride,
+                        const bf16 *tile, const bf16 *bias, int64_t k, int rows, int64_t cols) {
+    __m512 acc[LINEAR_ROWS][2];
+    for (int r = 0; r < rows; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+    const int64_t pairs = k / 2;
+    for (int64_t p = 0; p < pairs; p++) {
+        const __m512bh w0 = (__m512bh)_mm512_loadu_si512(tile + p * 2 * LINEAR_TILE);
+        const __m512bh w1 = (__m512bh)_mm512_loadu_si512(tile + p * 2 * LINEAR_TILE + 32);
+        for (int r = 0; r < rows; r++) {
+            const __m512bh xr = x_pair(x + r * x_stride, p);
+            acc[r][0] = _mm512_dpbf16_ps(acc[r][0], w0, xr);
+            acc[r][1] = _mm512_dpbf16_ps(acc[r][1], w1, xr);
+        }
+    }
+    if (k % 2) { /* an odd k's last column, paired with a zero (so is its weight) */
+        const __m512bh w0 = (__m512bh)_mm512_loadu_si512(tile + pairs * 2 * LINEAR_TILE);
+        const __m512bh w1 = (__m512bh)_mm512_loadu_si512(tile + pairs * 2 * LINEAR_TILE + 32);
+        for (int r = 0; r < rows; r++) {
+            const __m512bh xr = (__m512bh)_mm512_set1_epi32(x[r * x_stride + k - 1]);
+            acc[r][0] = _mm512_dpbf16_ps(acc[r][0], w0, xr);
+            acc[r][1] = _mm512_dpbf16_ps(acc[r][1], w1, xr);
+        }
+    }
+    for (int r = 0; r < rows; r++) store_outputs(out + r * n, acc[r][0], acc[r][1], bias, cols);
+}
+
+#define LINEAR_CASE(R)                                                                         \
+    case R:                                                                                    \
+        linear_tile(o, n, xr, x_stride, tile, b, k, R, cols);                                  \
+        break;
+
+/* out [m, n] (dense); x [m, k], rows x_stride apart; packed as above; bias [n] or NULL. */
+void specserve_linear_bf16(bf16 *out, const bf16 *x, int64_t x_stride, const bf16 *packed,
+                           const bf16 *bias, int64_t m, int64_t n, int64_t k,
+                           int32_t num_threads) {
+    const int64_t tiles = (n + LINEAR_TILE - 1) / LINEAR_TILE;
+    const int64_t tile_size = (k + 1) / 2 * 2 * LINEAR_TILE;
+    _Pragma("omp parallel for num_threads(num_threads) schedule(static)") for (int64_t t = 0;
+                                                                               t < tiles; t++) {
+        const bf16 *tile = packed + t * tile_size;
+        const bf16 *b = bias == NULL ? NULL : bias + t * LINEAR_TILE;
+        const int64_t cols = n - t * LINEAR_TILE < LINEAR_TILE ? n - t * LINEAR_TILE : LINEAR_TILE;
+        for (int64_t r0 = 0; r0 < m; r0 += LINEAR_ROWS) {
+            bf16 *o = out + r0 * n + t * LINEAR_TILE;
+            const bf16 *xr = x + r0 * x_stride;
+            switch (m - r0 < LINEAR_ROWS ? m - r0 : LINEAR_ROWS) {
+                LINEAR_CASE(1) LINEAR_CASE(2) LINEAR_CASE(3) LINEAR_CASE(4) LINEAR_CASE(5)
+                LINEAR_CASE(6) LINEAR_CASE(7) LINEAR_CASE(8) LINEAR_CASE(9) LINEAR_CASE(10)
+                LINEAR_CASE(11) LINEAR_CASE(12)
+            }
+        }
+    }
+}
+#else
+/* Built without AVX512-BF16: callers keep torch's GEMMs (tile 0 says so). */
+int32_t specserve_linear_tile_bf16(void) { return 0; }
+void specserve_linear_bf16(bf16 *out, const bf16 *x, int64_t x_stride, const bf16 *packed,
+                           const bf16 *bias, int64_t m, int64_t n, int64_t k,
+                           int32_t num_threads) {
+    (void)out, (void)x, (void)x_stride, (void)packed, (void)bias, (void)m, (void)n, (void)k;
+    (void)num_threads;
+    abort(); /* unreachable: the wrapper refuses when the tile is 0 */
+}
+#endif

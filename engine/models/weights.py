@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from engine import envs
+from engine.kernels.cpu import CpuKernels, kernels_for
 
 # HF suffix -> (our module suffix, shard index); shards are stacked along dim 0 in order.
 _FUSED = {
@@ -61,22 +62,35 @@ def load_hf_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]
 
 
 class PackedLinear(nn.Module):
-    """A CPU Linear whose weight oneDNN reordered once, at load, into its blocked GEMM
-    layout. Plain ``F.linear`` repacks the weight on every call; for the few rows of a
-    decode or 1 + k verification step that costs more than the multiply. Measured on
-    this project's 2-core CI machine (SmolLM2-135M, fp32): the 49k-vocab head takes
-    4-5 ms instead of 10-17 ms at 1-9 rows and 10 ms instead of 25 ms at 32 rows; the
-    layer matmuls gain 1.4-3x (benchmark: docs/benchmarks.md)."""
+    """A CPU Linear whose weight is packed once, at load, for the GEMM that runs it.
+
+    bfloat16, where specserve's kernels are built for AVX512-BF16: the bf16 linear
+    kernel (engine/kernels/cpu_kernels.c), which streams the weights at close to the
+    memory bandwidth for the few rows of a decode step, where oneDNN reaches about half
+    of it, and whose rows never depend on each other (batch invariant by construction).
+
+    Otherwise (float32, or bf16 without the kernel): oneDNN's blocked layout. Plain
+    ``F.linear`` repacks the weight on every call; for the few rows of a decode or
+    1 + k verification step that costs more than the multiply. Measured on this
+    project's 2-core CI machine (SmolLM2-135M, fp32): the 49k-vocab head takes 4-5 ms
+    instead of 10-17 ms at 1-9 rows and 10 ms instead of 25 ms at 32 rows; the layer
+    matmuls gain 1.4-3x (benchmark: docs/benchmarks.md)."""
 
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         weight = linear.weight.detach().contiguous()
-        self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight)
         self.bias = linear.bias
+        self.kernels = bf16_linear_kernels(weight)
+        if self.kernels is not None:
+            self.packed_weight = self.kernels.pack_linear_weight(weight)
+        else:
+            self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [n, in] -> [n, out]
         bias = None if self.bias is None else self.bias.detach()
+        if self.kernels is not None:
+            return self.kernels.linear(x, self.packed_weight, bias, self.out_features)
         rows = x.shape[0]
         padded = row_bucket(rows)
         if padded != rows:
@@ -85,6 +99,14 @@ class PackedLinear(nn.Module):
             x.contiguous(), self.packed_weight, bias, "none", [], ""
         )
         return out if padded == rows else out[:rows]
+
+
+def bf16_linear_kernels(weight: torch.Tensor) -> CpuKernels | None:
+    """The kernels when they run bf16 Linear layers for ``weight``, else None."""
+    if weight.dtype is not torch.bfloat16:
+        return None
+    kernels = kernels_for(weight.device, weight.dtype)
+    return kernels if kernels is not None and kernels.has_bf16_linear else None
 
 
 def row_bucket(rows: int) -> int:
@@ -98,9 +120,11 @@ def row_bucket(rows: int) -> int:
 
 def can_pack_linears(model: nn.Module) -> bool:
     weight = model.lm_head.weight
-    if not envs.cpu_weight_packing():
+    if not envs.cpu_weight_packing() or weight.device.type != "cpu":
         return False
-    if weight.device.type != "cpu" or not torch.backends.mkldnn.is_available():
+    if bf16_linear_kernels(weight) is not None:
+        return True
+    if not torch.backends.mkldnn.is_available():
         return False
     if not hasattr(torch.ops.mkldnn, "_reorder_linear_weight"):
         return False
@@ -110,7 +134,8 @@ def can_pack_linears(model: nn.Module) -> bool:
 
 
 def pack_linears_for_cpu(model: nn.Module) -> None:
-    """Swap every nn.Linear for a PackedLinear (CPU, fp32 or bf16, oneDNN available)."""
+    """Swap every nn.Linear for a PackedLinear (CPU, fp32 or bf16; the bf16 kernel or
+    oneDNN available)."""
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if isinstance(child, nn.Linear):

@@ -429,3 +429,111 @@ def test_paged_attention_rows_do_not_depend_on_the_chunking(kernels, dtype):
     pieces = torch.cat([attend(0, 37), attend(37, 38), attend(38, seq_len)])
     bits = torch.int16 if dtype == torch.bfloat16 else torch.int32
     assert torch.equal(whole.view(bits), pieces.view(bits))
+
+
+# --- bf16 Linear layers (AVX512-BF16) -----------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def linear_kernels(kernels) -> CpuKernels:
+    if not kernels.has_bf16_linear:
+        flags = build_mod.cpu_flags()
+        if "avx512_bf16" in flags and "avx512f" in flags:  # the build must have it here
+            pytest.fail("this CPU has AVX512-BF16 but the kernels were built without it")
+        pytest.skip("this CPU has no AVX512-BF16: bf16 Linear layers run on oneDNN")
+    return kernels
+
+
+def _exact_linear(x, weight, bias) -> torch.Tensor:
+    """fp64 x @ weight.T + bias of the bf16 inputs, unrounded."""
+    out = x.double() @ weight.double().T
+    return out if bias is None else out + bias.double()
+
+
+def _assert_linear_close(out, x, weight, bias) -> None:
+    """Half a bf16 ulp of the exact result (one rounding), plus fp32 sums: each of the
+    k additions errs by at most 2^-24 of the running sum, bounded by sum |x * w|."""
+    exact = _exact_linear(x, weight, bias)
+    magnitude = x.double().abs() @ weight.double().abs().T
+    bound = 2.0**-8 * exact.abs() + (x.shape[1] + 2) * 2.0**-23 * magnitude + 1e-30
+    assert out.dtype == torch.bfloat16 and out.shape == exact.shape
+    assert bool(((out.double() - exact).abs() <= bound).all())
+
+
+@pytest.mark.parametrize(
+    ("n", "k", "with_bias"),
+    [(64, 64, False), (70, 37, True), (5, 2, True), (96, 1, False), (33, 600, True)],
+)
+@pytest.mark.parametrize("rows", [1, 5, 12, 13, 40])
+def test_linear_bf16_is_the_rounded_exact_product(linear_kernels, n, k, with_bias, rows):
+    """Outputs past a 32-wide tile and odd k (padded with zeros) included."""
+    gen = torch.Generator().manual_seed(n * 1000 + k + rows)
+    weight = (torch.randn(n, k, generator=gen) / k**0.5).to(torch.bfloat16)
+    bias = torch.randn(n, generator=gen).to(torch.bfloat16) if with_bias else None
+    x = torch.randn(rows, k, generator=gen).to(torch.bfloat16)
+    out = linear_kernels.linear(x, linear_kernels.pack_linear_weight(weight), bias, n)
+    _assert_linear_close(out, x, weight, bias)
+
+
+def test_linear_bf16_rows_do_not_depend_on_the_batch(linear_kernels):
+    """A row alone, in every position of batches of 1 to 40 rows (so in every register
+    block and at every offset in it), on 1 thread and on 2: the same bits. bf16 greedy
+    output with and without speculation, and seeded output alone and in a crowd, rest
+    on this."""
+    gen = torch.Generator().manual_seed(5)
+    n, k = 100, 96
+    weight = (torch.randn(n, k, generator=gen) / k**0.5).to(torch.bfloat16)
+    bias = torch.randn(n, generator=gen).to(torch.bfloat16)
+    packed = linear_kernels.pack_linear_weight(weight)
+    row = torch.randn(1, k, generator=gen).to(torch.bfloat16)
+    alone = linear_kernels.linear(row, packed, bias, n)
+    threads = torch.get_num_threads()
+    try:
+        for num_threads in (1, 2):
+            torch.set_num_threads(num_threads)
+            for rows in range(1, 41):
+                x = torch.randn(rows, k, generator=gen).to(torch.bfloat16)
+                at = int(torch.randint(rows, (1,), generator=gen))
+                x[at] = row[0]
+                out = linear_kernels.linear(x, packed, bias, n)
+                assert same_bits(out[at : at + 1], alone), (num_threads, rows, at)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_linear_bf16_takes_strided_rows(linear_kernels):
+    """The attention output reaches o_proj as a view; rows far apart give what their
+    dense copy gives, and nothing between them is read into the result."""
+    gen = torch.Generator().manual_seed(6)
+    weight = torch.randn(40, 24, generator=gen).to(torch.bfloat16)
+    packed = linear_kernels.pack_linear_weight(weight)
+    wide = torch.randn(7, 64, generator=gen).to(torch.bfloat16)
+    x = wide[:, 8:32]
+    assert not x.is_contiguous()
+    out = linear_kernels.linear(x, packed, None, 40)
+    assert same_bits(out, linear_kernels.linear(x.contiguous(), packed, None, 40))
+    wide[:, 32:] = float("nan")
+    assert same_bits(linear_kernels.linear(x, packed, None, 40), out)
+
+
+def test_linear_bf16_refuses_what_does_not_fit(linear_kernels):
+    weight = torch.randn(40, 24).to(torch.bfloat16)
+    packed = linear_kernels.pack_linear_weight(weight)
+    x = torch.randn(3, 24).to(torch.bfloat16)
+    with pytest.raises(ValueError, match=r"packed .* is not a packed \[65, 24\] weight"):
+        linear_kernels.linear(x, packed, None, 65)  # 2 tiles of 32 packed, 3 needed
+    with pytest.raises(ValueError, match=r"packed .* is not a packed \[40, 26\] weight"):
+        linear_kernels.linear(torch.randn(3, 26).to(torch.bfloat16), packed, None, 40)
+    with pytest.raises(
+        ValueError, match=r"x must be bfloat16 \(the bf16 Linear kernel\), got torch.float32"
+    ):
+        linear_kernels.linear(x.float(), packed, None, 40)
+    with pytest.raises(ValueError, match="packed is torch.float32 but x is torch.bfloat16"):
+        linear_kernels.linear(x, packed.float(), None, 40)
+    with pytest.raises(ValueError, match=r"bias \[39\] != out_features 40"):
+        linear_kernels.linear(x, packed, torch.zeros(39, dtype=torch.bfloat16), 40)
+    with pytest.raises(ValueError, match="weight must be a 2-D bfloat16 CPU tensor"):
+        linear_kernels.pack_linear_weight(weight.float())
+    with pytest.raises(ValueError, match="x must be 2-D"):
+        linear_kernels.linear(x[None], packed, None, 40)
+    assert linear_kernels.linear(x[:0], packed, None, 40).shape == (0, 40)

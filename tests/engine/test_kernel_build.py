@@ -345,6 +345,33 @@ def test_a_cpu_below_the_top_level_gets_a_lower_one(prebuilt, monkeypatch):
     assert build_library(out).name.endswith("-x86-64-v2.so")
 
 
+def test_the_bf16_level_has_the_linear_kernel_and_v4_does_not(prebuilt, monkeypatch):
+    """A container on an AVX512-BF16 CPU gets the bf16 Linear kernel; on an AVX-512 CPU
+    without it, -v4, whose library says it has none (bf16 Linear stays on oneDNN)."""
+    if build_mod.platform.machine() != "x86_64":
+        pytest.skip("the levels are x86-64's")
+    out, _ = prebuilt
+    have = build_mod.cpu_flags()  # what this CPU can load, before pretending below
+    monkeypatch.setattr(build_mod, "_compiler", lambda: None)
+    _cpu_with(monkeypatch, build_mod._X86_64_V4)
+    v4 = build_library(out)
+    assert v4.name.endswith("-x86-64-v4.so")
+    _cpu_with(monkeypatch, build_mod._X86_64_V4_BF16)
+    v4_bf16 = build_library(out)
+    assert v4_bf16.name.endswith("-x86-64-v4-bf16.so")
+    if have >= build_mod._X86_64_V4:
+        assert not CpuKernels(v4).has_bf16_linear
+    if have >= build_mod._X86_64_V4_BF16:
+        kernels = CpuKernels(v4_bf16)
+        assert kernels.has_bf16_linear
+        weight = torch.randn(40, 16).to(torch.bfloat16)
+        x = torch.randn(3, 16).to(torch.bfloat16)
+        out_ = kernels.linear(x, kernels.pack_linear_weight(weight), None, 40)
+        torch.testing.assert_close(
+            out_.float(), (x.float() @ weight.float().T), rtol=1e-2, atol=1e-2
+        )
+
+
 def test_no_compiler_and_no_level_this_cpu_runs_is_one_clear_error(prebuilt, monkeypatch):
     if build_mod.platform.machine() != "x86_64":
         pytest.skip("every aarch64 CPU runs armv8-a")

@@ -204,6 +204,33 @@ def test_cpu_weight_packing_matches_plain_linear(tiny_model_dir):
         torch.testing.assert_close(qkv(x), F.linear(x, weight), atol=1e-5, rtol=1e-5)
 
 
+def test_bf16_linear_layers_run_on_the_kernel_and_rows_are_independent(tiny_model_dir):
+    """bf16 on a CPU with AVX512-BF16: every Linear layer runs the bf16 Linear kernel,
+    gives what F.linear gives up to bf16 rounding, and a row's bits do not depend on the
+    rows computed with it (decode, verification and prefill row counts)."""
+    import torch.nn.functional as F
+    from transformers import AutoModelForCausalLM
+
+    from engine.models.weights import PackedLinear, bf16_linear_kernels
+
+    if bf16_linear_kernels(torch.zeros(1, 1, dtype=torch.bfloat16)) is None:
+        pytest.skip("no AVX512-BF16 here: bf16 Linear layers run on oneDNN")
+    loaded = load_model(tiny_model_dir, device="cpu", dtype="bfloat16")
+    linears = [m for m in loaded.model.modules() if isinstance(m, PackedLinear)]
+    assert len(linears) == 4 * len(loaded.model.model.layers) + 1
+    assert all(m.kernels is not None for m in linears)
+    qkv = loaded.model.model.layers[0].self_attn.qkv_proj
+    attn = AutoModelForCausalLM.from_pretrained(tiny_model_dir).model.layers[0].self_attn
+    weight = torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight])
+    weight = weight.to(torch.bfloat16)
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(33, qkv.in_features, generator=gen).to(torch.bfloat16)
+    whole = qkv(x)
+    torch.testing.assert_close(whole.float(), F.linear(x, weight).float(), rtol=8e-3, atol=1e-3)
+    for rows in (1, 5, 9, 32):
+        assert torch.equal(qkv(x[:rows]).view(torch.int16), whole[:rows].view(torch.int16))
+
+
 def test_row_buckets_are_few_and_waste_under_a_quarter():
     from engine.models.weights import row_bucket
 
