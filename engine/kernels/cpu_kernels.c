@@ -36,6 +36,7 @@
  * makes libgomp release and re-dock its worker, which cost 25-50 us per call (more
  * than the work) on SmolLM2's 32-row decode. */
 #define PARALLEL_MIN_ROWS 64
+#define PARALLEL_MIN_VALUES 16384
 
 #define INLINE static inline __attribute__((always_inline))
 
@@ -460,10 +461,14 @@ PAGED_ATTENTION(bf16, bf16, specserve_paged_attention_bf16)
 
 /* ---- row-wise kernels ---- */
 
-/* Run ROW(i) for i in [0, num_rows): on OpenMP threads from PARALLEL_MIN_ROWS rows. */
-#define FOR_ROWS(num_rows, num_threads, ROW)                                                   \
+/* Run ROW(i) for i in [0, num_rows): on OpenMP threads from PARALLEL_MIN_ROWS rows, or
+ * from PARALLEL_MIN_VALUES values in all (row_size each). */
+#define FOR_ROWS(num_rows, num_threads, ROW) FOR_ROWS_OF(num_rows, 0, num_threads, ROW)
+#define FOR_ROWS_OF(num_rows, row_size, num_threads, ROW)                                      \
     do {                                                                                       \
-        if ((num_rows) >= PARALLEL_MIN_ROWS && (num_threads) > 1) {                            \
+        if (((num_rows) >= PARALLEL_MIN_ROWS ||                                                \
+             ((num_rows) > 1 && (num_rows) * (row_size) >= PARALLEL_MIN_VALUES)) &&            \
+            (num_threads) > 1) {                                                               \
             _Pragma("omp parallel for num_threads(num_threads) schedule(static)") for (         \
                 int64_t i = 0; i < (num_rows); i++) ROW(i);                                    \
         } else {                                                                               \
@@ -497,7 +502,7 @@ PAGED_ATTENTION(bf16, bf16, specserve_paged_attention_bf16)
                                                                                                \
     void NAME(T *out, const T *x, T *residual, const T *weight, int64_t num_rows,              \
               int64_t hidden, float eps, int32_t num_threads) {                                \
-        FOR_ROWS(num_rows, num_threads, RMS_ROW_##S);                                          \
+        FOR_ROWS_OF(num_rows, hidden, num_threads, RMS_ROW_##S);                                   \
     }
 
 #define RMS_ROW_f32(i)                                                                         \
@@ -601,7 +606,7 @@ INLINE float div_corrected(float g, float d) {
     }                                                                                          \
                                                                                                \
     void NAME(T *out, const T *x, int64_t num_rows, int64_t inter, int32_t num_threads) {      \
-        FOR_ROWS(num_rows, num_threads, SILU_ROW_##S);                                         \
+        FOR_ROWS_OF(num_rows, inter, num_threads, SILU_ROW_##S);                                   \
     }
 
 #define SILU_ROW_f32(i) \

@@ -233,7 +233,7 @@ def test_rms_norm_and_fused_residual(kernels, rows):
     torch.testing.assert_close(out, expected)
 
 
-@pytest.mark.parametrize("rows", [3, 100, 2000])
+@pytest.mark.parametrize("rows", [3, 32, 100, 2000])  # 32 x 576: threaded by values
 def test_rms_norm_bf16_rounds_like_the_torch_path(kernels, rows):
     gen = torch.Generator().manual_seed(rows)
     bf16 = torch.bfloat16
@@ -294,10 +294,11 @@ def test_silu_and_mul(kernels, rows):
     torch.testing.assert_close(out, F.silu(gate) * up)
 
 
-@pytest.mark.parametrize("rows", [2, 80])
-def test_silu_and_mul_bf16_is_torchs(kernels, rows):
-    x = (torch.randn(rows, 2 * 40) * 4).to(torch.bfloat16)
-    gate, up = x.split(40, dim=1)
+# serial; threaded by rows (>= 64); threaded by values (a 32-request decode step's MLP)
+@pytest.mark.parametrize(("rows", "inter"), [(2, 40), (80, 40), (32, 600)])
+def test_silu_and_mul_bf16_is_torchs(kernels, rows, inter):
+    x = (torch.randn(rows, 2 * inter) * 4).to(torch.bfloat16)
+    gate, up = x.split(inter, dim=1)
     assert same_bits(kernels.silu_and_mul(x), F.silu(gate) * up)
 
 
