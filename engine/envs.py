@@ -48,6 +48,13 @@ def kernel_cache_dir() -> Path:
     return cache_dir() / "kernels"
 
 
+def fused_decoder() -> bool:
+    """``SPECSERVE_FUSED_DECODER=0`` runs a bf16 CPU model's decoder layers one Python
+    call at a time instead of in one call into the kernels (engine/kernels/decoder.py;
+    the same result, slower; for profiling each kernel on its own)."""
+    return os.environ.get("SPECSERVE_FUSED_DECODER", "1") != "0"
+
+
 def cpu_kernels() -> bool:
     """``SPECSERVE_CPU_KERNELS=0`` keeps torch ops on CPU instead of specserve's compiled
     fp32 kernels (paged attention, RMSNorm, rotary, SiLU; slower; for debugging and

@@ -100,6 +100,16 @@ class CpuAttentionBackend:
             out.view(num_tokens, -1).index_copy_(0, long.token_idx, long_out)
         return out.view(num_tokens, num_heads * head_dim)
 
+    def kernel_plan(
+        self, metadata: AttentionMetadata, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, int] | None:
+        """(sequence ids, longest query) when every query of this step runs on the
+        kernel, as it does in bfloat16; else None. Shares the layers' cached plan."""
+        plan = metadata.backend_plan(f"{self.name}-{dtype}", partial(_make_plan, dtype=dtype))
+        if plan.long is not None or plan.short_ids is None:
+            return None
+        return plan.short_ids, plan.short_max_query_len
+
 
 def _make_plan(metadata: AttentionMetadata, dtype: torch.dtype) -> _Plan:
     q_lens = metadata.query_lens_cpu

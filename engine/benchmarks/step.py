@@ -10,7 +10,9 @@ the forward (Python, embedding) and the host side (scheduling, batch building,
 sampling, detokenizing), and prints the ratio of the two runs.
 
 The split comes from timers wrapped around those calls for the duration of the run
-(about a microsecond each, a few hundred per step).
+(about a microsecond each, a few hundred per step), so both runs go layer by layer
+(``SPECSERVE_FUSED_DECODER=0``). Where a bf16 model's layers run in one kernel call
+(engine/kernels/decoder.py), a third run times that step whole, without timers.
 """
 
 from __future__ import annotations
@@ -44,26 +46,47 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import torch
 
+    from engine.kernels.cpu import cpu_kernels
+
     if args.num_prompts < 1 or args.output_len < 2:
         raise ValueError("--num-prompts must be >= 1 and --output-len >= 2")
     if args.num_threads is not None:
         torch.set_num_threads(args.num_threads)
     results = {}
-    for label, kernels in (("kernels", True), ("torch ops", False)):
+    runs = [("kernels", True, False), ("torch ops", False, False)]
+    kernels = cpu_kernels()
+    if args.dtype == "bfloat16" and kernels is not None and kernels.has_bf16_linear:
+        runs.append(("one-call decoder", True, True))
+    for label, kernels, fused in runs:
         print(f"running with {label}...", file=sys.stderr, flush=True)
-        results[label] = _profile(args, kernels)
+        results[label] = _profile(args, kernels, fused)
     _print(args, results)
     return 0
 
 
-def _profile(args: argparse.Namespace, kernels: bool) -> dict[str, float]:
+@contextmanager
+def _fused_decoder(enabled: bool) -> Iterator[None]:
+    import os
+
+    saved = os.environ.get("SPECSERVE_FUSED_DECODER")
+    os.environ["SPECSERVE_FUSED_DECODER"] = "1" if enabled else "0"
+    try:
+        yield
+    finally:
+        if saved is None:
+            del os.environ["SPECSERVE_FUSED_DECODER"]
+        else:
+            os.environ["SPECSERVE_FUSED_DECODER"] = saved
+
+
+def _profile(args: argparse.Namespace, kernels: bool, fused: bool) -> dict[str, float]:
     from engine.benchmarks.offline import tokenize_prompts
     from engine.config import EngineConfig
     from engine.kernels.cpu import cpu_kernels, cpu_kernels_enabled
     from engine.llm_engine import LLMEngine
     from engine.sampling_params import SamplingParams
 
-    with cpu_kernels_enabled(kernels):
+    with cpu_kernels_enabled(kernels), _fused_decoder(fused):
         if kernels and cpu_kernels() is None:
             raise RuntimeError("the compiled CPU kernels are unavailable on this machine")
         engine = LLMEngine(
@@ -166,3 +189,10 @@ def _print(args: argparse.Namespace, results: dict[str, dict[str, float]]) -> No
         f"{1e3 * args.num_prompts / base['step']:.1f} with torch ops "
         f"({base['step'] / ours['step']:.2f}x)"
     )
+    fused = results.get("one-call decoder")
+    if fused is not None:
+        print(
+            f"one-call decoder (bf16 layers in one kernel call): step {fused['step']:.2f} ms, "
+            f"{1e3 * args.num_prompts / fused['step']:.1f} tok/s "
+            f"({ours['step'] / fused['step']:.2f}x the layer-by-layer kernels)"
+        )

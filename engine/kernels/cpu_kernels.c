@@ -735,3 +735,79 @@ void specserve_linear_bf16(bf16 *out, const bf16 *x, int64_t x_stride, const bf1
     abort(); /* unreachable: the wrapper refuses when the tile is 0 */
 }
 #endif
+
+/* ---- the bf16 decoder layers in one call ----
+ *
+ * Every layer of a Llama-family decoder, bf16, on the kernels above: the same calls, in
+ * the same order, on the same values as the model's Python forward (models/llama.py),
+ * so the result is bit-identical to it; without the 10-odd Python calls per layer
+ * around them, which cost more than the work itself at batch 1 (30 layers x ~100 us on
+ * the default model, on a CPU whose caches the weight stream has just flushed). */
+struct specserve_layer_bf16 {
+    const bf16 *input_norm;      /* [hidden] */
+    const bf16 *qkv;             /* packed [q + 2 kv, hidden] (pack_linear_weight) */
+    const bf16 *qkv_bias;        /* [q + 2 kv], or NULL */
+    const bf16 *o;               /* packed [hidden, q] */
+    const bf16 *post_norm;       /* [hidden] */
+    const bf16 *gate_up;         /* packed [2 inter, hidden] */
+    const bf16 *down;            /* packed [hidden, inter] */
+    bf16 *k_cache;               /* [num_blocks, block_size, num_kv_heads, head_dim] */
+    bf16 *v_cache;
+};
+
+/* hidden [n, hidden_size]: the embeddings in, the last layer's MLP output out;
+ * residual [n, hidden_size]: the residual stream before that output, out (the final
+ * norm adds them). Scratch: normed [n, hidden_size], qkv [n, q + 2 kv], attn [n, q],
+ * gate_up [n, 2 inter], act [n, inter]. The attention arguments are
+ * specserve_paged_attention's. Returns 0; 1 when a position is outside the rotary
+ * table, 2 when a slot is past the cache, 10 + paged attention's status otherwise
+ * (the layers before the failing call have run). */
+int specserve_decoder_layers_bf16(
+    const struct specserve_layer_bf16 *layers, int64_t num_layers, bf16 *hidden,
+    bf16 *residual, bf16 *normed, bf16 *qkv, bf16 *attn, bf16 *gate_up, bf16 *act, int64_t n,
+    int64_t hidden_size, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+    int64_t inter, float eps, const int64_t *positions, const bf16 *cos_sin,
+    int64_t num_positions, const int64_t *slots, int64_t num_cache_blocks, int64_t block_size,
+    const int32_t *block_tables, int64_t block_table_stride, int64_t table_width,
+    const int32_t *seq_lens, const int32_t *query_start_loc, int64_t num_seqs,
+    const int32_t *seq_ids, int64_t num_selected, int64_t max_rows, float scale,
+    int32_t num_threads) {
+    const int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
+    const int64_t qkv_size = q_size + 2 * kv_size;
+    const int64_t num_slots = num_cache_blocks * block_size;
+    for (int64_t l = 0; l < num_layers; l++) {
+        const struct specserve_layer_bf16 *w = &layers[l];
+        if (l == 0) {
+            memcpy(residual, hidden, sizeof(bf16) * (size_t)(n * hidden_size));
+            specserve_rms_norm_bf16(normed, hidden, NULL, w->input_norm, n, hidden_size, eps,
+                                    num_threads);
+        } else {
+            specserve_rms_norm_bf16(normed, hidden, residual, w->input_norm, n, hidden_size,
+                                    eps, num_threads);
+        }
+        specserve_linear_bf16(qkv, normed, hidden_size, w->qkv, w->qkv_bias, n, qkv_size,
+                              hidden_size, num_threads);
+        if (specserve_rope_bf16(qkv, qkv_size, n, positions, cos_sin, num_positions,
+                                num_heads + num_kv_heads, head_dim, num_threads))
+            return 1;
+        if (specserve_write_kv_bf16(qkv + q_size, qkv_size, qkv + q_size + kv_size, qkv_size, n,
+                                    kv_size, w->k_cache, w->v_cache, slots, num_slots))
+            return 2;
+        const int status = specserve_paged_attention_bf16(
+            attn, q_size, qkv, qkv_size, w->k_cache, w->v_cache, block_tables,
+            block_table_stride, table_width, seq_lens, query_start_loc, num_seqs, n, seq_ids,
+            num_selected, num_heads, num_kv_heads, head_dim, block_size, num_cache_blocks, scale,
+            max_rows, num_threads);
+        if (status) return 10 + status;
+        specserve_linear_bf16(hidden, attn, q_size, w->o, NULL, n, hidden_size, q_size,
+                              num_threads);
+        specserve_rms_norm_bf16(normed, hidden, residual, w->post_norm, n, hidden_size, eps,
+                                num_threads);
+        specserve_linear_bf16(gate_up, normed, hidden_size, w->gate_up, NULL, n, 2 * inter,
+                              hidden_size, num_threads);
+        specserve_silu_and_mul_bf16(act, gate_up, n, inter, num_threads);
+        specserve_linear_bf16(hidden, act, inter, w->down, NULL, n, hidden_size, inter,
+                              num_threads);
+    }
+    return 0;
+}

@@ -13,6 +13,10 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
+from engine import envs
+from engine.attention.metadata import get_attention_metadata
+from engine.kernels.cpu import kernels_for
+from engine.kernels.decoder import FusedDecoderLayers
 from engine.model_config import ModelArchConfig
 from engine.models.layers import RMSNorm, RopeBatch, RotaryEmbedding, silu_and_mul
 
@@ -94,14 +98,35 @@ class LlamaModel(nn.Module):
         self.rotary = RotaryEmbedding(
             config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling
         )
+        self.config = config
+        self.fused: FusedDecoderLayers | None = None  # set by bind_kv_caches where it runs
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         hidden_states = self.embed_tokens(input_ids)  # [num_tokens, hidden_size]
         rope = self.rotary.for_positions(positions, hidden_states.dtype)  # shared by all layers
+        fused = self._run_fused(hidden_states, rope)
+        if fused is not None:
+            return self.norm(*fused)[0]
         residual = None
         for layer in self.layers:
             hidden_states, residual = layer(hidden_states, residual, rope)
         return self.norm(hidden_states, residual)[0]
+
+    def _run_fused(
+        self, hidden_states: torch.Tensor, rope: RopeBatch
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Every layer in one kernel call (engine/kernels/decoder.py), when this step's
+        attention runs on the kernel for every query and rotary on the kernel too."""
+        if self.fused is None or rope.cos is not None or hidden_states.shape[0] == 0:
+            return None
+        metadata = get_attention_metadata()
+        plan = self.layers[0].self_attn.attn_backend.kernel_plan(metadata, hidden_states.dtype)
+        if plan is None:
+            return None
+        seq_ids, max_query_len = plan
+        return self.fused(
+            hidden_states, rope.positions, rope.table, metadata, seq_ids, max_query_len
+        )
 
 
 class LlamaForCausalLM(nn.Module):
@@ -138,6 +163,7 @@ class LlamaForCausalLM(nn.Module):
             raise ValueError(f"got {len(kv_caches)} KV caches for {len(self.model.layers)} layers")
         for layer, cache in zip(self.model.layers, kv_caches, strict=True):
             layer.self_attn.kv_cache = cache
+        self.model.fused = fused_decoder_for(self.model, kv_caches)
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -145,3 +171,32 @@ class LlamaForCausalLM(nn.Module):
         from engine.models.weights import load_hf_weights
 
         load_hf_weights(self, weights)
+
+
+def fused_decoder_for(
+    model: LlamaModel, kv_caches: list[torch.Tensor]
+) -> FusedDecoderLayers | None:
+    """The one-call decoder for ``model`` when every piece of its layers runs on the bf16
+    kernels (engine/kernels/decoder.py), else None: the layer-by-layer forward."""
+    from engine.attention.cpu_backend import CpuAttentionBackend
+    from engine.models.weights import PackedLinear
+
+    weight = model.embed_tokens.weight
+    kernels = kernels_for(weight.device, weight.dtype)
+    if not envs.fused_decoder() or weight.dtype is not torch.bfloat16:
+        return None
+    if kernels is None or not kernels.has_bf16_linear:
+        return None
+    for layer in model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        if not all(isinstance(m, PackedLinear) and m.kernels is not None for m in linears):
+            return None
+        if any(m.bias is not None for m in linears[1:]):
+            return None
+        if not isinstance(attn.attn_backend, CpuAttentionBackend):
+            return None
+    try:
+        return FusedDecoderLayers(kernels, model, kv_caches)
+    except ValueError:  # a tensor that is not dense bf16: the layer-by-layer path copes
+        return None

@@ -10,6 +10,7 @@ import torch
 
 from engine.benchmarks import step
 from engine.kernels.cpu import CpuKernels
+from engine.kernels.cpu import cpu_kernels as step_kernels
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -43,6 +44,11 @@ def test_bf16_step_breakdown(tiny_model_dir, capsys, monkeypatch):
     out = capsys.readouterr().out
     assert "(chat, bfloat16, " in out and "decode throughput" in out
     assert seen and set(seen) == {torch.bfloat16}  # the kernel run computed in bf16
+    # the breakdown timed the layers one by one (a fused run would leave linear at 0)
+    linear_row = next(line for line in out.splitlines() if line.startswith("linear"))
+    assert float(linear_row.split()[1]) > 0
+    if step_kernels().has_bf16_linear:
+        assert "one-call decoder (bf16 layers in one kernel call): step" in out
 
 
 def test_dtype_defaults_to_float32_and_is_checked(capsys):

@@ -1,0 +1,161 @@
+"""Every bf16 decoder layer of a Llama-family model in one call into cpu_kernels.c.
+
+At batch 1 on CPU the Python around each layer's six kernel calls (module calls,
+wrapper checks, views, the attention plan) cost about as much as the layer's own work:
+~5 of 12 ms per token on the default model, because each layer's weight stream has
+flushed the caches that Python's objects live in. ``specserve_decoder_layers_bf16``
+makes the same calls in the same order on the same buffers, so the hidden states are
+bit-identical to the Python forward (tested), and Python is left with the embedding,
+the final norm and the LM head.
+
+Used by ``LlamaModel.forward`` when every piece of a layer runs on these kernels: a
+bf16 CPU model, kernels built with AVX512-BF16 (every Linear packed for
+``specserve_linear_bf16``, only qkv with a bias), the ``cpu`` attention backend with
+every query on the kernel (always so in bf16), KV caches bound.
+``SPECSERVE_FUSED_DECODER=0`` keeps the layer-by-layer Python forward (what
+``specserve bench step`` times component by component).
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from engine.kernels.cpu import CpuKernels, _check_i32, _check_index
+
+_P = ctypes.c_void_p
+_I64 = ctypes.c_int64
+_I32 = ctypes.c_int32
+_F32 = ctypes.c_float
+
+_LAYER_FIELDS = (
+    "input_norm", "qkv", "qkv_bias", "o", "post_norm", "gate_up", "down", "k_cache", "v_cache",
+)  # fmt: skip
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [(name, _P) for name in _LAYER_FIELDS]  # struct specserve_layer_bf16
+
+
+_ARGTYPES = [_P, _I64, _P, _P, _P, _P, _P, _P, _P, _I64]  # layers .. act, n
+_ARGTYPES += [_I64, _I64, _I64, _I64, _I64, _F32]  # hidden .. inter, eps
+_ARGTYPES += [_P, _P, _I64, _P, _I64, _I64]  # positions .. block_size
+_ARGTYPES += [_P, _I64, _I64, _P, _P, _I64, _P, _I64, _I64, _F32, _I32]  # attention
+
+
+class FusedDecoderLayers:
+    """The layers of one model, their packed weights and bound KV caches as the C loop
+    reads them. Holds references to every tensor it points at; rebuilt when the caches
+    are bound again."""
+
+    def __init__(self, kernels: CpuKernels, model, kv_caches: list[torch.Tensor]) -> None:
+        config = model.config
+        self.num_heads, self.num_kv_heads = config.num_heads, config.num_kv_heads
+        self.head_dim, self.hidden_size = config.head_dim, config.hidden_size
+        self.inter = config.intermediate_size
+        self.eps = float(config.rms_norm_eps)
+        self.scale = config.head_dim**-0.5
+        self.num_cache_blocks, self.block_size = kv_caches[0].shape[1], kv_caches[0].shape[2]
+        self._keep: list[torch.Tensor] = []
+        rows = []
+        for layer, cache in zip(model.layers, kv_caches, strict=True):
+            attn, mlp = layer.self_attn, layer.mlp
+            qkv_bias = attn.qkv_proj.bias
+            rows.append(
+                _Layer(
+                    self._ptr(layer.input_layernorm.weight),
+                    self._ptr(attn.qkv_proj.packed_weight),
+                    None if qkv_bias is None else self._ptr(qkv_bias),
+                    self._ptr(attn.o_proj.packed_weight),
+                    self._ptr(layer.post_attention_layernorm.weight),
+                    self._ptr(mlp.gate_up_proj.packed_weight),
+                    self._ptr(mlp.down_proj.packed_weight),
+                    self._ptr(cache[0]),
+                    self._ptr(cache[1]),
+                )
+            )
+        self.layers = (_Layer * len(rows))(*rows)
+        self.num_layers = len(rows)
+        fn = kernels.lib.specserve_decoder_layers_bf16
+        fn.restype, fn.argtypes = ctypes.c_int, _ARGTYPES
+        self._fn = fn
+
+    def _ptr(self, t: torch.Tensor) -> int:
+        t = t.detach()
+        if t.dtype is not torch.bfloat16 or not t.is_contiguous() or not t.is_cpu:
+            raise ValueError(f"fused decoder: a {t.dtype} tensor is not dense bf16 on the CPU")
+        self._keep.append(t)
+        return t.data_ptr()
+
+    def __call__(
+        self,
+        hidden: torch.Tensor,  # [n, hidden_size] bf16 embeddings, overwritten
+        positions: torch.Tensor,  # [n] int64
+        cos_sin: torch.Tensor,  # [max_positions, 2, head_dim // 2] bf16
+        metadata,  # AttentionMetadata of this step
+        seq_ids: torch.Tensor,  # [num_selected] int32: every sequence (all on the kernel)
+        max_query_len: int,
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # (last MLP output, residual before it)
+        n = hidden.shape[0]
+        if hidden.dtype is not torch.bfloat16 or not hidden.is_contiguous():
+            raise ValueError("hidden must be dense bf16")
+        if hidden.shape[1] != self.hidden_size:
+            raise ValueError(f"hidden {tuple(hidden.shape)} must be [n, {self.hidden_size}]")
+        if cos_sin.dtype is not torch.bfloat16 or not cos_sin.is_contiguous():
+            raise ValueError("cos_sin must be dense bf16")
+        if cos_sin.shape[1:] != (2, self.head_dim // 2):
+            raise ValueError(
+                f"cos_sin {tuple(cos_sin.shape)} does not fit head_dim {self.head_dim}"
+            )
+        _check_index("positions", positions, n)
+        _check_index("slots", metadata.slot_mapping, n)
+        tables = metadata.block_tables
+        _check_i32("block_tables", tables, 2)
+        for name, t in (
+            ("seq_lens", metadata.seq_lens),
+            ("query_start_loc", metadata.query_start_loc),
+            ("seq_ids", seq_ids),
+        ):
+            _check_i32(name, t, 1)
+        num_seqs = metadata.seq_lens.shape[0]
+        if tables.shape[0] != num_seqs or metadata.query_start_loc.shape[0] != num_seqs + 1:
+            raise ValueError("block_tables, seq_lens and query_start_loc disagree on the sequences")
+        q_size = self.num_heads * self.head_dim
+        qkv_size = q_size + 2 * self.num_kv_heads * self.head_dim
+        residual = torch.empty_like(hidden)
+        normed = torch.empty_like(hidden)
+        qkv = hidden.new_empty(n, qkv_size)
+        attn = hidden.new_empty(n, q_size)
+        gate_up = hidden.new_empty(n, 2 * self.inter)
+        act = hidden.new_empty(n, self.inter)
+        group = self.num_heads // self.num_kv_heads
+        status = self._fn(
+            self.layers, self.num_layers, hidden.data_ptr(), residual.data_ptr(),
+            normed.data_ptr(), qkv.data_ptr(), attn.data_ptr(), gate_up.data_ptr(),
+            act.data_ptr(), n, self.hidden_size, self.num_heads, self.num_kv_heads,
+            self.head_dim, self.inter, self.eps, positions.data_ptr(), cos_sin.data_ptr(),
+            cos_sin.shape[0], metadata.slot_mapping.data_ptr(), self.num_cache_blocks,
+            self.block_size, tables.data_ptr(), tables.stride(0), tables.shape[1],
+            metadata.seq_lens.data_ptr(), metadata.query_start_loc.data_ptr(), num_seqs,
+            seq_ids.data_ptr(), seq_ids.shape[0], max(max_query_len * group, 1), self.scale,
+            torch.get_num_threads(),
+        )  # fmt: skip
+        if status:
+            raise _error(status, cos_sin.shape[0], self.num_cache_blocks * self.block_size)
+        return hidden, residual
+
+
+def _error(status: int, num_positions: int, num_slots: int) -> Exception:
+    if status == 1:
+        return ValueError(f"a position is outside the rotary table's 0..{num_positions - 1}")
+    if status == 2:
+        return ValueError(f"a slot in slot_mapping is past the cache's {num_slots} slots")
+    if status == 11:
+        return MemoryError("paged attention could not allocate its scratch buffers")
+    if status == 12:
+        return ValueError("a selected sequence has more query tokens than max_query_len")
+    return ValueError(
+        "a block id outside the cache, a sequence id outside seq_lens, or lengths that do "
+        "not fit the block table or the query"
+    )

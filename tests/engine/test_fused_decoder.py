@@ -1,0 +1,108 @@
+"""The one-call bf16 decoder (engine/kernels/decoder.py) against the layer-by-layer
+forward: the same logits bit for bit, step after step, with prefill chunks, decode and
+verification-sized queries mixed in one batch; used only where every piece runs on the
+kernels; a bad slot or position is one clear error."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from engine.loader import load_model
+from engine.models.llama import LlamaDecoderLayer
+from engine.models.weights import bf16_linear_kernels
+from tests.engine.simple_runner import SimplePagedRunner
+
+pytestmark = pytest.mark.skipif(
+    bf16_linear_kernels(torch.zeros(1, 1, dtype=torch.bfloat16)) is None,
+    reason="no AVX512-BF16 here: bf16 runs layer by layer on oneDNN (that path is tested)",
+)
+
+
+def _runners(model_dir: str) -> tuple[SimplePagedRunner, SimplePagedRunner]:
+    """Two runners over two loads of one checkpoint, the same shuffled block lists: the
+    first fused, the second layer by layer."""
+    fused = SimplePagedRunner(load_model(model_dir, dtype="bfloat16").model, num_blocks=64)
+    plain = SimplePagedRunner(load_model(model_dir, dtype="bfloat16").model, num_blocks=64)
+    assert fused.model.model.fused is not None
+    plain.model.model.fused = None
+    return fused, plain
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])  # qwen2: q/k/v biases
+def test_fused_decoder_is_the_layer_by_layer_forward_bit_for_bit(
+    tiny_model_factory, arch, monkeypatch
+):
+    fused, plain = _runners(tiny_model_factory(arch))
+    rng = random.Random(0)
+    vocab = fused.model.config.vocab_size
+    for runner in (fused, plain):
+        for seq in range(5):
+            runner.add_sequence(seq)
+    steps = [
+        [(0, 37), (1, 1), (2, 20)],  # prompts, one of a single token
+        [(0, 1), (1, 30), (3, 5), (4, 16)],  # decode beside prefill chunks
+        [(0, 5), (1, 1), (2, 1), (3, 1), (4, 1)],  # a 1 + k verification beside decodes
+        [(2, 40), (0, 1)],  # a long chunk after a cached prefix
+    ]
+    calls = {"n": 0}
+    real = LlamaDecoderLayer.forward
+
+    def counted(self, *args, **kwargs):
+        calls["n"] += 1
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(LlamaDecoderLayer, "forward", counted)
+    for chunks in steps:
+        chunks = [(seq, [rng.randrange(vocab) for _ in range(n)]) for seq, n in chunks]
+        before = calls["n"]
+        ours = fused.step(chunks, all_logits=True)
+        assert calls["n"] == before  # no Python layer ran: the fused call did it all
+        theirs = plain.step(chunks, all_logits=True)
+        assert calls["n"] > before
+        assert torch.equal(ours, theirs)
+
+
+def test_greedy_output_is_the_same_fused_or_not(tiny_model_dir):
+    fused, plain = _runners(tiny_model_dir)
+    prompts = [[5, 6, 7, 8, 9], [100, 3], list(range(20, 60))]
+    assert fused.generate_greedy(prompts, 24) == plain.generate_greedy(prompts, 24)
+
+
+def test_used_only_where_every_piece_runs_on_the_kernels(tiny_model_dir, monkeypatch):
+    def fused_after_bind(**kwargs):
+        loaded = load_model(tiny_model_dir, **kwargs)
+        SimplePagedRunner(loaded.model, num_blocks=8)
+        return loaded.model.model.fused
+
+    assert fused_after_bind(dtype="bfloat16") is not None
+    assert fused_after_bind(dtype="float32") is None  # fp32 Linear layers run on oneDNN
+    assert fused_after_bind(dtype="bfloat16", attn_backend="torch") is None
+    monkeypatch.setenv("SPECSERVE_FUSED_DECODER", "0")
+    assert fused_after_bind(dtype="bfloat16") is None
+
+
+def test_a_slot_past_the_cache_is_one_clear_error(tiny_model_dir):
+    from engine.attention import build_attention_metadata
+
+    runner = SimplePagedRunner(load_model(tiny_model_dir, dtype="bfloat16").model, num_blocks=8)
+    model = runner.model.model
+    metadata = build_attention_metadata([2], [2], [[1]], runner.block_size)
+    metadata.slot_mapping[1] = 8 * runner.block_size  # one past the last slot
+    hidden = model.embed_tokens(torch.tensor([3, 4]))
+    rope = model.rotary.for_positions(torch.tensor([0, 1]), torch.bfloat16)
+    with pytest.raises(ValueError, match=r"a slot in slot_mapping is past the cache's 128 slots"):
+        model.fused(
+            hidden, rope.positions, rope.table, metadata, torch.tensor([0], dtype=torch.int32), 2
+        )
+    with pytest.raises(ValueError, match="positions"):
+        model.fused(
+            hidden,
+            rope.positions[:1],
+            rope.table,
+            metadata,
+            torch.tensor([0], dtype=torch.int32),
+            2,
+        )
