@@ -15,10 +15,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import subprocess
 import sys
 from pathlib import Path
+
+from engine.benchmarks.report import median_range
 
 BATCH1 = ["--num-prompts", "4", "--output-len", "64", "--concurrency", "1", "--spec-modes", "none"]
 BATCH32 = ["--num-prompts", "32", "--output-len", "64", "--spec-modes", "none"]
@@ -77,33 +78,26 @@ def _table(rounds: list[dict]) -> str:
         fp32 = [_tok_s(r, f"{size}-fp32", ours) for r in rounds]
         bf16 = [_tok_s(r, f"{size}-bf16", ours) for r in rounds]
         base = [_tok_s(r, f"{size}-bf16", hf) for r in rounds]
-        cells = [label, _median_range(fp32, "{:.1f}"), _median_range(bf16, "{:.1f}")]
-        cells += [_median_range(base, "{:.1f}")]
-        cells += [_median_range([a / b for a, b in zip(bf16, base)], "{:.2f}x")]
-        cells += [_median_range([a / b for a, b in zip(bf16, fp32)], "{:.2f}x")]
+        cells = [label, median_range(fp32, "{:.1f}"), median_range(bf16, "{:.1f}")]
+        cells += [median_range(base, "{:.1f}")]
+        cells += [median_range([a / b for a, b in zip(bf16, base)], "{:.2f}x")]
+        cells += [median_range([a / b for a, b in zip(bf16, fp32)], "{:.2f}x")]
         lines.append("| " + " | ".join(cells) + " |")
     none = [_tok_s(r, "grounded-bf16", ours) for r in rounds]
     spec = [_tok_s(r, "grounded-bf16", ngram) for r in rounds]
     b1_fp32_hf = [_tok_s(r, "b1-fp32", hf) for r in rounds]
     lines.append(
-        f"| batch 1, grounded, n-gram vs none | - | {_median_range(spec, '{:.1f}')} vs "
-        f"{_median_range(none, '{:.1f}')} | - | - | n-gram "
-        f"{_median_range([a / b for a, b in zip(spec, none)], '{:.2f}x')} |"
+        f"| batch 1, grounded, n-gram vs none | - | {median_range(spec, '{:.1f}')} vs "
+        f"{median_range(none, '{:.1f}')} | - | - | n-gram "
+        f"{median_range([a / b for a, b in zip(spec, none)], '{:.2f}x')} |"
     )
     b1_fp32 = [_tok_s(r, "b1-fp32", ours) for r in rounds]
     lines.append(
         f"\nfp32 batch 1 against transformers fp32 (same invocation): "
-        f"{_median_range([a / b for a, b in zip(b1_fp32, b1_fp32_hf)], '{:.2f}x')} "
-        f"(transformers fp32 {_median_range(b1_fp32_hf, '{:.1f}')} tok/s)"
+        f"{median_range([a / b for a, b in zip(b1_fp32, b1_fp32_hf)], '{:.2f}x')} "
+        f"(transformers fp32 {median_range(b1_fp32_hf, '{:.1f}')} tok/s)"
     )
     return "\n".join(lines)
-
-
-def _median_range(values: list[float], fmt: str) -> str:
-    median = fmt.format(statistics.median(values))
-    if len(values) == 1:
-        return median
-    return f"{median} ({fmt.format(min(values))}-{fmt.format(max(values))})"
 
 
 if __name__ == "__main__":

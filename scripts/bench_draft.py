@@ -14,10 +14,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import subprocess
 import sys
 from pathlib import Path
+
+from engine.benchmarks.report import median_range
 
 MODES = ("none", "ngram", "draft", "hybrid")
 
@@ -76,25 +77,18 @@ def _table(rows, title: str) -> str:
     for temperature, concurrency, runs in rows:
         by_mode = [{r["system"].split("spec: ")[1].rstrip(")"): r for r in run} for run in runs]
         base = [m["none"]["output_tokens_per_s"] for m in by_mode]
-        cells = [f"{temperature:g}", str(concurrency), _median_range(base, "{:.1f}")]
+        cells = [f"{temperature:g}", str(concurrency), median_range(base, "{:.1f}")]
         for mode in MODES[1:]:
             ratios = [
                 m[mode]["output_tokens_per_s"] / m["none"]["output_tokens_per_s"] for m in by_mode
             ]
-            cells.append(_median_range(ratios, "{:.2f}x"))
+            cells.append(median_range(ratios, "{:.2f}x"))
         spec = by_mode[0]["draft"].get("spec") or {}
         cells.append(f"{spec['tokens_per_verification']:.2f}" if spec else "-")
         positions = spec.get("acceptance_by_position") or []
         cells.append(" / ".join(f"{x:.2f}" for x in positions) if positions else "-")
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
-
-
-def _median_range(values: list[float], fmt: str) -> str:
-    median = fmt.format(statistics.median(values))
-    if len(values) == 1:
-        return median
-    return f"{median} ({fmt.format(min(values))}-{fmt.format(max(values))})"
 
 
 if __name__ == "__main__":

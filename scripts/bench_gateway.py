@@ -34,6 +34,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from engine.benchmarks.report import median_range  # noqa: E402
 from engine.client import SpecserveClient  # noqa: E402
 from tests.gateway.gateway import Gateway  # noqa: E402
 from tests.ops.scrape import parse, value  # noqa: E402
@@ -89,10 +90,6 @@ def _gateway(workers: list[Worker], policy: str) -> Gateway:
     return gateway
 
 
-def _median_range(values: list[float]) -> str:
-    return f"{statistics.median(values):.1f} ({min(values):.1f}-{max(values):.1f})"
-
-
 def overhead(repeats: int, policy: str) -> None:
     workers = [Worker(), Worker()]
     _wait(workers)
@@ -113,10 +110,10 @@ def overhead(repeats: int, policy: str) -> None:
             tps = {k: [r["output_throughput"] for r in v] for k, v in runs.items()}
             ttft = {k: [r["ttft_ms"]["mean"] for r in v] for k, v in runs.items()}
             ratios = [g / d for g, d in zip(tps["gateway"], tps["direct"])]
-            print(f"{concurrency} | {_median_range(tps['direct'])} | "
-                  f"{_median_range(tps['gateway'])} | {statistics.median(ratios):.3f} "
-                  f"({min(ratios):.3f}-{max(ratios):.3f}) | {_median_range(ttft['direct'])} | "
-                  f"{_median_range(ttft['gateway'])}", flush=True)  # fmt: skip
+            print(f"{concurrency} | {median_range(tps['direct'])} | "
+                  f"{median_range(tps['gateway'])} | {statistics.median(ratios):.3f} "
+                  f"({min(ratios):.3f}-{max(ratios):.3f}) | {median_range(ttft['direct'])} | "
+                  f"{median_range(ttft['gateway'])}", flush=True)  # fmt: skip
     finally:
         gateway.stop()
         for worker in workers:
@@ -154,7 +151,7 @@ def prefix(repeats: int, policy: str) -> None:
         rates = [r[0] for r in rows]
         ttfts = [r[1] for r in rows]
         print(f"{policy}: hit rate median {statistics.median(rates):.3f} "
-              f"({min(rates):.3f}-{max(rates):.3f}), TTFT ms {_median_range(ttfts)}")  # fmt: skip
+              f"({min(rates):.3f}-{max(rates):.3f}), TTFT ms {median_range(ttfts)}")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import statistics
 from dataclasses import asdict, dataclass, field
 
 
@@ -18,6 +19,15 @@ def percentile(values: list[float], q: float) -> float:
 
 def mean(values: list[float]) -> float:
     return sum(values) / len(values) if values else math.nan
+
+
+def median_range(values: list[float], fmt: str = "{:.1f}") -> str:
+    """ "median (min-max)" of repeated runs, each formatted with ``fmt``; the value alone
+    for one run."""
+    median = fmt.format(statistics.median(values))
+    if len(values) == 1:
+        return median
+    return f"{median} ({fmt.format(min(values))}-{fmt.format(max(values))})"
 
 
 @dataclass

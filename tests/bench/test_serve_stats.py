@@ -127,3 +127,11 @@ def test_arrivals_are_reproducible_and_validated():
     for rate, burstiness in ((0.0, 1.0), (1.0, 0.0)):
         with pytest.raises(ValueError):
             Arrivals(rate, burstiness)
+
+
+def test_median_range_of_repeated_runs():
+    from engine.benchmarks.report import median_range
+
+    assert median_range([3.0, 1.0, 2.0]) == "2.0 (1.0-3.0)"
+    assert median_range([1.5, 2.5], "{:.2f}x") == "2.00x (1.50x-2.50x)"  # even: the mean of two
+    assert median_range([7.25]) == "7.2"  # one run: no range
