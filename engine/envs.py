@@ -57,6 +57,6 @@ def fused_decoder() -> bool:
 
 def cpu_kernels() -> bool:
     """``SPECSERVE_CPU_KERNELS=0`` keeps torch ops on CPU instead of specserve's compiled
-    fp32 kernels (paged attention, RMSNorm, rotary, SiLU; slower; for debugging and
-    comparisons)."""
+    kernels (paged attention, RMSNorm, rotary, SiLU, and the bf16 Linear layers, which
+    then run on oneDNN; slower; for debugging and comparisons)."""
     return os.environ.get("SPECSERVE_CPU_KERNELS", "1") != "0"
