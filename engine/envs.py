@@ -6,7 +6,9 @@ of knobs is visible here and tests can monkeypatch the environment.
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 
@@ -60,3 +62,18 @@ def cpu_kernels() -> bool:
     kernels (paged attention, RMSNorm, rotary, SiLU, and the bf16 Linear layers, which
     then run on oneDNN; slower; for debugging and comparisons)."""
     return os.environ.get("SPECSERVE_CPU_KERNELS", "1") != "0"
+
+
+@contextlib.contextmanager
+def overridden(name: str, value: str) -> Iterator[None]:
+    """Set environment variable ``name`` to ``value`` for a block, then put it back as it
+    was (unset if it was unset)."""
+    saved = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = saved

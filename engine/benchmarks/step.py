@@ -54,8 +54,8 @@ def run(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.num_threads)
     results = {}
     runs = [("kernels", True, False), ("torch ops", False, False)]
-    kernels = cpu_kernels()
-    if args.dtype == "bfloat16" and kernels is not None and kernels.has_bf16_linear:
+    built = cpu_kernels()
+    if args.dtype == "bfloat16" and built is not None and built.has_bf16_linear:
         runs.append(("one-call decoder", True, True))
     for label, kernels, fused in runs:
         print(f"running with {label}...", file=sys.stderr, flush=True)
@@ -64,29 +64,15 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-@contextmanager
-def _fused_decoder(enabled: bool) -> Iterator[None]:
-    import os
-
-    saved = os.environ.get("SPECSERVE_FUSED_DECODER")
-    os.environ["SPECSERVE_FUSED_DECODER"] = "1" if enabled else "0"
-    try:
-        yield
-    finally:
-        if saved is None:
-            del os.environ["SPECSERVE_FUSED_DECODER"]
-        else:
-            os.environ["SPECSERVE_FUSED_DECODER"] = saved
-
-
 def _profile(args: argparse.Namespace, kernels: bool, fused: bool) -> dict[str, float]:
+    from engine import envs
     from engine.benchmarks.offline import tokenize_prompts
     from engine.config import EngineConfig
     from engine.kernels.cpu import cpu_kernels, cpu_kernels_enabled
     from engine.llm_engine import LLMEngine
     from engine.sampling_params import SamplingParams
 
-    with cpu_kernels_enabled(kernels), _fused_decoder(fused):
+    with cpu_kernels_enabled(kernels), envs.overridden("SPECSERVE_FUSED_DECODER", str(int(fused))):
         if kernels and cpu_kernels() is None:
             raise RuntimeError("the compiled CPU kernels are unavailable on this machine")
         engine = LLMEngine(

@@ -27,7 +27,6 @@ import contextlib
 import ctypes
 import functools
 import logging
-import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -109,11 +108,14 @@ class CpuKernels:
                 f"{tuple(weight.shape)} on {weight.device}"
             )
         n, k = weight.shape
-        tile = self.linear_tile
-        padded = weight.new_zeros(-(-n // tile) * tile, -(-k // 2) * 2)
+        tiles, pairs, tile, _ = self._packed_shape(n, k)
+        padded = weight.new_zeros(tiles * tile, pairs * 2)
         padded[:n, :k] = weight
-        tiles = padded.view(-1, tile, padded.shape[1] // 2, 2).transpose(1, 2)
-        return tiles.contiguous()
+        return padded.view(tiles, tile, pairs, 2).transpose(1, 2).contiguous()
+
+    def _packed_shape(self, n: int, k: int) -> tuple[int, int, int, int]:
+        tile = self.linear_tile
+        return (-(-n // tile), -(-k // 2), tile, 2)
 
     def linear(
         self,
@@ -130,11 +132,10 @@ class CpuKernels:
         _check_float("packed", packed, 4, (x.dtype, "x"))
         m, k = x.shape
         n = out_features
-        tile = self.linear_tile
-        if packed.shape != (-(-n // tile), -(-k // 2), tile, 2):
+        if packed.shape != self._packed_shape(n, k):
             raise ValueError(
                 f"packed {tuple(packed.shape)} is not a packed [{n}, {k}] weight: "
-                f"expected {(-(-n // tile), -(-k // 2), tile, 2)}"
+                f"expected {self._packed_shape(n, k)}"
             )
         if bias is not None:
             _check_float("bias", bias, 1, (x.dtype, "x"))
@@ -186,19 +187,7 @@ class CpuKernels:
             )
         if out.shape != query.shape:
             raise ValueError(f"out {tuple(out.shape)} != query {tuple(query.shape)}")
-        _check_i32("block_tables", block_tables, 2)
-        for name, t in (
-            ("seq_lens", seq_lens),
-            ("query_start_loc", query_start_loc),
-            ("seq_ids", seq_ids),
-        ):
-            _check_i32(name, t, 1)
-        num_seqs = seq_lens.shape[0]
-        if block_tables.shape[0] != num_seqs or query_start_loc.shape[0] != num_seqs + 1:
-            raise ValueError(
-                f"block_tables {tuple(block_tables.shape)}, seq_lens [{num_seqs}] and "
-                f"query_start_loc [{query_start_loc.shape[0]}] disagree on the sequences"
-            )
+        num_seqs = check_sequences(block_tables, seq_lens, query_start_loc, seq_ids)
         if not 0 <= max_query_len <= num_tokens:
             raise ValueError(f"max_query_len={max_query_len} must be in [0, {num_tokens}]")
         max_rows = max_query_len * (num_heads // num_kv_heads)
@@ -402,6 +391,30 @@ def _check_index(name: str, t: torch.Tensor, length: int) -> None:
         raise ValueError(f"{name} {tuple(t.shape)} must be [{length}] and contiguous")
 
 
+def check_sequences(
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks] int32
+    seq_lens: torch.Tensor,  # [num_seqs] int32
+    query_start_loc: torch.Tensor,  # [num_seqs + 1] int32
+    seq_ids: torch.Tensor,  # [num_selected] int32
+) -> int:
+    """Paged attention's sequence arguments (types, ranks, and agreement on the number of
+    sequences, which it returns); C checks the values they hold."""
+    _check_i32("block_tables", block_tables, 2)
+    for name, t in (
+        ("seq_lens", seq_lens),
+        ("query_start_loc", query_start_loc),
+        ("seq_ids", seq_ids),
+    ):
+        _check_i32(name, t, 1)
+    num_seqs = seq_lens.shape[0]
+    if block_tables.shape[0] != num_seqs or query_start_loc.shape[0] != num_seqs + 1:
+        raise ValueError(
+            f"block_tables {tuple(block_tables.shape)}, seq_lens [{num_seqs}] and "
+            f"query_start_loc [{query_start_loc.shape[0]}] disagree on the sequences"
+        )
+    return num_seqs
+
+
 def _check_i32(name: str, t: torch.Tensor, dims: int) -> None:
     """int32 on the CPU, ``dims``-D, each row contiguous (C is given the row stride)."""
     if t.dtype is not torch.int32 or not t.is_cpu or t.layout is not torch.strided:
@@ -427,17 +440,12 @@ def kernels_for(device: torch.device | str, dtype: torch.dtype) -> CpuKernels | 
 def cpu_kernels_enabled(enabled: bool) -> Iterator[None]:
     """Switch the kernels on or off (``SPECSERVE_CPU_KERNELS``) for a block, then put the
     environment and ``cpu_kernels()``'s cached answer back as they were."""
-    saved = os.environ.get("SPECSERVE_CPU_KERNELS")
-    os.environ["SPECSERVE_CPU_KERNELS"] = "1" if enabled else "0"
-    cpu_kernels.cache_clear()
-    try:
-        yield
-    finally:
-        if saved is None:
-            os.environ.pop("SPECSERVE_CPU_KERNELS", None)
-        else:
-            os.environ["SPECSERVE_CPU_KERNELS"] = saved
+    with envs.overridden("SPECSERVE_CPU_KERNELS", "1" if enabled else "0"):
         cpu_kernels.cache_clear()
+        try:
+            yield
+        finally:
+            cpu_kernels.cache_clear()
 
 
 @functools.cache

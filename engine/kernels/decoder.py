@@ -22,12 +22,7 @@ import ctypes
 
 import torch
 
-from engine.kernels.cpu import CpuKernels, _check_i32, _check_index
-
-_P = ctypes.c_void_p
-_I64 = ctypes.c_int64
-_I32 = ctypes.c_int32
-_F32 = ctypes.c_float
+from engine.kernels.cpu import _F32, _I32, _I64, _P, CpuKernels, _check_index, check_sequences
 
 _LAYER_FIELDS = (
     "input_norm", "qkv", "qkv_bias", "o", "post_norm", "gate_up", "down", "k_cache", "v_cache",
@@ -111,16 +106,7 @@ class FusedDecoderLayers:
         _check_index("positions", positions, n)
         _check_index("slots", metadata.slot_mapping, n)
         tables = metadata.block_tables
-        _check_i32("block_tables", tables, 2)
-        for name, t in (
-            ("seq_lens", metadata.seq_lens),
-            ("query_start_loc", metadata.query_start_loc),
-            ("seq_ids", seq_ids),
-        ):
-            _check_i32(name, t, 1)
-        num_seqs = metadata.seq_lens.shape[0]
-        if tables.shape[0] != num_seqs or metadata.query_start_loc.shape[0] != num_seqs + 1:
-            raise ValueError("block_tables, seq_lens and query_start_loc disagree on the sequences")
+        num_seqs = check_sequences(tables, metadata.seq_lens, metadata.query_start_loc, seq_ids)
         q_size = self.num_heads * self.head_dim
         qkv_size = q_size + 2 * self.num_kv_heads * self.head_dim
         residual = torch.empty_like(hidden)
