@@ -98,6 +98,11 @@ def _torch_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.
         (4, 2, 16, [40, 1, 17, 33], [40, 30, 60, 33]),
         (9, 3, 64, [1, 100], [70, 130]),
         (2, 1, 16, [32, 64, 65], [32, 70, 65]),  # whole query tiles and one token over
+        # bf16 vdpbf16ps path: head sizes 32 / 64 / 128, GQA 4 (two passes of 2 rows at
+        # 128), and enough sequences that a work item takes every KV head
+        (32, 8, 128, [1, 1, 4], [5, 47, 33]),
+        (8, 8, 32, [1, 3, 1, 1, 2, 1, 1, 1, 1, 1], [2, 18, 31, 64, 16, 17, 1, 80, 33, 9]),
+        (9, 3, 64, [1] * 9 + [5], [3, 15, 16, 17, 31, 32, 33, 70, 100, 20]),
     ],
 )
 def test_paged_attention_matches_reference(
@@ -138,6 +143,55 @@ def test_paged_attention_matches_reference(
         torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
     else:
         torch.testing.assert_close(out.float(), expected, **BF16_ATTENTION_TOL)
+
+
+def _decode_attention(kernels, q, k_cache, v_cache, tables, seq_lens):
+    """One decode token per sequence, bf16, block size from the cache."""
+    n = len(seq_lens)
+    out = torch.empty_like(q)
+    width = max(map(len, tables))
+    kernels.paged_attention(
+        out, q, k_cache, v_cache,
+        torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32),
+        torch.tensor(seq_lens, dtype=torch.int32), torch.arange(n + 1, dtype=torch.int32),
+        torch.arange(n, dtype=torch.int32), 1, q.shape[-1] ** -0.5,
+    )  # fmt: skip
+    return out
+
+
+@pytest.mark.parametrize("block_size", [8, 16, 32])
+def test_bf16_attention_ignores_unwritten_slots_and_the_batch(kernels, block_size):
+    """The bf16 path reads all 16 slots of a block's stretch of keys, written or not, and
+    works on several rows and KV heads per pass. Slots past a sequence's length hold NaN
+    here (a freed sequence's values could be anything): no output may see them. And a
+    sequence's rows are bit-identical alone (one work item per KV head) and in a crowd
+    of 12 (one item per sequence), at block sizes below, at and above 16."""
+    gen = torch.Generator().manual_seed(7)
+    heads, kv_heads, head_dim, num_blocks = 9, 3, 64, 160
+    shape = (num_blocks, block_size, kv_heads, head_dim)
+    k_cache = torch.full(shape, float("nan"), dtype=torch.bfloat16)
+    v_cache = torch.full(shape, float("nan"), dtype=torch.bfloat16)
+    seq_lens = [1, 7, 15, 16, 17, 33, 40, 47, 64, 65, 90, 100]
+    free = torch.randperm(num_blocks, generator=gen).tolist()
+    tables = []
+    for length in seq_lens:
+        table = [free.pop() for _ in range(-(-length // block_size))]
+        for pos in range(length):
+            slot = (table[pos // block_size], pos % block_size)
+            k_cache[slot] = torch.randn(kv_heads, head_dim, generator=gen).to(torch.bfloat16)
+            v_cache[slot] = torch.randn(kv_heads, head_dim, generator=gen).to(torch.bfloat16)
+        tables.append(table)
+    q = torch.randn(len(seq_lens), heads, head_dim, generator=gen).to(torch.bfloat16)
+    crowd = _decode_attention(kernels, q, k_cache, v_cache, tables, seq_lens)
+    assert torch.isfinite(crowd.float()).all()
+    expected = _reference_attention(
+        q.float(), k_cache.float(), v_cache.float(), tables, seq_lens, [1] * len(seq_lens),
+        head_dim**-0.5,
+    )  # fmt: skip
+    torch.testing.assert_close(crowd.float(), expected, **BF16_ATTENTION_TOL)
+    for i, length in enumerate(seq_lens):
+        alone = _decode_attention(kernels, q[i : i + 1], k_cache, v_cache, [tables[i]], [length])
+        assert same_bits(alone, crowd[i : i + 1]), length
 
 
 def test_paged_attention_selected_sequences_only(kernels):
