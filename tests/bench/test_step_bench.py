@@ -31,9 +31,11 @@ def test_step_breakdown_runs_both_implementations(tiny_model_dir, capsys):
     assert set(rows) == {*step.COMPONENTS, "step"}
     for name in ("linear", "lm_head", "attention", "norm_rope_silu", "step"):
         assert rows[name][0] > 0 and rows[name][1] > 0, name
-    for col in (0, 1):  # the components add up to the step
+    # the components add up to the step, up to the printed rounding (0.005 ms per value)
+    rounding = 0.005 * (len(step.COMPONENTS) + 1) + 1e-6
+    for col in (0, 1):
         total = sum(rows[name][col] for name in step.COMPONENTS)
-        assert abs(total - rows["step"][col]) < 1e-6 + 0.01 * rows["step"][col]
+        assert abs(total - rows["step"][col]) < rounding + 0.01 * rows["step"][col]
     assert "decode throughput" in out
     # nothing left patched, the environment and the kernel switch as before
     assert layers.RMSNorm.forward is rms_forward and layers.RopeBatch.__call__ is rope_call
