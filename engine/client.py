@@ -24,7 +24,7 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from engine.outputs import TokenLogprob
+from engine.io.outputs import TokenLogprob
 from engine.rpc import generation_pb2 as pb
 from engine.rpc import generation_pb2_grpc as pb_grpc
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.sampling_params import MAX_NUM_SPECULATIVE_TOKENS, check_int
+from engine.io.sampling_params import MAX_NUM_SPECULATIVE_TOKENS, check_int
 
 SPECULATIVE_METHODS = ("none", "draft", "ngram", "hybrid")
 ATTENTION_BACKENDS = ("auto", "cpu", "torch", "xformers")

@@ -18,8 +18,8 @@ import time
 import torch
 
 import engine.attention.cpu_backend as cpu_backend
-from engine.llm import LLM
-from engine.sampling_params import SamplingParams
+from engine.entrypoints.llm import LLM
+from engine.io.sampling_params import SamplingParams
 
 
 def main() -> int:

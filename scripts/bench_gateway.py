@@ -40,7 +40,7 @@ from tests.gateway.gateway import Gateway  # noqa: E402
 from tests.ops.scrape import parse, value  # noqa: E402
 from tests.server.helpers import free_port  # noqa: E402
 
-SPECSERVE = [sys.executable, "-m", "engine.cli"]
+SPECSERVE = [sys.executable, "-m", "engine"]
 
 
 class Worker:

@@ -64,7 +64,7 @@ def spec_draft_dirs(tiny_draft_model_dir, tiny_trained_draft_dir) -> dict[str, s
 def tiny_trained_draft_dir(tiny_model_dir, tmp_path_factory) -> str:
     """A draft for tiny_model_dir made by `specserve train-draft` itself (a few seconds):
     two layers, the target's embedding and head rows, trained on its own answers."""
-    from engine.cli import main
+    from engine.entrypoints.cli import main
 
     out = tmp_path_factory.mktemp("tiny-trained-draft")
     argv = ["train-draft", "--model", tiny_model_dir, "--out", str(out), "--num-prompts", "48"]

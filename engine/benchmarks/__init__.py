@@ -1,1 +1,2 @@
-"""Benchmark commands: `specserve bench offline | blocks | serve`."""
+"""Benchmark commands, `specserve bench offline | step | acceptance | blocks | serve`: each
+prints ratios against a baseline run in the same invocation."""

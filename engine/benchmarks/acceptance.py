@@ -20,7 +20,7 @@ from dataclasses import replace
 
 from engine.benchmarks.offline import add_workload_args, spec_stats, tokenize_prompts
 from engine.benchmarks.workloads import load_prompts
-from engine.cli import add_engine_args, engine_config_from_args
+from engine.entrypoints.args import add_engine_args, engine_config_from_args
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -32,7 +32,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from engine.llm_engine import LLMEngine
+    from engine.core.llm_engine import LLMEngine
     from engine.loader import load_model
 
     if args.num_prompts < 1 or args.output_len < 1 or not args.temperature > 0:
@@ -63,7 +63,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run(engine, prompts, output_len: int, temperature: float, seeded: bool) -> dict:
-    from engine.sampling_params import SamplingParams
+    from engine.io.sampling_params import SamplingParams
 
     for i, ids in enumerate(prompts):
         params = SamplingParams(

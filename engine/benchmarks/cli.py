@@ -6,8 +6,6 @@ from __future__ import annotations
 import argparse
 import importlib
 
-from engine.cli import command
-
 # name -> (module, help). Each module has add_arguments(parser) and run(args) -> int.
 BENCHMARKS = {
     "offline": (
@@ -22,7 +20,7 @@ BENCHMARKS = {
         "engine.benchmarks.acceptance",
         "draft acceptance of seeded (coupled) vs unseeded (rejection-sampled) requests",
     ),
-    "blocks": ("block_manager.bench", "block manager operations per second"),
+    "blocks": ("engine.benchmarks.blocks", "block manager operations per second"),
     "serve": (
         "engine.benchmarks.serve",
         "load-test a running server over gRPC, or an OpenAI API (the gateway) over HTTP",
@@ -39,6 +37,3 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     return importlib.import_module(BENCHMARKS[args.benchmark][0]).run(args)
-
-
-command("bench", "benchmarks: offline engine, block manager, gRPC serving")((add_arguments, run))

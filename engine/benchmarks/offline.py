@@ -17,7 +17,7 @@ from dataclasses import replace
 from engine.benchmarks import external
 from engine.benchmarks.report import RequestTiming, RunResult, format_table, summarize
 from engine.benchmarks.workloads import load_prompts
-from engine.cli import add_engine_args, engine_config_from_args
+from engine.entrypoints.args import add_engine_args, engine_config_from_args
 from scheduler.spec_length import expected_tokens_per_step
 
 BASELINES = ("generate", "generate_batch", "assisted", "vllm", "llamacpp")
@@ -70,7 +70,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from engine.llm_engine import LLMEngine
+    from engine.core.llm_engine import LLMEngine
     from engine.loader import load_model
 
     if args.num_prompts < 1 or args.output_len < 1:
@@ -142,7 +142,7 @@ def tokenize_prompts(tokenizer, prompts: list[str], chat: bool) -> list[list[int
 def _run_engine(
     engine, prompts, output_len, concurrency, bar, name="specserve", temperature=0.0
 ) -> RunResult:
-    from engine.sampling_params import SamplingParams
+    from engine.io.sampling_params import SamplingParams
 
     params = SamplingParams(max_tokens=output_len, temperature=temperature, ignore_eos=True)
     pending = deque(enumerate(prompts))

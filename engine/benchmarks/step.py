@@ -68,9 +68,9 @@ def _profile(args: argparse.Namespace, kernels: bool, fused: bool) -> dict[str, 
     from engine import envs
     from engine.benchmarks.offline import tokenize_prompts
     from engine.config import EngineConfig
+    from engine.core.llm_engine import LLMEngine
+    from engine.io.sampling_params import SamplingParams
     from engine.kernels.cpu import cpu_kernels, cpu_kernels_enabled
-    from engine.llm_engine import LLMEngine
-    from engine.sampling_params import SamplingParams
 
     with cpu_kernels_enabled(kernels), envs.overridden("SPECSERVE_FUSED_DECODER", str(int(fused))):
         if kernels and cpu_kernels() is None:

@@ -109,7 +109,7 @@ class SpecserveServer:
         self.engine = engine
         self.options = options
         self.port: int | None = None
-        # Observability hooks (engine/metrics.py, engine/request_log.py), all optional.
+        # Observability hooks (engine/observability/: metrics.py, request_log.py), all optional.
         # Every RPC that does not end OK: its status code name ("INVALID_ARGUMENT", ...).
         self.on_rpc_error: Callable[[str], None] | None = None
         # The same, with the one-line details and the caller's request_id if it sent one.

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from engine.outputs import RequestOutput, TokenLogprob
+from engine.io.outputs import RequestOutput, TokenLogprob
+from engine.observability.stats import EngineStats, PoolStats
 from engine.rpc import generation_pb2 as pb
-from engine.stats import EngineStats, PoolStats
 
 FINISH_REASONS = {
     None: pb.FINISH_REASON_UNSPECIFIED,

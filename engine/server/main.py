@@ -7,8 +7,8 @@ import logging
 import signal
 from collections.abc import Callable
 
-from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
+from engine.core.async_engine import AsyncEngine
 from engine.errors import EngineDeadError
 from engine.loader import describe_dtype
 from engine.server.app import ServerOptions, SpecserveServer

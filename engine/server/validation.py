@@ -12,8 +12,8 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from engine.io.sampling_params import LOGIT_BIAS_LIMIT, MAX_LOGIT_BIAS_ENTRIES, SamplingParams
 from engine.rpc import generation_pb2 as pb
-from engine.sampling_params import LOGIT_BIAS_LIMIT, MAX_LOGIT_BIAS_ENTRIES, SamplingParams
 
 MAX_REQUEST_ID_LEN = 128
 MAX_STOP_STRINGS = 16

@@ -15,7 +15,7 @@ from typing import Any
 
 from smg_grpc_proto.generated import vllm_engine_pb2 as vpb
 
-from engine.outputs import RequestOutput, TokenLogprob
+from engine.io.outputs import RequestOutput, TokenLogprob
 
 SERVER_TYPE = "vllm-grpc"  # what the gateway reads to pick its vLLM code paths
 

@@ -27,7 +27,7 @@ from typing import Any
 
 from smg_grpc_proto.generated import vllm_engine_pb2 as vpb
 
-from engine.sampling_params import SamplingParams
+from engine.io.sampling_params import SamplingParams
 from engine.server.validation import (
     MAX_REQUEST_ID_LEN,
     MAX_STOP_TOKEN_IDS,

@@ -22,7 +22,8 @@ from smg_grpc_proto.generated import common_pb2 as cpb
 from smg_grpc_proto.generated import vllm_engine_pb2 as vpb
 from smg_grpc_proto.generated import vllm_engine_pb2_grpc as vpb_grpc
 
-from engine.sampling_params import SamplingParams
+from engine import version
+from engine.io.sampling_params import SamplingParams
 from engine.server import vllm_convert, vllm_tokenizer
 from engine.server.rpc_guard import RETRY_AFTER_KEY, RpcError, RpcGuard, ready_engine
 from engine.server.validation import InvalidArgument, ModelLimits
@@ -34,12 +35,6 @@ SERVICE_NAME = vpb.DESCRIPTOR.services_by_name["VllmEngine"].full_name
 MAX_ABORT_IDS = 1024
 FLUSH_RETRY_S = 0.1
 LOAD_TICK_S = 0.1  # how often an idle KV-event stream checks its record and the drain
-
-
-def _version() -> str:
-    from engine.cli import version
-
-    return version()
 
 
 class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
@@ -198,7 +193,7 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
         ready_engine(self._engine)
         return vpb.GetLoadsResponse(
             timestamp=datetime.now(timezone.utc).isoformat(),
-            version=_version(),
+            version=version(),
             dp_rank_count=1,
             loads=[scheduler_load(self._loads.figures())],
         )

@@ -1,1 +1,2 @@
-"""Speculative decoding: proposers (draft model, n-gram lookup) and the rejection sampler."""
+"""Speculative decoding: proposers (n-gram lookup, draft model, trained drafts, hybrid)
+and the verifier that checks their drafts (engine/sample/ holds the rejection sampler)."""

@@ -27,10 +27,10 @@ import torch
 
 from block_manager import KVCacheManager
 from engine.config import EngineConfig
-from engine.logits_processor import LogitsAdjustment
-from engine.model_runner import ModelRunner, SeqInput
-from engine.sampler import SamplingBatch, processed_probs, sample_from_probs
-from engine.stats import PoolStats
+from engine.core.model_runner import ModelRunner, SeqInput
+from engine.observability.stats import PoolStats
+from engine.sample.logits_processor import LogitsAdjustment
+from engine.sample.sampler import SamplingBatch, processed_probs, sample_from_probs
 
 
 def _num_params(loaded) -> int:

@@ -11,7 +11,7 @@ Interface (duck-typed; the engine calls nothing else):
 from __future__ import annotations
 
 from engine.config import EngineConfig
-from engine.sampling_params import MAX_NUM_SPECULATIVE_TOKENS
+from engine.io.sampling_params import MAX_NUM_SPECULATIVE_TOKENS
 from engine.spec_decode.ngram import NgramProposer
 from scheduler.spec_length import AcceptanceHistory
 

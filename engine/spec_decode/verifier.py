@@ -8,13 +8,13 @@ without drafts). Rows are verified one of two ways:
   draft is kept exactly when it equals that sample. The output is ``d_1..d_n, y_{n+1}``
   where n drafts matched: token for token what the request would produce without
   speculation, whatever k and the batch, and an exact sample of the target, because
-  the draft proposed under the same noise (engine/sampler.py).
-- rejection sampling, for unseeded random requests (rejection_sampler.py): the most
+  the draft proposed under the same noise (engine/sample/sampler.py).
+- rejection sampling, for unseeded random requests (engine/sample/rejection_sampler.py): the most
   drafts accepted for a given draft distribution, with noise from the engine's
   generator.
 
 Penalties, logit bias and min_tokens adjust each row under the tokens before it
-(engine/logits_processor.py) before either form runs, so both stay exact with them.
+(engine/sample/logits_processor.py) before either form runs, so both stay exact with them.
 Logprobs are the raw model's.
 """
 
@@ -22,16 +22,16 @@ from __future__ import annotations
 
 import torch
 
-from engine.logits_processor import LogitsAdjustment
-from engine.outputs import TokenLogprob
-from engine.sampler import (
+from engine.io.outputs import TokenLogprob
+from engine.sample.logits_processor import LogitsAdjustment
+from engine.sample.rejection_sampler import rejection_sample
+from engine.sample.sampler import (
     SamplingBatch,
     compute_logprobs,
     exponential_noise,
     processed_probs,
     uniform_noise,
 )
-from engine.spec_decode.rejection_sampler import rejection_sample
 from scheduler.output import ModelRunnerOutput, SchedulerOutput
 
 

@@ -53,7 +53,7 @@ def generate_data(
     """Answer every prompt not yet in a shard under ``data_dir``; ``progress(n_prompts,
     n_tokens)`` after each finished request. The next shard's prompts go in while a
     shard's last answers finish, so the batch stays full."""
-    from engine.sampling_params import SamplingParams
+    from engine.io.sampling_params import SamplingParams
 
     data_dir.mkdir(parents=True, exist_ok=True)
     _check_manifest(data_dir, manifest)

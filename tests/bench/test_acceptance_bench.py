@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import re
 
-from engine.cli import main
+from engine.entrypoints.cli import main
 
 
 def test_bench_acceptance_reports_both_verifications(tiny_model_dir, tiny_draft_model_dir, capsys):

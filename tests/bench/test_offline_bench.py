@@ -8,7 +8,7 @@ import json
 import pytest
 
 from engine.benchmarks.offline import acceptance_by_position
-from engine.cli import main
+from engine.entrypoints.cli import main
 
 
 def test_acceptance_by_position_is_conditional_on_reaching_the_position():

@@ -8,7 +8,7 @@ import math
 
 import pytest
 
-from engine.cli import main
+from engine.entrypoints.cli import main
 
 HAS_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
 

@@ -24,7 +24,7 @@ from engine.benchmarks.serve_openai import (
 from engine.benchmarks.serve_openai_setup import LocalTokenizer
 from engine.benchmarks.serve_runner import LoadGenerator, LoadShape
 from engine.benchmarks.serve_stats import summarize
-from engine.cli import main
+from engine.entrypoints.cli import main
 from tests.bench.fake_openai import (
     ACCEPTED_TOKENS,
     MODEL,

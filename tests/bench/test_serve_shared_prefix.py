@@ -9,8 +9,8 @@ import json
 from engine.benchmarks.serve_openai import OpenAIOptions
 from engine.benchmarks.serve_runner import RequestOptions
 from engine.benchmarks.serve_workload import LengthDist, shared_prefix_requests
-from engine.cli import main
 from engine.config import EngineConfig
+from engine.entrypoints.cli import main
 from tests.server.helpers import InProcessServer
 
 

@@ -10,8 +10,8 @@ import torch
 
 from engine.attention import xformers_available
 from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine
-from engine.sampling_params import SamplingParams
+from engine.core.llm_engine import LLMEngine
+from engine.io.sampling_params import SamplingParams
 
 # Marks for test rows that need a GPU: skipped on CPU-only machines (CI), run by
 # `bash scripts/gpu_check.sh` (marker `gpu`) where torch sees one.

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.sampling_params import SamplingParams
+from engine.io.sampling_params import SamplingParams
 from tests.engine.engine_helpers import _hf_model
 
 

@@ -10,13 +10,13 @@ import threading
 
 import pytest
 
-from engine import async_engine
-from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
+from engine.core import async_engine
+from engine.core.async_engine import AsyncEngine
+from engine.core.llm_engine import LLMEngine
 from engine.errors import EngineDeadError, EngineOverloadedError, EngineShutdownError
-from engine.llm_engine import LLMEngine
-from engine.metrics import EngineMetrics
-from engine.prompt_encoder import PromptEncoder
+from engine.io.prompt_encoder import PromptEncoder
+from engine.observability.metrics import EngineMetrics
 from tests.engine.engine_helpers import greedy
 from tests.engine.wrapped_engines import FailingEngine, GatedEngine, recording_engine
 from tests.ops.scrape import parse, value

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine.detokenizer import IncrementalDetokenizer
+from engine.io.detokenizer import IncrementalDetokenizer
 from tests.tiny_models import make_tokenizer
 
 

@@ -69,7 +69,7 @@ def test_ngram_speculation_equals_plain_decoding(tiny_model_dir, device):
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_seeded_sampling_is_reproducible_on_the_device(tiny_model_dir, device):
-    from engine.sampling_params import SamplingParams
+    from engine.io.sampling_params import SamplingParams
 
     params = SamplingParams(max_tokens=12, temperature=0.8, top_p=0.9, seed=123, ignore_eos=True)
     runs = []

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.sampling_params import SamplingParams
+from engine.io.sampling_params import SamplingParams
 from tests.engine.engine_helpers import (
     assert_all_blocks_released,
     greedy,
@@ -177,10 +177,10 @@ def test_bad_sampling_params_name_the_field_and_range(kwargs, field, allowed):
 def test_failing_forward_is_an_error_on_every_in_flight_request(tiny_model_dir):
     import asyncio
 
-    from engine.async_engine import AsyncEngine
     from engine.config import EngineConfig
+    from engine.core.async_engine import AsyncEngine
+    from engine.core.llm_engine import LLMEngine
     from engine.errors import EngineDeadError
-    from engine.llm_engine import LLMEngine
 
     calls = {"n": 0}
 
@@ -226,8 +226,8 @@ def test_failing_forward_is_an_error_on_every_in_flight_request(tiny_model_dir):
 def test_async_engine_streams_and_aborts_on_early_exit(tiny_model_dir):
     import asyncio
 
-    from engine.async_engine import AsyncEngine
     from engine.config import EngineConfig
+    from engine.core.async_engine import AsyncEngine
 
     async def main():
         config = EngineConfig(
@@ -255,8 +255,8 @@ def test_async_engine_streams_and_aborts_on_early_exit(tiny_model_dir):
 def test_engine_overloaded_when_the_waiting_queue_is_full(tiny_model_dir):
     import asyncio
 
-    from engine.async_engine import AsyncEngine
     from engine.config import EngineConfig
+    from engine.core.async_engine import AsyncEngine
     from engine.errors import EngineOverloadedError
 
     async def main():

@@ -303,8 +303,8 @@ def test_model_dir_without_tokenizer_names_the_files(tiny_model_dir, tmp_path):
 
 def test_tokenizer_from_another_directory_end_to_end(tiny_model_dir, tmp_path):
     from engine.config import EngineConfig
-    from engine.llm_engine import LLMEngine
-    from engine.sampling_params import SamplingParams
+    from engine.core.llm_engine import LLMEngine
+    from engine.io.sampling_params import SamplingParams
 
     bare = _without_tokenizer(tiny_model_dir, tmp_path / "bare")
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)

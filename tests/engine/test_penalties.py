@@ -9,7 +9,7 @@ import dataclasses
 import pytest
 import torch
 
-from engine.sampling_params import SamplingParams
+from engine.io.sampling_params import SamplingParams
 from tests.engine.engine_helpers import (
     SPEC_CONFIGS,
     _hf_model,

@@ -14,7 +14,7 @@ import itertools
 import pytest
 import torch
 
-from engine.spec_decode.rejection_sampler import rejection_sample
+from engine.sample.rejection_sampler import rejection_sample
 from scheduler.spec_length import expected_tokens_per_step
 
 V = 4

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from engine.sampler import position_seed
-from engine.sampling_params import SamplingParams
+from engine.io.sampling_params import SamplingParams
+from engine.sample.sampler import position_seed
 from tests.engine.engine_helpers import (
     assert_all_blocks_released,
     make_engine,

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.sampling_params import SamplingParams
+from engine.io.sampling_params import SamplingParams
 from tests.engine.engine_helpers import (
     SPEC_CONFIGS,
     _hf_model,
@@ -287,7 +287,7 @@ def test_engine_prices_verification_from_its_own_steps(tiny_model_dir):
 
 def test_a_request_cannot_ask_for_more_drafts_than_its_engine(tiny_model_dir):
     from engine.config import EngineConfig
-    from engine.sampling_params import MAX_NUM_SPECULATIVE_TOKENS
+    from engine.io.sampling_params import MAX_NUM_SPECULATIVE_TOKENS
 
     engine = make_engine(tiny_model_dir, speculative_method="ngram", num_speculative_tokens=3)
     with pytest.raises(ValueError, match=r"num_speculative_tokens must be in \[0, 3\] \(the eng"):

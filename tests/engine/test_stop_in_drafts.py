@@ -4,7 +4,7 @@ request reports without speculation."""
 
 from __future__ import annotations
 
-from engine.sampling_params import SamplingParams
+from engine.io.sampling_params import SamplingParams
 from tests.engine.engine_helpers import (
     assert_all_blocks_released,
     make_engine,

@@ -17,7 +17,7 @@ from __future__ import annotations
 import random
 from dataclasses import replace
 
-from engine.sampling_params import SamplingParams
+from engine.io.sampling_params import SamplingParams
 from tests.engine.engine_helpers import (
     assert_all_blocks_released,
     check_pools,

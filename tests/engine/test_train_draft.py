@@ -12,10 +12,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from engine.cli import main
 from engine.config import EngineConfig
 from engine.default_model import ModelLoadError
-from engine.sampling_params import SamplingParams
+from engine.entrypoints.cli import main
+from engine.io.sampling_params import SamplingParams
 from engine.spec_decode.trained_draft import load_trained_draft
 from engine.train_draft.data import generate_data, load_sequences, manifest_for
 from engine.train_draft.model import DraftLM, choose_vocab, layer_sources
@@ -191,7 +191,7 @@ def test_the_served_draft_computes_what_was_trained(tiny_model_dir, tiny_trained
             if f"model.{name}" in saved:
                 p.copy_(saved[f"model.{name}"].float())
     tokens = [1, 40, 77, 90, 100, 2, 1, 5, 9, 14, 3, 120]
-    from engine.model_runner import ModelRunner, SeqInput
+    from engine.core.model_runner import ModelRunner, SeqInput
 
     runner = ModelRunner(served, num_blocks=8, block_size=16)
     served_logits = runner.forward([SeqInput(tokens, 0, [0], len(tokens))])  # last row
@@ -361,8 +361,8 @@ def test_the_shipped_draft_speculates_losslessly_for_the_default_model(dtype):
     gets drafts accepted on held-out chat prompts, and changes no greedy token."""
     from engine.benchmarks.offline import tokenize_prompts
     from engine.benchmarks.workloads import CHAT_PROMPTS
+    from engine.core.llm_engine import LLMEngine
     from engine.default_model import default_draft_path
-    from engine.llm_engine import LLMEngine
 
     assert default_draft_path() is not None
     plain = LLMEngine(EngineConfig(speculative_method="none", dtype=dtype, device="cpu"))

@@ -7,7 +7,7 @@ import copy
 import threading
 from typing import Any
 
-from engine.llm_engine import LLMEngine
+from engine.core.llm_engine import LLMEngine
 
 
 class GatedEngine:

@@ -29,7 +29,7 @@ def tool(name: str) -> str:
 
 
 def render_overlay(name: str) -> list[dict]:
-    """`kubectl kustomize deploy/k8s/overlays/NAME` as a list of resources."""
+    """`kubectl kustomize deploy/k8s/overlays/<name>` as a list of resources."""
     out = subprocess.run(
         [tool("kubectl"), "kustomize", str(DEPLOY / "k8s" / "overlays" / name)],
         capture_output=True, text=True, check=True, timeout=60,

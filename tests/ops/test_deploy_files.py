@@ -10,7 +10,7 @@ import subprocess
 import pytest
 from dockerfile_parse import DockerfileParser
 
-from engine.metrics import EngineMetrics
+from engine.observability.metrics import EngineMetrics
 from engine.server.health import SERVICE_NAME
 from tests.ops.deploy_files import DEPLOY, REPO_ROOT, load_yaml, parse_smg, smg_pin, tool
 from tests.ops.test_manifests import parse_serve, serve_defaults

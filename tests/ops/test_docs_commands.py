@@ -1,5 +1,6 @@
 """Every command the README, docs/ and scripts/ tell a user to run works after the
-README install, which puts specserve and its Python in .venv/bin/ and nothing on PATH."""
+README install, which puts specserve and its Python in .venv/bin/ and nothing on PATH;
+every repository path they (and the code's docstrings and comments) name exists."""
 
 from __future__ import annotations
 
@@ -61,14 +62,61 @@ def test_the_checker_flags_bare_commands_and_nothing_else(tmp_path):
         "import specserve  # specserve serve, but in Python\n"
         "```\n"
         "```\n"
-        "python -m block_manager.bench\n"
+        "python -m engine.benchmarks.blocks\n"
         "```\n"
     )
     found = [line.split(": ", 1)[1] for line in bare_invocations(doc)]
     assert found == [
         "specserve generate --chat hi",
         "python3 -m pytest -q",
-        "python -m block_manager.bench",
+        "python -m engine.benchmarks.blocks",
+    ]
+
+
+# A repository path in prose: engine/..., scheduler/..., tests/... (deploy/ needs a second
+# level or a suffix: `kubectl logs deploy/specserve` names a Deployment, not a file).
+REPO_PATH = re.compile(
+    r"(?<![\w./$-])((?:engine|block_manager|scheduler|tests|scripts|proto|docs)/[\w./*-]*[\w*]"
+    r"|deploy/[\w-]+(?:/[\w./*-]*[\w*]|\.\w+))"
+)
+CODE = sorted(
+    path
+    for top in ("engine", "block_manager", "scheduler", "scripts", "tests", "deploy")
+    for path in (REPO_ROOT / top).rglob("*")
+    if path.suffix in (".py", ".sh", ".c")
+    and "_pb2" not in path.name
+    # this file names stale paths on purpose, to test the checker
+    and path != Path(__file__).resolve()
+)
+
+
+def missing_paths(path: Path) -> list[str]:
+    """'line: path' of each repository path ``path`` names that does not exist."""
+    missing = []
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        for match in REPO_PATH.finditer(line):
+            named = match.group(1).rstrip(".")
+            if not any(REPO_ROOT.glob(named)) if "*" in named else not (REPO_ROOT / named).exists():
+                missing.append(f"{number}: {named}")
+    return missing
+
+
+@pytest.mark.parametrize("path", DOCS + CODE, ids=lambda p: str(p.relative_to(REPO_ROOT)))
+def test_every_named_repository_path_exists(path):
+    assert missing_paths(path) == []
+
+
+def test_the_path_checker_finds_stale_paths(tmp_path):
+    doc = tmp_path / "x.md"
+    doc.write_text(
+        "The loop is in engine/core/llm_engine.py, once engine/llm_engine.py.\n"
+        "See `block_manager/bench.py`, tests/engine/*.py and deploy/k8s/base.\n"
+        "kubectl logs deploy/specserve; scheduler/nowhere/.\n"
+    )
+    assert missing_paths(doc) == [
+        "1: engine/llm_engine.py",
+        "2: block_manager/bench.py",
+        "3: scheduler/nowhere",
     ]
 
 

@@ -8,9 +8,14 @@ import logging
 
 import pytest
 
-from engine.metrics import DEFAULT_METRICS_PORT, EngineMetrics, add_ops_args
-from engine.outputs import RequestMetrics, RequestOutput
-from engine.request_log import JsonFormatter, RequestLogger, TextFormatter, setup_logging
+from engine.io.outputs import RequestMetrics, RequestOutput
+from engine.observability.metrics import DEFAULT_METRICS_PORT, EngineMetrics, add_ops_args
+from engine.observability.request_log import (
+    JsonFormatter,
+    RequestLogger,
+    TextFormatter,
+    setup_logging,
+)
 from tests.ops.scrape import metric_names, parse, value
 
 

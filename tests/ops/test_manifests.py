@@ -9,7 +9,7 @@ import subprocess
 
 import pytest
 
-from engine.cli import build_parser
+from engine.entrypoints.cli import build_parser
 from engine.server.health import SERVICE_NAME
 from tests.ops.deploy_files import (
     DEPLOY,
@@ -159,7 +159,7 @@ def test_services_hpa_pdb_servicemonitor(overlay) -> None:
 
 
 def test_hpa_metric_comes_from_the_adapter_rule(overlay) -> None:
-    from engine.metrics import EngineMetrics
+    from engine.observability.metrics import EngineMetrics
 
     _, resources = overlay
     (metric,) = one(resources, "HorizontalPodAutoscaler")["spec"]["metrics"]

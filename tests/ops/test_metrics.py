@@ -7,10 +7,10 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from engine.llm_engine import LLMEngine
-from engine.metrics import EngineMetrics
-from engine.request_log import REQUEST_LOGGER_NAME, RateLimit, RequestLogger
-from engine.sampling_params import SamplingParams
+from engine.core.llm_engine import LLMEngine
+from engine.io.sampling_params import SamplingParams
+from engine.observability.metrics import EngineMetrics
+from engine.observability.request_log import REQUEST_LOGGER_NAME, RateLimit, RequestLogger
 from tests.ops.scrape import parse, value
 
 REPEATING = [40, 41, 42, 43, 44] * 6  # prompt lookup finds drafts in repeats

@@ -11,8 +11,8 @@ import pytest
 
 from engine.client import SpecserveClient
 from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine
-from engine.metrics import EngineMetrics
+from engine.core.llm_engine import LLMEngine
+from engine.observability.metrics import EngineMetrics
 from engine.rpc import generation_pb2 as pb
 from engine.rpc import generation_pb2_grpc as pb_grpc
 from tests.ops.scrape import parse, value

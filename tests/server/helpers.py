@@ -15,9 +15,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from engine.async_engine import AsyncEngine
 from engine.client import SpecserveClient
 from engine.config import EngineConfig
+from engine.core.async_engine import AsyncEngine
 from engine.server.app import ServerOptions, SpecserveServer
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -101,7 +101,7 @@ class InProcessServer:
 
 
 class ServerProcess:
-    """``python -m engine.cli serve ...`` (that is, ``specserve serve``) on a free port.
+    """``python -m engine serve ...`` (that is, ``specserve serve``) on a free port.
 
     One torch thread: on a 2-core machine the server and the test process would both
     spin OpenMP threads and thrash. Output goes to a file, not a pipe: nobody reads a
@@ -119,7 +119,7 @@ class ServerProcess:
         self.port = port or free_port()
         self.metrics_port = metrics_port or free_port()
         self.args = [
-            sys.executable, "-m", "engine.cli", "serve",
+            sys.executable, "-m", "engine", "serve",
             "--model", str(model_dir), "--host", "127.0.0.1", "--port", str(self.port),
             "--metrics-port", str(self.metrics_port),
             "--device", "cpu", "--num-kv-blocks", "512", "--num-threads", "1", *extra,

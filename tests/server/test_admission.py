@@ -10,7 +10,7 @@ import grpc
 import pytest
 
 from engine.client import SpecserveClient
-from engine.llm_engine import LLMEngine
+from engine.core.llm_engine import LLMEngine
 from tests.engine.wrapped_engines import GatedEngine
 from tests.server.helpers import InProcessServer, wait_no_blocks_in_use, wait_until
 

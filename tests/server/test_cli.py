@@ -10,18 +10,13 @@ import re
 import grpc
 import pytest
 
-from engine.cli import (
-    add_engine_args,
-    build_parser,
-    engine_config_from_args,
-    iter_parsers,
-    main,
-    version,
-)
+from engine import version
 from engine.client import SpecserveClient
 from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine
-from engine.sampling_params import SamplingParams
+from engine.core.llm_engine import LLMEngine
+from engine.entrypoints.args import add_engine_args, engine_config_from_args
+from engine.entrypoints.cli import build_parser, iter_parsers, main
+from engine.io.sampling_params import SamplingParams
 from engine.server.app import ServerOptions
 from tests.server.helpers import InProcessServer, free_port
 
@@ -57,12 +52,12 @@ def _generate(capsys, *argv: str) -> tuple[int, str, str]:
 
 
 def test_serve_is_registered_with_documented_defaults():
-    import engine.cmd_serve
-    from engine.cli import _COMMANDS
+    import engine.entrypoints.serve
+    from engine.entrypoints.commands import COMMANDS
 
-    assert "serve" in _COMMANDS
+    assert COMMANDS["serve"][0] == "engine.entrypoints.serve"
     parser = argparse.ArgumentParser()
-    engine.cmd_serve.add_arguments(parser)
+    engine.entrypoints.serve.add_arguments(parser)
     args = parser.parse_args(["--model", "m"])
     assert (args.host, args.port, args.shutdown_grace) == ("0.0.0.0", 50051, 30.0)
     assert (args.no_reflection, args.api_key, args.tls_cert) == (False, None, None)

@@ -10,7 +10,7 @@ import grpc
 import pytest
 
 from engine.client import AsyncSpecserveClient, SpecserveClient
-from engine.outputs import TokenLogprob
+from engine.io.outputs import TokenLogprob
 from tests.server.helpers import free_port
 
 CHAT = [{"role": "user", "content": "Hi there"}]

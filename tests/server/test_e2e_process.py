@@ -1,4 +1,4 @@
-"""End to end against `specserve serve` (`python -m engine.cli serve`) in a process."""
+"""End to end against `specserve serve` (`python -m engine serve`) in a process."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import grpc
 import pytest
 
 from engine.client import AsyncSpecserveClient, SpecserveClient
-from engine.sampling_params import SamplingParams
+from engine.io.sampling_params import SamplingParams
 from tests.server.helpers import ServerProcess, wait_no_blocks_in_use, wait_until
 
 PROMPTS = ["Hello world", "The capital of France is", "0123456789", "Speculative decoding"]
@@ -27,7 +27,7 @@ def offline_generate(engine_config, prompts: list[str], params: SamplingParams) 
 
 
 def _engine_generate(engine_config, prompts, params) -> list[list[int]]:
-    from engine.llm_engine import LLMEngine
+    from engine.core.llm_engine import LLMEngine
 
     engine = LLMEngine(engine_config)
     for i, prompt in enumerate(prompts):

@@ -16,8 +16,8 @@ from google.protobuf.descriptor import Descriptor, FieldDescriptor, MethodDescri
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from engine.client import SpecserveClient
-from engine.metrics import EngineMetrics
-from engine.request_log import REQUEST_LOGGER_NAME, RateLimit, RequestLogger
+from engine.observability.metrics import EngineMetrics
+from engine.observability.request_log import REQUEST_LOGGER_NAME, RateLimit, RequestLogger
 from engine.rpc import generation_pb2 as pb  # also puts specserve.v1 in the default pool
 from engine.server.app import ServerOptions
 from engine.server.auth import EXEMPT_PREFIXES

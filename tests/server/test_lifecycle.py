@@ -9,7 +9,7 @@ import grpc
 import pytest
 
 from engine.client import SpecserveClient
-from engine.llm_engine import LLMEngine
+from engine.core.llm_engine import LLMEngine
 from tests.server.helpers import InProcessServer, wait_no_blocks_in_use, wait_until
 
 LONG = dict(max_tokens=400, ignore_eos=True, temperature=0.0)

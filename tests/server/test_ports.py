@@ -16,7 +16,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from engine.metrics import EngineMetrics
+from engine.observability.metrics import EngineMetrics
 from engine.server.app import ServerOptions, SpecserveServer
 from engine.server.ports import PortInUseError, ensure_port_free
 from tests.server.helpers import REPO_ROOT, free_port
@@ -25,7 +25,7 @@ from tests.server.helpers import REPO_ROOT, free_port
 def _serve(model_dir: Path, port: int, metrics_port: int) -> subprocess.CompletedProcess:
     """``specserve serve`` to completion: it must refuse, so a bound wait is a failure."""
     args = [
-        sys.executable, "-m", "engine.cli", "serve", "--model", str(model_dir),
+        sys.executable, "-m", "engine", "serve", "--model", str(model_dir),
         "--host", "127.0.0.1", "--port", str(port), "--metrics-port", str(metrics_port),
         "--device", "cpu", "--num-kv-blocks", "64", "--num-threads", "1",
     ]  # fmt: skip

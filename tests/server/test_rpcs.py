@@ -84,7 +84,7 @@ def test_too_long_prompt_is_invalid_argument(client: SpecserveClient):
 def test_text_that_cannot_fit_is_refused_before_tokenization(client: SpecserveClient, model_dir):
     from transformers import AutoTokenizer
 
-    from engine.prompt_encoder import longest_token_chars
+    from engine.io.prompt_encoder import longest_token_chars
 
     longest = longest_token_chars(AutoTokenizer.from_pretrained(model_dir))
     max_chars = client.model_info().max_model_len * longest

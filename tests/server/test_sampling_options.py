@@ -10,7 +10,7 @@ import grpc
 import pytest
 
 from engine.client import SpecserveClient
-from engine.sampling_params import SamplingParams
+from engine.io.sampling_params import SamplingParams
 from tests.engine.engine_helpers import make_engine, run_to_completion
 from tests.server.helpers import InProcessServer, wait_no_blocks_in_use
 

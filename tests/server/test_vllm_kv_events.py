@@ -17,11 +17,11 @@ from smg_grpc_proto.generated import vllm_engine_pb2_grpc as vpb_grpc
 
 from block_manager.hashing import BlockHasher, root_hash
 from block_manager.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+from engine.observability.stats import EngineStats
 from engine.server.lifecycle import Lifecycle
 from engine.server.rpc_guard import RpcGuard
 from engine.server.vllm_kv_events import KvEventHub, block_hash_id
 from engine.server.vllm_servicer import VllmEngineServicer
-from engine.stats import EngineStats
 from tests.server.helpers import InProcessServer, wait_until
 
 BS = 16

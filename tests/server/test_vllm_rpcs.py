@@ -19,7 +19,7 @@ from smg_grpc_proto.generated import vllm_engine_pb2 as vpb
 from smg_grpc_proto.generated import vllm_engine_pb2_grpc as vpb_grpc
 
 from engine.client import SpecserveClient
-from engine.llm_engine import LLMEngine
+from engine.core.llm_engine import LLMEngine
 from engine.server import vllm_request
 from engine.server.app import ServerOptions
 from engine.server.validation import ModelLimits

@@ -1,53 +1,18 @@
-"""The `specserve` command line. Argument parsing lives here and nowhere else."""
+"""The engine flags shared by every subcommand that builds an engine (generate, serve,
+bench offline, bench acceptance), and their translation into an EngineConfig."""
 
 from __future__ import annotations
 
 import argparse
-import sys
-from collections.abc import Callable
 from dataclasses import fields
 
 from engine.config import ATTENTION_BACKENDS, DTYPES, SPECULATIVE_METHODS, EngineConfig
 
-# Subcommands register here: name -> (add_arguments, run). Each run returns an exit code.
-_COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Callable]] = {}
-
 # The engine's defaults, from EngineConfig itself: flags never restate them.
 _ENGINE_DEFAULTS = {f.name: f.default for f in fields(EngineConfig)}
 
-_DESCRIPTION = (
-    "specserve: LLM serving with paged KV cache, continuous batching and batched "
-    "speculative decoding. `specserve COMMAND --help` lists a command's flags."
-)
-
 # Where _EngineFlag records the engine flags given on the command line.
 GIVEN_ENGINE_FLAGS = "given_engine_flags"
-
-
-def command(name: str, help_text: str):
-    def register(fns: tuple[Callable, Callable]):
-        _COMMANDS[name] = (help_text, *fns)
-        return fns
-
-    return register
-
-
-class HelpFormatter(argparse.RawDescriptionHelpFormatter):
-    """Appends "(default: X)" to a flag's help when X says something (not None, not an
-    off switch) and the help does not already explain its default."""
-
-    def _get_help_string(self, action: argparse.Action) -> str:
-        help_text = action.help or ""
-        default = action.default
-        if (
-            not action.option_strings
-            or default is None
-            or default is False
-            or default == argparse.SUPPRESS
-            or "default" in help_text
-        ):
-            return help_text
-        return f"{help_text} (default: %(default)s)"
 
 
 class _EngineFlag(argparse.Action):
@@ -167,74 +132,3 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         seed=getattr(args, "seed", _ENGINE_DEFAULTS["seed"]),
         num_threads=args.num_threads,
     )
-
-
-def version() -> str:
-    """The installed package's version; "unknown (...)" for a source tree never installed."""
-    from importlib.metadata import PackageNotFoundError
-    from importlib.metadata import version as package_version
-
-    try:
-        return package_version("specserve")
-    except PackageNotFoundError:
-        return "unknown (not installed; run scripts/install.sh)"
-
-
-def build_parser() -> argparse.ArgumentParser:
-    _load_commands()
-    parser = argparse.ArgumentParser(prog="specserve", description=_DESCRIPTION)
-    parser.add_argument(
-        "--version", action="version", version=f"specserve {version()}", help="print the version"
-    )
-    sub = parser.add_subparsers(dest="command", required=True, help="what to run")
-    for name, (help_text, add_arguments, _run) in _COMMANDS.items():
-        add_arguments(sub.add_parser(name, help=help_text, description=help_text))
-    for p in iter_parsers(parser):
-        p.formatter_class = HelpFormatter
-    return parser
-
-
-def iter_parsers(parser: argparse.ArgumentParser):
-    """``parser`` and every subcommand's parser below it."""
-    yield parser
-    for action in parser._actions:
-        if isinstance(action, argparse._SubParsersAction):
-            for child in action.choices.values():
-                yield from iter_parsers(child)
-
-
-def _load_commands() -> None:
-    # Importing these modules registers their subcommands.
-    import engine.commands  # noqa: F401
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    # The command as typed, for outputs that record how they were made.
-    args.argv = ["specserve", *(sys.argv[1:] if argv is None else argv)]
-    _help, _add, run = _COMMANDS[args.command]
-    try:
-        return int(run(args) or 0)
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
-    except (ValueError, RuntimeError, OSError) as exc:
-        print(f"specserve {args.command}: error: {exc}", file=sys.stderr)
-        return 2
-    except Exception as exc:  # a failed RPC: one line with its status, not a traceback
-        code, details = getattr(exc, "code", None), getattr(exc, "details", None)
-        if not (callable(code) and callable(details)):
-            raise
-        print(
-            f"specserve {args.command}: error: {code().name}: {details()}",
-            file=sys.stderr,
-        )
-        return 2
-
-
-if __name__ == "__main__":
-    # Run through the imported module so subcommands register into one registry.
-    from engine.cli import main as _main
-
-    sys.exit(_main())

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from engine.sampling_params import SamplingParams
+from engine.io.sampling_params import SamplingParams
 
 
 class InputProcessor:

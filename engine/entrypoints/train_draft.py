@@ -19,8 +19,7 @@ import sys
 import time
 from pathlib import Path
 
-from engine.cli import command
-from engine.sampling_params import check_int
+from engine.io.sampling_params import check_int
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -120,7 +119,7 @@ def _prompts(args: argparse.Namespace) -> list[str]:
 
 def _make_data(args, out: Path, prompts: list[str]):
     from engine.config import EngineConfig
-    from engine.llm_engine import LLMEngine
+    from engine.core.llm_engine import LLMEngine
     from engine.train_draft.data import generate_data, manifest_for
     from engine.train_draft.model import layer_sources
 
@@ -229,8 +228,3 @@ def _bar(total, desc: str, unit: str):
 
 def _log(msg: str) -> None:
     print(f"train-draft: {msg}", file=sys.stderr, flush=True)
-
-
-command("train-draft", "train a draft model for a target, on this machine, from its own answers")(
-    (add_arguments, run)
-)

@@ -1,10 +1,8 @@
 from __future__ import annotations
 
-import json
-
 import pytest
 
-from block_manager import KVCacheManager, bench
+from block_manager import KVCacheManager
 from tests.block_manager.fakes import FakeRequest
 
 
@@ -33,11 +31,3 @@ def test_check_integrity_detects_corruption(corrupt, message: str) -> None:
     corrupt(manager, block_ids)
     with pytest.raises(RuntimeError, match=message):
         manager.check_integrity()
-
-
-def test_bench_runs_and_prints_json(capsys: pytest.CaptureFixture[str]) -> None:
-    argv = ["--num-requests", "16", "--steps", "20", "--warmup-steps", "5", "--json"]
-    assert bench.main(argv) == 0
-    result = json.loads(capsys.readouterr().out)
-    assert result["failed_allocations"] == 0
-    assert result["step_ms_mean"] > 0 and result["prefix_hit_rate"] > 0

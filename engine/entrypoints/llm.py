@@ -6,8 +6,8 @@ import itertools
 import sys
 
 from engine.config import EngineConfig
-from engine.outputs import RequestOutput
-from engine.sampling_params import SamplingParams
+from engine.io.outputs import RequestOutput
+from engine.io.sampling_params import SamplingParams
 
 
 class LLM:
@@ -31,7 +31,7 @@ class LLM:
         seed: int = 0,
         **engine_kwargs,
     ) -> None:
-        from engine.llm_engine import LLMEngine
+        from engine.core.llm_engine import LLMEngine
 
         self.config = EngineConfig(
             model=model,

@@ -34,7 +34,7 @@ from itertools import accumulate
 
 import torch
 
-from engine.sampling_params import SamplingParams
+from engine.io.sampling_params import SamplingParams
 from scheduler.request import Request
 
 

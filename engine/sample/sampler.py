@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.sampling_params import SamplingParams
+from engine.io.sampling_params import SamplingParams
 
 
 @dataclass(slots=True)

@@ -31,9 +31,9 @@ from engine.errors import (
     EngineOverloadedError,
     EngineShutdownError,
 )
-from engine.outputs import RequestOutput
-from engine.prompt_encoder import PromptEncoder
-from engine.sampling_params import SamplingParams
+from engine.io.outputs import RequestOutput
+from engine.io.prompt_encoder import PromptEncoder
+from engine.io.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -329,7 +329,7 @@ class AsyncEngine:
     def _build_engine(self) -> Any:
         if self._engine_factory is not None:
             return self._engine_factory(self.config)
-        from engine.llm_engine import LLMEngine
+        from engine.core.llm_engine import LLMEngine
 
         return LLMEngine(self.config)
 

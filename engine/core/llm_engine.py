@@ -11,16 +11,16 @@ import torch
 
 from block_manager import KVCacheManager, KVEventRecorder
 from engine.config import EngineConfig
-from engine.detokenizer import IncrementalDetokenizer
-from engine.input_processor import InputProcessor
-from engine.kv_sizing import plan_kv_cache
-from engine.model_runner import ModelRunner, SeqInput
-from engine.outputs import RequestMetrics, RequestOutput
-from engine.sampling_params import SamplingParams
+from engine.core.kv_sizing import plan_kv_cache
+from engine.core.model_runner import ModelRunner, SeqInput
+from engine.io.detokenizer import IncrementalDetokenizer
+from engine.io.input_processor import InputProcessor
+from engine.io.outputs import RequestMetrics, RequestOutput
+from engine.io.sampling_params import SamplingParams
+from engine.observability.stats import EngineStats, StepRecord, StepTimings
 from engine.spec_decode.proposers import build_proposer
 from engine.spec_decode.trained_draft import load_draft
 from engine.spec_decode.verifier import Verifier
-from engine.stats import EngineStats, StepRecord, StepTimings
 from scheduler.output import ModelRunnerOutput, SchedulerOutput
 from scheduler.request import Request
 from scheduler.scheduler import Scheduler, SchedulerConfig

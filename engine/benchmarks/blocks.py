@@ -1,6 +1,6 @@
 """Micro-benchmark: the block manager's share of one speculative decoding step.
 
-    python -m block_manager.bench [--num-requests 256] [--num-lookahead 4] [--json]
+    python -m engine.benchmarks.blocks [--num-requests 256] [--num-lookahead 4] [--json]
 
 Each step, like the scheduler: finished requests are freed; new ones arrive (prompts of
 a few hundred tokens sharing system-prompt prefixes: prefix lookup + prefill
@@ -145,7 +145,7 @@ def _p99(sorted_values: list[float]) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m block_manager.bench", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m engine.benchmarks.blocks", description=__doc__)
     add_arguments(parser)
     args = parser.parse_args(argv)
     try:
@@ -155,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    """`specserve bench blocks` and `python -m block_manager.bench`."""
+    """`specserve bench blocks` and `python -m engine.benchmarks.blocks`."""
     _check_args(args)
     workload = Workload(args)
     for _ in range(args.warmup_steps):

@@ -10,8 +10,8 @@ import time
 from dataclasses import MISSING, fields
 from typing import NamedTuple
 
-from engine.cli import GIVEN_ENGINE_FLAGS, add_engine_args, command, engine_config_from_args
-from engine.sampling_params import SamplingParams
+from engine.entrypoints.args import GIVEN_ENGINE_FLAGS, add_engine_args, engine_config_from_args
+from engine.io.sampling_params import SamplingParams
 
 _DEFAULTS = {f.name: f.default for f in fields(SamplingParams) if f.default is not MISSING}
 
@@ -135,7 +135,7 @@ def _refuse_engine_flags(given: tuple[str, ...]) -> None:
 
 
 def _generate_local(args: argparse.Namespace, prompt: dict, sampling: dict) -> _Stats | None:
-    from engine.llm_engine import LLMEngine
+    from engine.core.llm_engine import LLMEngine
 
     config = engine_config_from_args(args)
     print("loading model...", file=sys.stderr, flush=True)
@@ -204,6 +204,3 @@ def _stats_line(s: _Stats) -> str:
         f"[{s.finish_reason}] {s.num_tokens} tokens, ttft {ttft}, total {s.total_s:.2f} s, "
         f"drafts {s.num_draft_tokens}, accepted {s.num_accepted_tokens}"
     )
-
-
-command("generate", "generate text for one prompt, streamed to stdout")((add_arguments, run))

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import argparse
 
-from engine.cli import add_engine_args, command, engine_config_from_args
-from engine.metrics import add_ops_args
+from engine.entrypoints.args import add_engine_args, engine_config_from_args
+from engine.observability.metrics import add_ops_args
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -74,7 +74,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from engine.request_log import setup_logging
+    from engine.observability.request_log import setup_logging
     from engine.server.app import ServerOptions
     from engine.server.auth import load_api_key
     from engine.server.main import serve
@@ -100,8 +100,8 @@ def run(args: argparse.Namespace) -> int:
 
 def _observe(server, args: argparse.Namespace) -> None:
     """Prometheus metrics and request logs, hung on the server's hooks."""
-    from engine.metrics import EngineMetrics
-    from engine.request_log import RequestLogger
+    from engine.observability.metrics import EngineMetrics
+    from engine.observability.request_log import RequestLogger
 
     metrics = EngineMetrics()
     request_logger = RequestLogger(json=args.log_format == "json", log_prompts=args.log_prompts)
@@ -125,10 +125,3 @@ def _start_metrics_server(metrics, port: int) -> None:
         if exc.errno != errno.EADDRINUSE:
             raise
         raise PortInUseError(port, "--metrics-port") from None
-
-
-command(
-    "serve",
-    "serve the model over gRPC (specserve.v1.Generation, and vllm.grpc.engine.VllmEngine for "
-    "the smg gateway)",
-)((add_arguments, run))

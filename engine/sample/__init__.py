@@ -1,0 +1,2 @@
+"""Logits to tokens: penalties and bias (logits_processor), temperature / top-k / top-p /
+min-p and seeded noise (sampler), and the rejection sampler that verifies drafts."""
