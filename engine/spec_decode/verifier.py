@@ -132,11 +132,7 @@ class Verifier:
         draft_ids = torch.tensor(padded, dtype=torch.long, device=self.device)
         q = None
         if any(items[i].request_id in draft_probs for i in raced):
-            q = torch.zeros((len(raced), k_max, vocab_size), device=self.device)
-            for row, i in enumerate(raced):
-                rows = draft_probs.get(items[i].request_id)
-                if rows is not None:
-                    q[row, : rows.shape[0]] = rows
+            q = self._draft_distributions(raced, items, drafts, draft_probs, k_max, vocab_size)
         noise = torch.empty((len(raced), vocab_size), device=self.device)
         output, num_accepted = rejection_sample(
             target_probs,
@@ -147,6 +143,28 @@ class Verifier:
             noise.exponential_(generator=self.generator),
         )
         return torch.cat([output, num_accepted.unsqueeze(1)], dim=1).flatten()
+
+    def _draft_distributions(self, raced, items, drafts, draft_probs, k_max, vocab_size):
+        """q for every raced row ([len(raced), k_max, vocab_size]): the draft model's
+        distributions where it drafted, one-hot at each draft elsewhere (n-gram drafts
+        are deterministic). A zero row would make ``u * q < p`` accept any draft with
+        p > 0, so a row without a distribution of its own is never left at zero."""
+        q = torch.zeros((len(raced), k_max, vocab_size), device=self.device)
+        one_hot_rows, one_hot_positions, one_hot_tokens = [], [], []
+        for row, i in enumerate(raced):
+            rows = draft_probs.get(items[i].request_id)
+            if rows is not None:
+                q[row, : rows.shape[0]] = rows
+            else:
+                one_hot_rows += [row] * len(drafts[i])
+                one_hot_positions += range(len(drafts[i]))
+                one_hot_tokens += drafts[i]
+        if one_hot_rows:
+            index = torch.tensor(
+                [one_hot_rows, one_hot_positions, one_hot_tokens], device=self.device
+            )
+            q[index[0], index[1], index[2]] = 1.0
+        return q
 
     def _add_logprobs(self, result, logits, items, states, drafts, out_tokens) -> None:
         offset = 0

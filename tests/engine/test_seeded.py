@@ -1,7 +1,8 @@
 """The seeded contract: a seeded request's output is a function of model, prompt,
 parameters and seed only. The same alone or in any batch, with any speculation length,
 draft model or n-gram drafts or none, under preemption and chunked prefill, whatever
-the engine's own seed; and still an exact sample of the target."""
+the engine's own seed. That it is still an exact sample of the target:
+tests/engine/test_lossless_sampling.py."""
 
 from __future__ import annotations
 
@@ -14,14 +15,6 @@ from tests.engine.engine_helpers import (
     make_engine,
     prompts_of_lengths,
     run_to_completion,
-)
-from tests.engine.test_spec_decode import (
-    ENGINE_TV_BOUND,
-    NUM_SAMPLES,
-    NUM_TOKENS,
-    TOP_K,
-    _exact_distribution,
-    _tv,
 )
 
 
@@ -112,36 +105,3 @@ def test_different_seeds_and_positions_draw_different_noise():
     seeds = {position_seed(s, p) for s in range(50) for p in range(50)}
     assert len(seeds) == 2500
     assert all(0 <= s < 2**64 for s in seeds)
-
-
-@pytest.mark.parametrize("method", ["none", "draft"])
-def test_seeded_samples_follow_the_target_distribution(
-    tiny_model_dir, tiny_draft_model_dir, method
-):
-    """One seed per request: the outcomes over many seeds are exact target samples
-    (coupled verification keeps the distribution, like rejection sampling does)."""
-    prompt = [5, 9, 14, 3]
-    exact = _exact_distribution(tiny_model_dir, prompt)
-    kwargs = dict(speculative_method=method, speculative_disable_batch_size=4096)
-    if method == "draft":
-        kwargs["draft_model"] = tiny_draft_model_dir
-    engine = make_engine(tiny_model_dir, num_kv_blocks=1200, **kwargs)
-    params = SamplingParams(
-        max_tokens=NUM_TOKENS,
-        temperature=1.0,
-        top_k=TOP_K,
-        ignore_eos=True,
-        num_speculative_tokens=2 if method == "draft" else None,
-    )
-    workload = {
-        0: [
-            (f"s{i}", prompt, SamplingParams(**{**vars(params), "seed": 1000 + i}))
-            for i in range(NUM_SAMPLES)
-        ]
-    }
-    results = run_to_completion(engine, workload)
-    samples = [tuple(r["token_ids"]) for r in results.values()]
-    assert set(samples) <= set(exact)
-    assert _tv(samples, exact) < ENGINE_TV_BOUND
-    if method == "draft":
-        assert 0 < engine.stats.num_accepted_tokens < engine.stats.num_draft_tokens
