@@ -33,7 +33,8 @@ while [ $# -gt 0 ]; do
     --torch-wheels) wheels="${2:?--torch-wheels needs a directory}"; shift 2 ;;
     --ca-bundle) ca_bundle="${2:?--ca-bundle needs a file}"; shift 2 ;;
     --engine) engine="${2:?--engine needs docker or podman}"; shift 2 ;;
-    -h|--help) sed -n '2,19p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    # the comment block under the shebang, up to the first line of code
+    -h|--help) awk 'NR > 1 && !/^#/ { exit } NR > 1 { sub(/^# ?/, ""); print }' "$0"; exit 0 ;;
     *) die "unknown option $1 (see --help)" ;;
   esac
 done

@@ -101,8 +101,8 @@ def add_engine_args(parser: argparse.ArgumentParser, *, with_seed: bool = True) 
     )
     flag(
         "--attn-backend",
-        "auto: xformers on CUDA when installed, the compiled kernels for float32 on CPU, "
-        "else torch",
+        "auto: xformers on CUDA when installed, the compiled kernels (cpu) on CPU in float32 "
+        "or bfloat16 when they build, else torch",
         choices=ATTENTION_BACKENDS,
     )
     flag("--num-threads", "torch CPU threads (default: one per core)", type=int)

@@ -5,7 +5,13 @@
 2. A shallow copy of the target (its embedding and head rows, L of its layers) learns
    to predict those answers; DIR/checkpoint.pt is written as it goes and a rerun resumes.
 3. DIR gets the draft (config.json, model.safetensors, draft.json with the command that
-   made it); `specserve serve --draft-model DIR` serves it.
+   made it); `specserve serve --model TARGET --draft-model DIR` serves it. --export
+   writes those three files alone to another directory.
+
+A rerun resumes only what was made with the same settings (data/manifest.json, the
+checkpoint's record) and refuses the rest in one line naming each flag that differs;
+--restart trains again from scratch, keeping the answers when they were made with the
+same data settings (they are what generating them again would give).
 """
 
 from __future__ import annotations
@@ -14,7 +20,6 @@ import argparse
 import os
 import platform
 import shlex
-import shutil
 import sys
 import time
 from pathlib import Path
@@ -66,28 +71,37 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--restart",
         action="store_true",
-        help="delete DIR's data and checkpoint first instead of resuming",
+        help="train again from scratch: discard DIR's checkpoint (a rerun resumes it, and "
+        "refuses one made with other settings); DIR/data is kept when it was made with the "
+        "same --model, --prompts, --num-prompts, --max-tokens, --dtype and --seed, else "
+        "discarded and generated again",
+    )
+    parser.add_argument(
+        "--export",
+        metavar="DIR",
+        default=None,
+        help="also write the servable draft alone (draft.json, config.json, "
+        "model.safetensors) to DIR; --out keeps data/ and checkpoint.pt (~6x the draft)",
     )
 
 
 def run(args: argparse.Namespace) -> int:
+    from engine.train_draft.train import CHECKPOINT, check_checkpoint, checkpoint_record
+
     _check_args(args)
     out = Path(args.out).expanduser()
-    if args.restart and out.exists():
-        for name in ("data", "checkpoint.pt"):
-            path = out / name
-            if path.is_dir():
-                shutil.rmtree(path)
-            elif path.exists():
-                path.unlink()
+    if args.restart:
+        (out / CHECKPOINT).unlink(missing_ok=True)  # the data waits for its manifest
+    else:  # before the target loads: the settings known from the flags alone
+        check_checkpoint(out, checkpoint_record(_settings(args)))
     out.mkdir(parents=True, exist_ok=True)
     prompts = _prompts(args)
     started = time.perf_counter()
-    target_dir, target_name, target_vocab, eos_ids, data = _make_data(args, out, prompts)
+    target_dir, manifest, target_vocab, eos_ids, data = _make_data(args, out, prompts)
     from engine.train_draft.data import load_sequences
 
     sequences = load_sequences(out / "data")
-    target = (Path(target_dir), target_name, target_vocab, eos_ids)
+    target = (Path(target_dir), manifest, target_vocab, eos_ids)
     return _train_and_export(args, out, target, sequences, data, started)
 
 
@@ -106,6 +120,22 @@ def _check_args(args: argparse.Namespace) -> None:
     out = Path(args.out).expanduser()
     if out.exists() and not out.is_dir():
         raise ValueError(f"--out {args.out}: exists and is not a directory")
+    if args.export is not None:
+        _check_export(args.export, out)
+
+
+def _check_export(export: str, out: Path) -> None:
+    path = Path(export).expanduser()
+    if path.resolve() == out.resolve():
+        raise ValueError(f"--export must be a directory other than --out, got {export}")
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"--export {export}: exists and is not a directory")
+    if (path / "data").exists() or (path / "checkpoint.pt").exists():
+        # another run's --out: exporting there would overwrite its draft
+        raise ValueError(
+            f"--export {export}: holds a train-draft work directory (data/, checkpoint.pt); "
+            "export to a directory of its own"
+        )
 
 
 def _prompts(args: argparse.Namespace) -> list[str]:
@@ -120,7 +150,14 @@ def _prompts(args: argparse.Namespace) -> list[str]:
 def _make_data(args, out: Path, prompts: list[str]):
     from engine.config import EngineConfig
     from engine.core.llm_engine import LLMEngine
-    from engine.train_draft.data import generate_data, manifest_for
+    from engine.spec_decode.trained_draft import embed_probe_ids
+    from engine.train_draft.data import (
+        check_manifest,
+        discard_other_data,
+        embedding_fingerprint,
+        generate_data,
+        manifest_for,
+    )
     from engine.train_draft.model import layer_sources
 
     engine = LLMEngine(
@@ -137,7 +174,15 @@ def _make_data(args, out: Path, prompts: list[str]):
     layer_sources(loaded.arch.num_layers, args.num_layers)  # refuse before generating
     if loaded.model_dir is None:
         raise ValueError(f"{loaded.name}: the target's weights have no local directory")
-    manifest = manifest_for(loaded.name, prompts, args.max_tokens, args.seed)
+    dtype = str(loaded.dtype).removeprefix("torch.")
+    embedding = loaded.model.model.embed_tokens.weight
+    fingerprint = embedding_fingerprint(embedding, embed_probe_ids(loaded.arch.vocab_size))
+    manifest = manifest_for(loaded.name, prompts, args.max_tokens, args.seed, dtype, fingerprint)
+    if args.restart:
+        changes = discard_other_data(out / "data", manifest)
+        if changes:
+            _log(f"--restart: generating the data again ({'; '.join(changes)})")
+    check_manifest(out / "data", manifest)  # before the progress bar: one line if refused
     bar = _bar(len(prompts), "answering", "prompt")
     tokens = [0]
 
@@ -156,22 +201,18 @@ def _make_data(args, out: Path, prompts: list[str]):
         f"data: {summary.num_sequences} answers, {summary.num_response_tokens} response tokens"
         + (f", generated in {summary.seconds:.0f} s" if summary.seconds else " (all resumed)")
     )
-    return loaded.model_dir, loaded.name, loaded.arch.vocab_size, set(loaded.eos_token_ids), summary
+    return loaded.model_dir, manifest, loaded.arch.vocab_size, set(loaded.eos_token_ids), summary
 
 
-def _train_and_export(args, out, target, sequences, data, started):
-    target_dir, target_name, target_vocab, eos_ids = target
-    import torch
-
+def _settings(args):
     from engine.loader import cpu_has_native_bf16
-    from engine.train_draft.model import DraftLM, choose_vocab
-    from engine.train_draft.train import TrainSettings, export, train
+    from engine.train_draft.train import TrainSettings
 
     if args.train_dtype == "auto":
         bf16 = cpu_has_native_bf16()
     else:
         bf16 = args.train_dtype == "bfloat16"
-    settings = TrainSettings(
+    return TrainSettings(
         num_layers=args.num_layers,
         vocab_size=args.draft_vocab,
         epochs=args.epochs,
@@ -180,9 +221,23 @@ def _train_and_export(args, out, target, sequences, data, started):
         seed=args.seed,
         bf16=bf16,
     )
+
+
+def _train_and_export(args, out, target, sequences, data, started):
+    target_dir, manifest, target_vocab, eos_ids = target
+    import torch
+
+    from engine.train_draft.data import MANIFEST_FLAGS
+    from engine.train_draft.model import DraftLM, choose_vocab
+    from engine.train_draft.train import check_checkpoint, checkpoint_record, export, train
+
+    settings = _settings(args)
     torch.manual_seed(args.seed)
     vocab = choose_vocab(sequences, target_vocab, min(args.draft_vocab, target_vocab), eos_ids)
     model = DraftLM(target_dir, args.num_layers, vocab)
+    # the target and its answers: the checkpoint was trained from and on them too
+    made_with = {MANIFEST_FLAGS.get(k, k): v for k, v in manifest.items()}
+    check_checkpoint(out, checkpoint_record(settings, made_with))  # before the bar: one line
     bar = _bar(None, "training", "step")
 
     def progress(step: int, total: int, loss: float) -> None:
@@ -192,7 +247,7 @@ def _train_and_export(args, out, target, sequences, data, started):
         bar.refresh()
 
     try:
-        result = train(model, sequences, out, settings, progress)
+        result = train(model, sequences, out, settings, progress, made_with)
     finally:
         bar.close()
     summary = {
@@ -209,15 +264,31 @@ def _train_and_export(args, out, target, sequences, data, started):
         },
         "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}",
     }
-    export(model, out, target_name, settings, summary)
+    export(model, out, manifest["target"], settings, summary)
+    if args.export is not None:
+        exported = Path(args.export).expanduser()
+        exported.mkdir(parents=True, exist_ok=True)
+        export(model, exported, manifest["target"], settings, summary)
     size_mb = (out / "model.safetensors").stat().st_size / 1e6
     _log(
         f"draft: {args.num_layers} layers, {len(vocab)}-token head, {size_mb:.1f} MB; held-out "
         f"top-1 agreement with the target {result.heldout_top1:.3f}; "
         f"{time.perf_counter() - started:.0f} s in all"
     )
-    print(f"serve it with: specserve serve --draft-model {out}")
+    print(f"serve it with: {serve_hint(args)}")
     return 0
+
+
+def serve_hint(args: argparse.Namespace) -> str:
+    """The command that serves the draft, for the target as the user named it (none:
+    the default model, serve's default too), quoted for the shell."""
+    command = ["specserve", "serve"]
+    if args.model is not None:
+        command += ["--model", args.model]
+    if args.tokenizer is not None:
+        command += ["--tokenizer", args.tokenizer]
+    draft = args.export if args.export is not None else args.out
+    return shlex.join([*command, "--draft-model", str(Path(draft).expanduser())])
 
 
 def _bar(total, desc: str, unit: str):

@@ -8,11 +8,13 @@ kind). Compiling takes about a second.
 
 Loading a shared library runs its constructors, so a cached build is loaded only when
 nobody but this user or root could have written it (``untrusted_reason``, the rule of
-ssh's StrictModes). A cache that fails the rule, or that is read-only and has no build
-for this CPU (a baked container image on another CPU kind), gets a private build for
-this process instead: compiled in a new 0700 directory and loaded through its open file
-descriptor (``_build_private``). Nothing is ever loaded from a path someone else can
-redirect.
+ssh's StrictModes). A build that fails the rule in a cache directory that passes it and
+is writable is replaced there by a new one (atomically; only this user or root can
+write that directory, so nobody else can swap the new one). A cache that fails
+the rule, or that is read-only and has no usable build for this CPU (a baked container
+image on another CPU kind), gets a private build for this process instead: compiled in
+a new 0700 directory and loaded through its open file descriptor (``_build_private``).
+Nothing is ever loaded from a path someone else can redirect.
 
 A container image has no compiler at run time. Its build step calls ``prebuild``, which
 compiles the library once per instruction-set level of the architecture (x86-64-v2, -v3
@@ -74,28 +76,35 @@ class KernelBuildError(RuntimeError):
 def build_library(out_dir: Path | None = None) -> Path:
     """A compiled cpu_kernels.c that is safe to load: the cached ``-march=native`` build
     in ``out_dir`` (default ``envs.kernel_cache_dir()``) when it passes
-    ``untrusted_reason``, else a new one there when that directory passes it and is
-    writable, else the best trusted ``prebuild`` variant there that this CPU can run,
-    else ``_build_private``."""
+    ``untrusted_reason``, else a new one there (replacing one that failed) when that
+    directory passes it and is writable, else the best trusted ``prebuild`` variant
+    there that this CPU can run, else ``_build_private``. A cached build that fails the
+    rule is logged once, in one warning line saying which of those happens instead."""
     cc = _compiler()
     source = SOURCE.read_bytes()
     cache = _canonical(out_dir or envs.kernel_cache_dir())
     problem: tuple[int, str] | None = None
-    found = False
+    refused = ""  # "not loading PATH: why; " when the cached build failed the rule
     if cc is not None:
         name = library_name(cc, source)
-        found = os.path.lexists(cache / name)
-        if found:
+        if os.path.lexists(cache / name):
             reason = untrusted_reason(cache / name)
             if reason is None:
                 return cache / name
-            logger.warning("not loading %s: %s; building a private copy", cache / name, reason)
+            refused = f"not loading {cache / name}: {reason}; "
         problem = _cache_problem(cache)
         if problem is None:
+            if refused:
+                logger.warning("%sreplacing it with a new build in the cache", refused)
             return _build_cached(cc, source, cache, name)
     prebuilt = _prebuilt(cache, source)
     if prebuilt is not None:
-        logger.info("using the prebuilt CPU kernels %s", prebuilt)
+        logger.log(
+            logging.WARNING if refused else logging.INFO,
+            "%susing the prebuilt CPU kernels %s",
+            refused,
+            prebuilt,
+        )
         return prebuilt
     if cc is None:
         raise KernelBuildError(
@@ -104,8 +113,8 @@ def build_library(out_dir: Path | None = None) -> Path:
         )
     assert problem is not None
     level, why = problem
-    if not found:  # else already warned about
-        logger.log(level, "kernel cache %s %s; building a private copy", cache, why)
+    level = max(level, logging.WARNING) if refused else level
+    logger.log(level, "%skernel cache %s %s; building a private copy", refused, cache, why)
     return _build_private(cc, source, name)
 
 
@@ -240,7 +249,7 @@ def _cache_problem(cache: Path) -> tuple[int, str] | None:
     if reason is not None:
         return logging.WARNING, f"is not trusted ({reason})"
     if not os.access(cache, os.W_OK):
-        return logging.INFO, "is read-only and has no build for this CPU"
+        return logging.INFO, "is read-only and has no usable build for this CPU"
     return None
 
 

@@ -6,12 +6,15 @@ serves) and answered with up to ``max_tokens`` tokens at a temperature that cycl
 the target's argmax, sampled ones its distribution and more varied contexts. Answers
 are written in shards of ``SHARD_SIZE`` prompts (``data/shard-NNNNN.npz``: token ids,
 offsets, prompt lengths); a rerun keeps the finished shards and generates the rest.
+``data/manifest.json`` records the settings the answers depend on; data made with
+other settings is refused, or discarded under ``--restart``.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,16 +38,58 @@ class DataSummary:
     seconds: float  # spent generating in this run (0 when every shard was there)
 
 
-def manifest_for(target_name: str, prompts: list[str], max_tokens: int, seed: int) -> dict:
+# The flag that sets each manifest entry, for the line that refuses other settings.
+MANIFEST_FLAGS = {
+    "target": "--model",
+    "num_prompts": "--num-prompts",
+    "prompts_sha256": "--prompts",
+    "max_tokens": "--max-tokens",
+    "seed": "--seed",
+    "dtype": "--dtype",
+    "target_embedding": "--model's embedding",
+}
+
+
+def manifest_for(
+    target_name: str,
+    prompts: list[str],
+    max_tokens: int,
+    seed: int,
+    dtype: str,
+    target_embedding: str | None = None,
+) -> dict:
+    """Everything the answers depend on, so that data is reused only where generating
+    it again would give the same: ``dtype`` is the target's, resolved (bf16 and fp32
+    answers differ); ``target_embedding`` (``embedding_fingerprint``) tells the target
+    from another one at the same path."""
     digest = hashlib.sha256("\n\x00".join(prompts).encode()).hexdigest()[:16]
     return {
         "target": target_name,
+        "target_embedding": target_embedding,
         "num_prompts": len(prompts),
         "prompts_sha256": digest,
         "max_tokens": max_tokens,
         "seed": seed,
+        "dtype": dtype,
         "temperatures": list(TEMPERATURES),
     }
+
+
+def embedding_fingerprint(embedding, probe_ids) -> str:
+    """A short hash of a target's embedding rows ``probe_ids`` (torch tensors)."""
+    rows = embedding[probe_ids].detach().float().cpu().numpy()
+    return "sha256 " + hashlib.sha256(rows.tobytes()).hexdigest()[:16]
+
+
+def setting_changes(made: dict, now: dict, flags: dict[str, str] | None = None) -> list[str]:
+    """'FLAG OLD, now NEW' for each entry of ``now`` that ``made`` records otherwise;
+    ``flags`` names the flag that sets an entry (default: the entry's own name)."""
+    flags = flags or {}
+    return [
+        f"{flags.get(key, key)} {made.get(key, 'unrecorded')}, now {value}"
+        for key, value in now.items()
+        if made.get(key) != value
+    ]
 
 
 def generate_data(
@@ -56,7 +101,7 @@ def generate_data(
     from engine.io.sampling_params import SamplingParams
 
     data_dir.mkdir(parents=True, exist_ok=True)
-    _check_manifest(data_dir, manifest)
+    check_manifest(data_dir, manifest)
     prompt_ids = _chat_token_ids(engine.tokenizer, prompts)
     num_shards = -(-len(prompts) // SHARD_SIZE)
     todo: list[int] = []
@@ -121,18 +166,36 @@ def _chat_token_ids(tokenizer, prompts: list[str]) -> list[list[int]]:
     return tokenize_prompts(tokenizer, prompts, chat=True)
 
 
-def _check_manifest(data_dir: Path, manifest: dict) -> None:
+def data_changes(data_dir: Path, manifest: dict) -> list[str]:
+    """How the data in ``data_dir`` was made otherwise than ``manifest`` says (see
+    ``setting_changes``); empty when it was made so, or when there is none."""
     path = data_dir / "manifest.json"
-    if path.exists():
-        existing = json.loads(path.read_text())
-        if existing != manifest:
-            changed = sorted(k for k in manifest if existing.get(k) != manifest[k])
-            raise ValueError(
-                f"{data_dir} holds data made with other settings ({', '.join(changed)}); "
-                "use another --out or --restart"
-            )
-        return
-    path.write_text(json.dumps(manifest, indent=2) + "\n")
+    if not path.exists():
+        return []
+    return setting_changes(json.loads(path.read_text()), manifest, MANIFEST_FLAGS)
+
+
+def check_manifest(data_dir: Path, manifest: dict) -> None:
+    """Refuse data made with other settings, in one line naming each flag and both
+    values; record ``manifest`` for new data."""
+    changes = data_changes(data_dir, manifest)
+    if changes:
+        raise ValueError(
+            f"{data_dir} holds data made with other settings ({'; '.join(changes)}); "
+            "use another --out or --restart"
+        )
+    path = data_dir / "manifest.json"
+    if data_dir.is_dir() and not path.exists():
+        path.write_text(json.dumps(manifest, indent=2) + "\n")
+
+
+def discard_other_data(data_dir: Path, manifest: dict) -> list[str]:
+    """Remove ``data_dir`` when its data was made with other settings (``--restart``);
+    the changes, empty when the data is kept: it is what generating again would make."""
+    changes = data_changes(data_dir, manifest)
+    if changes:
+        shutil.rmtree(data_dir)
+    return changes
 
 
 def _write_shard(path: Path, sequences: list[list[int]], prompt_lens: list[int]) -> None:

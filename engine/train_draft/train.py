@@ -7,6 +7,10 @@ in expectation, greedy ones its argmax. Batches are sequences of similar length,
 shuffled per epoch from ``seed``; 5% of the sequences are held out and the top-1
 agreement with the target on them is reported after each epoch: a proxy for the first
 draft's acceptance under greedy decoding.
+
+The checkpoint records what it was made with (``checkpoint_record``: the settings, the
+target, the data); a rerun resumes only a checkpoint made with the same, so that the
+draft is the one a fresh run with these flags makes, as its draft.json says.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ import numpy as np
 import torch
 
 from engine.spec_decode.trained_draft import DRAFT_FILE, FORMAT, FORMAT_VERSION, embed_probe_ids
-from engine.train_draft.data import Sequence
+from engine.train_draft.data import Sequence, setting_changes
 from engine.train_draft.model import DraftLM
 
 CHECKPOINT = "checkpoint.pt"
@@ -42,6 +46,23 @@ class TrainSettings:
     bf16: bool = False  # autocast the forward and backward in bfloat16 (CPU with native bf16)
 
 
+# The settings a checkpoint depends on, by the flag that sets them: resumed under any
+# other value, the layers would be trained for another head (--draft-vocab), shape
+# (--num-layers), batching, order, schedule or numerics. checkpoint_every is not here:
+# resuming is exact whatever it is.
+SETTING_FLAGS = {
+    "num_layers": "--num-layers",
+    "vocab_size": "--draft-vocab",
+    "epochs": "--epochs",
+    "lr": "--lr",
+    "tokens_per_batch": "--tokens-per-batch",
+    "seed": "--seed",
+    "bf16": "--train-dtype",
+    "warmup_steps": "warmup_steps",  # no flag: changes only with specserve
+    "max_seq_len": "max_seq_len",
+}
+
+
 @dataclass
 class TrainResult:
     steps: int
@@ -49,6 +70,37 @@ class TrainResult:
     train_tokens: int
     heldout_top1: float
     heldout_top1_by_epoch: list[float]
+
+
+def checkpoint_record(settings: TrainSettings, made_with: dict | None = None) -> dict:
+    """Flag -> value of what a checkpoint depends on: ``settings``, and ``made_with``
+    (the target and the data: its manifest, see data.MANIFEST_FLAGS)."""
+    record = {flag: getattr(settings, name) for name, flag in SETTING_FLAGS.items()}
+    record["--train-dtype"] = "bfloat16" if settings.bf16 else "float32"
+    return {**record, **(made_with or {})}
+
+
+def check_checkpoint(out_dir: Path, record: dict, made: dict | None = None) -> None:
+    """Refuse ``out_dir``'s checkpoint unless it was made with ``record`` (the entries
+    given; ``made``: its own record, when already loaded), in one line naming each flag
+    that differs and both values."""
+    path = out_dir / CHECKPOINT
+    if made is None:
+        if not path.exists():
+            return
+        # mmap: only the small record is read, not the weights and optimizer state
+        made = torch.load(path, map_location="cpu", weights_only=True, mmap=True).get("made_with")
+    if made is None:
+        raise ValueError(
+            f"{path} does not record the settings it was made with (an older specserve); "
+            "use another --out or --restart"
+        )
+    changes = setting_changes(made, record)
+    if changes:
+        raise ValueError(
+            f"{path} was made with other settings ({'; '.join(changes)}); "
+            "use another --out, the same flags, or --restart"
+        )
 
 
 def split_heldout(sequences: list[Sequence], seed: int) -> tuple[list[Sequence], list[Sequence]]:
@@ -108,8 +160,12 @@ def train(
     out_dir: Path,
     settings: TrainSettings,
     progress=None,
+    made_with: dict | None = None,
 ) -> TrainResult:
-    """Train ``model`` in place; resumes from ``out_dir/checkpoint.pt`` when present."""
+    """Train ``model`` in place; resumes from ``out_dir/checkpoint.pt`` when it was made
+    with the same settings, target and ``made_with`` (see ``checkpoint_record``), and
+    refuses it otherwise."""
+    record = checkpoint_record(settings, made_with)
     torch.manual_seed(settings.seed)
     train_seqs, heldout = split_heldout(sequences, settings.seed)
     if not train_seqs:
@@ -120,7 +176,7 @@ def train(
     total = settings.epochs * len(batches)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=settings.lr, betas=(0.9, 0.95), weight_decay=0.0)
-    step, by_epoch, seconds = _resume(model, optimizer, out_dir, settings)
+    step, by_epoch, seconds = _resume(model, optimizer, out_dir, record)
     start = time.perf_counter()
     train_tokens = 0
     model.train()
@@ -147,10 +203,10 @@ def train(
             if progress is not None:
                 progress(step, total, float(loss.detach()))
             if step % settings.checkpoint_every == 0 and step < total:
-                _save_checkpoint(model, optimizer, out_dir, step, by_epoch, seconds, start)
+                _save_checkpoint(model, optimizer, out_dir, record, step, by_epoch, seconds, start)
         by_epoch.append(evaluate(model, heldout, index_of, settings))
         model.train()
-        _save_checkpoint(model, optimizer, out_dir, step, by_epoch, seconds, start)
+        _save_checkpoint(model, optimizer, out_dir, record, step, by_epoch, seconds, start)
     model.eval()
     return TrainResult(
         steps=step,
@@ -188,8 +244,9 @@ def _scored_positions(ids, mask, heldout, batch, max_len) -> torch.Tensor:
     return scored
 
 
-def _save_checkpoint(model, optimizer, out_dir, step, by_epoch, seconds, start) -> None:
+def _save_checkpoint(model, optimizer, out_dir, record, step, by_epoch, seconds, start) -> None:
     state = {
+        "made_with": record,
         "trained": model.trained_state(),
         "optimizer": optimizer.state_dict(),
         "step": step,
@@ -201,11 +258,12 @@ def _save_checkpoint(model, optimizer, out_dir, step, by_epoch, seconds, start) 
     tmp.replace(out_dir / CHECKPOINT)
 
 
-def _resume(model, optimizer, out_dir: Path, settings: TrainSettings):
+def _resume(model, optimizer, out_dir: Path, record: dict):
     path = out_dir / CHECKPOINT
     if not path.exists():
         return 0, [], 0.0
     state = torch.load(path, map_location="cpu", weights_only=True)
+    check_checkpoint(out_dir, record, made=state.get("made_with"))
     own = dict(model.model.named_parameters())
     with torch.no_grad():
         for name, tensor in state["trained"].items():

@@ -142,6 +142,30 @@ def test_cpu_backend_needs_its_kernels():
         get_attention_backend("cpu", "cpu")
 
 
+def test_the_attn_backend_help_says_what_auto_picks():
+    """auto takes the compiled kernels on CPU in bfloat16 as in float32 (the help once
+    said float32 only), and without them torch (docs/architecture.md, "Attention
+    backends")."""
+    from engine.entrypoints.cli import build_parser, iter_parsers
+    from engine.kernels.cpu import cpu_kernels_enabled
+    from engine.loader import resolve_attn_backend
+
+    helps = {
+        p.prog: a.help
+        for p in iter_parsers(build_parser())
+        for a in p._actions
+        if "--attn-backend" in a.option_strings
+    }
+    assert "specserve serve" in helps
+    for prog, text in helps.items():
+        assert "on CPU in float32 or bfloat16 when they build, else torch" in text, prog
+    cpu = torch.device("cpu")
+    for dtype in (torch.float32, torch.bfloat16):
+        assert resolve_attn_backend("auto", cpu, dtype) == "cpu"
+        with cpu_kernels_enabled(False):
+            assert resolve_attn_backend("auto", cpu, dtype) == "torch"
+
+
 def test_metadata_is_per_thread_and_refuses_nesting():
     """Two engines in one process run forwards on their own threads at the same time;
     on one thread a nested forward is a bug."""

@@ -166,6 +166,74 @@ def test_a_planted_library_is_never_loaded(
     assert str(planted) in warnings[0] and why in warnings[0]
 
 
+def _warnings(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+
+
+_AS_ROOT = pytest.mark.skipif(os.geteuid() != 0, reason="gives a file away for real as root")
+
+
+@pytest.mark.parametrize(
+    "make_hostile",
+    [_writable_library, _symlinked_library, pytest.param(_foreign_library, marks=_AS_ROOT)],
+)
+def test_a_bad_build_in_a_trusted_writable_cache_is_replaced_there_and_says_so(
+    planted_library, marker, tmp_path, monkeypatch, caplog, make_hostile
+):
+    """Only we or root can write the directory, so the bad file is ours to replace: a
+    new build takes its name atomically (a symlink is replaced, not followed), the log
+    line says so (it once said "building a private copy" while doing this), and the
+    next start loads the new build without a word."""
+    cache = tmp_path / "shared" / "cache"
+    planted = _plant(planted_library, cache)
+    why = make_hostile(cache, planted, monkeypatch)
+    with caplog.at_level(logging.WARNING, logger="engine.kernels.build"):
+        built = build_library(cache)
+    assert built == planted and not built.is_symlink()
+    assert build_mod.untrusted_reason(built) is None
+    _assert_works(CpuKernels(built))
+    assert not marker.exists()
+    [warning] = _warnings(caplog)
+    assert warning.startswith(f"not loading {planted}: ") and why in warning
+    assert warning.endswith("; replacing it with a new build in the cache")
+    if (cache.parent / "elsewhere.so").exists():  # the symlink's target is left alone
+        assert (cache.parent / "elsewhere.so").read_bytes() == planted_library.read_bytes()
+    caplog.clear()
+    mtime = built.stat().st_mtime_ns
+    with caplog.at_level(logging.INFO, logger="engine.kernels.build"):
+        assert build_library(cache) == built and built.stat().st_mtime_ns == mtime
+    assert not caplog.records
+
+
+def _read_only_with_a_writable_library(cache, planted, monkeypatch):
+    _read_only_cache(cache, monkeypatch)
+    planted.chmod(0o666)
+    return "writable by group or others (mode 0666)"
+
+
+@pytest.mark.parametrize(
+    "make_hostile",
+    [_writable_cache, _foreign_cache, _writable_ancestor, _read_only_with_a_writable_library],
+)
+def test_a_bad_build_in_an_unusable_cache_gets_a_private_copy_and_says_so(
+    planted_library, marker, tmp_path, monkeypatch, caplog, make_hostile
+):
+    """Where we may not (or cannot) write, the bad file stays as it is and this process
+    builds its own, loaded through its descriptor; the one line says exactly that."""
+    cache = tmp_path / "shared" / "cache"
+    planted = _plant(planted_library, cache)
+    why = make_hostile(cache, planted, monkeypatch)
+    with caplog.at_level(logging.WARNING, logger="engine.kernels.build"):
+        built = build_library(cache)
+    assert built.parent == Path("/proc/self/fd")
+    _assert_works(CpuKernels(built))
+    assert not marker.exists()
+    assert planted.read_bytes() == planted_library.read_bytes()  # not replaced
+    [warning] = _warnings(caplog)
+    assert warning.startswith(f"not loading {planted}: ") and why in warning
+    assert warning.endswith("; building a private copy")
+
+
 def test_the_old_shared_temp_fallback_is_not_consulted(
     planted_library, marker, tmp_path, monkeypatch
 ):

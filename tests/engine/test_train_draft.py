@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import re
+import shlex
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -14,7 +16,7 @@ from safetensors.torch import load_file
 
 from engine.config import EngineConfig
 from engine.default_model import ModelLoadError
-from engine.entrypoints.cli import main
+from engine.entrypoints.cli import build_parser, main
 from engine.io.sampling_params import SamplingParams
 from engine.spec_decode.trained_draft import load_trained_draft
 from engine.train_draft.data import generate_data, load_sequences, manifest_for
@@ -118,7 +120,7 @@ def test_data_generation_resumes_from_its_shards_and_refuses_other_settings(
 ):
     engine = make_engine(tiny_model_dir, max_num_seqs=8)
     prompts = builtin_prompts(20)
-    manifest = manifest_for("tiny", prompts, 12, 0)
+    manifest = manifest_for("tiny", prompts, 12, 0, "float32")
     counted = []
     first = generate_data(engine, prompts, tmp_path, manifest, lambda n, t: counted.append(n))
     assert first.num_sequences == 20 and first.seconds > 0
@@ -138,14 +140,17 @@ def test_data_generation_resumes_from_its_shards_and_refuses_other_settings(
     generate_data(engine, prompts, tmp_path, manifest, lambda n, t: None)
     after = load_sequences(tmp_path)
     assert all(np.array_equal(a.token_ids, b.token_ids) for a, b in zip(before, after))
-    with pytest.raises(ValueError, match=r"other settings \(max_tokens\)"):
-        generate_data(engine, prompts, tmp_path, manifest_for("tiny", prompts, 13, 0), print)
+    other = manifest_for("tiny", prompts, 13, 0, "float32")
+    with pytest.raises(ValueError, match=r"other settings \(--max-tokens 12, now 13\); "):
+        generate_data(engine, prompts, tmp_path, other, print)
 
 
 def test_interrupted_training_resumes_to_the_same_weights(tiny_model_dir, tmp_path):
     engine = make_engine(tiny_model_dir, max_num_seqs=16)
     prompts = builtin_prompts(24)
-    generate_data(engine, prompts, tmp_path / "data", manifest_for("t", prompts, 24, 0), print)
+    generate_data(
+        engine, prompts, tmp_path / "data", manifest_for("t", prompts, 24, 0, "float32"), print
+    )
     sequences = load_sequences(tmp_path / "data")
     vocab = choose_vocab(sequences, 259, 150, {2})
     settings = TrainSettings(epochs=2, tokens_per_batch=256, checkpoint_every=3, warmup_steps=2)
@@ -171,6 +176,189 @@ def test_interrupted_training_resumes_to_the_same_weights(tiny_model_dir, tmp_pa
     assert result.steps == steps[-1]
     for name, tensor in whole.trained_state().items():
         assert torch.equal(tensor, resumed.trained_state()[name]), name
+
+
+# ---- rerunning into the same --out ------------------------------------------------------
+@pytest.fixture(scope="module")
+def finished_run(tiny_model_dir, tmp_path_factory) -> Path:
+    """A finished run: one layer, a 200-token head, float32 training."""
+    out = tmp_path_factory.mktemp("finished") / "draft"
+    argv = ["--num-prompts", "12", "--num-layers", "1", "--draft-vocab", "200"]
+    assert _train(tiny_model_dir, out, *argv) == 0
+    return out
+
+
+def _copy_of(finished_run: Path, tmp_path: Path) -> Path:
+    out = tmp_path / "draft"
+    shutil.copytree(finished_run, out)
+    return out
+
+
+def _stamps(out: Path) -> dict[str, int]:
+    return {p.name: p.stat().st_mtime_ns for p in [*out.glob("*"), *out.glob("data/*")]}
+
+
+@pytest.mark.parametrize(
+    ("flags", "differs"),
+    [
+        (["--draft-vocab", "100"], ["--draft-vocab 200, now 100"]),
+        (["--num-layers", "2"], ["--num-layers 1, now 2"]),
+        (["--epochs", "2", "--lr", "0.01"], ["--epochs 1, now 2", "--lr 0.001, now 0.01"]),
+        (["--tokens-per-batch", "256"], ["--tokens-per-batch 512, now 256"]),
+        (["--seed", "1"], ["--seed 0, now 1"]),
+        (["--train-dtype", "bfloat16"], ["--train-dtype float32, now bfloat16"]),
+    ],
+)
+def test_a_checkpoint_made_with_other_settings_is_refused_in_one_line(
+    tiny_model_dir, finished_run, tmp_path, capsys, flags, differs
+):
+    """Resuming would train the old layers under another head or schedule (or die in
+    torch's optimizer loader) and export them with a draft.json claiming the new flags."""
+    out = _copy_of(finished_run, tmp_path)
+    before = _stamps(out)
+    capsys.readouterr()
+    argv = ["--num-prompts", "12", "--num-layers", "1", "--draft-vocab", "200", *flags]
+    assert _train(tiny_model_dir, out, *argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1, err
+    assert err[0].startswith(f"specserve train-draft: error: {out}/checkpoint.pt was made with")
+    assert f"other settings ({'; '.join(differs)}); " in err[0]
+    assert err[0].endswith("use another --out, the same flags, or --restart")
+    assert _stamps(out) == before  # nothing touched, nothing exported
+
+
+def test_data_made_with_other_settings_is_refused_naming_the_flag(
+    tiny_model_dir, finished_run, tmp_path, capsys
+):
+    out = _copy_of(finished_run, tmp_path)
+    argv = ["--num-prompts", "12", "--num-layers", "1", "--draft-vocab", "200"]
+    capsys.readouterr()
+    assert _train(tiny_model_dir, out, *argv, "--max-tokens", "30") == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1
+    assert "holds data made with other settings (--max-tokens 24, now 30); " in err[0]
+
+
+def test_the_same_flags_with_export_export_the_finished_run_as_it_is(
+    tiny_model_dir, finished_run, tmp_path
+):
+    out = _copy_of(finished_run, tmp_path)
+    weights = load_file(str(out / "model.safetensors"))
+    argv = ["--num-prompts", "12", "--num-layers", "1", "--draft-vocab", "200"]
+    assert _train(tiny_model_dir, out, *argv, "--export", str(tmp_path / "only")) == 0
+    for directory in (out, tmp_path / "only"):
+        again = load_file(str(directory / "model.safetensors"))
+        assert all(torch.equal(weights[n], again[n]) for n in weights)
+    assert len(list((tmp_path / "only").iterdir())) == 3
+
+
+def test_restart_retrains_with_the_new_settings_and_keeps_matching_data(
+    tiny_model_dir, finished_run, tmp_path, capsys
+):
+    out = _copy_of(finished_run, tmp_path)
+    data = {p.name: p.stat().st_mtime_ns for p in (out / "data").iterdir()}
+    argv = ["--num-prompts", "12", "--num-layers", "2", "--draft-vocab", "100", "--restart"]
+    assert _train(tiny_model_dir, out, *argv) == 0
+    # the answers were made with the same data settings: kept, not generated again
+    assert {p.name: p.stat().st_mtime_ns for p in (out / "data").iterdir()} == data
+    meta = json.loads((out / "draft.json").read_text())
+    assert (meta["num_layers"], meta["draft_vocab_size"]) == (2, 100)
+    assert meta["settings"]["vocab_size"] == 100 and meta["training"]["steps"] > 0
+    weights = load_file(str(out / "model.safetensors"))
+    assert weights["specserve.draft_vocab"].numel() == 100
+    assert {n.split(".")[2] for n in weights if n.startswith("model.layers.")} == {"0", "1"}
+    served = load_trained_draft(out, make_engine(tiny_model_dir).loaded)
+    assert served.model.draft_vocab.numel() == 100
+    # what a fresh run with these flags makes
+    fresh = tmp_path / "fresh"
+    assert _train(tiny_model_dir, fresh, *argv[:-1]) == 0
+    fresh_weights = load_file(str(fresh / "model.safetensors"))
+    assert all(torch.equal(weights[n], fresh_weights[n]) for n in weights)
+
+
+def test_restart_with_other_data_settings_makes_the_data_again(
+    tiny_model_dir, finished_run, tmp_path
+):
+    out = _copy_of(finished_run, tmp_path)
+    argv = ["--num-prompts", "12", "--num-layers", "1", "--max-tokens", "30", "--restart"]
+    assert _train(tiny_model_dir, out, *argv) == 0
+    assert json.loads((out / "data" / "manifest.json").read_text())["max_tokens"] == 30
+
+
+def test_a_target_replaced_at_the_same_path_is_told_apart(
+    tiny_model_dir, tiny_model_factory, tmp_path, capsys
+):
+    """Its answers and the checkpoint belong to the old weights: refused by the
+    embedding's fingerprint, and --restart makes them again for the new ones."""
+    target, out = tmp_path / "target", tmp_path / "draft"
+    shutil.copytree(tiny_model_dir, target)
+    argv = ["--num-prompts", "8", "--num-layers", "1"]
+    assert _train(str(target), out, *argv) == 0
+    shutil.rmtree(target)
+    shutil.copytree(tiny_model_factory(seed=1234), target)
+    capsys.readouterr()
+    assert _train(str(target), out, *argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "holds data made with other settings (--model's embedding" in err[0]
+    assert _train(str(target), out, *argv, "--restart") == 0
+    assert "--restart: generating the data again (--model's embedding" in capsys.readouterr().err
+    load_trained_draft(out, make_engine(str(target)).loaded)  # a draft for the new weights
+
+
+def test_export_writes_only_the_servable_draft_and_the_hint_serves_it(
+    tiny_model_dir, finished_run, tmp_path, capsys
+):
+    """--export DIR: draft.json, config.json and the weights alone, no data/ and no
+    checkpoint (~6x the draft); the closing hint is the full serve command, quoted."""
+    target = tmp_path / "my target"  # a path the shell must have quoted
+    target.symlink_to(tiny_model_dir)
+    out = tmp_path / "work"
+    exported = tmp_path / "exported draft"
+    capsys.readouterr()
+    assert _train(str(target), out, "--num-prompts", "12", "--export", str(exported)) == 0
+    assert sorted(p.name for p in exported.iterdir()) == [
+        "config.json",
+        "draft.json",
+        "model.safetensors",
+    ]
+    assert (out / "checkpoint.pt").exists() and (out / "data").is_dir()  # the work stays
+    hint = ["specserve", "serve", "--model", str(target), "--draft-model", str(exported)]
+    assert capsys.readouterr().out.strip().splitlines()[-1] == (
+        f"serve it with: {shlex.join(hint)}"
+    )
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    workload = {0: [("r", [1, 40, 77, 90], params)]}
+    reference = run_to_completion(make_engine(str(target)), workload)
+    engine = make_engine(str(target), speculative_method="draft", draft_model=str(exported))
+    assert run_to_completion(engine, workload)["r"]["token_ids"] == reference["r"]["token_ids"]
+    assert engine.stats.num_draft_tokens > 0
+    assert load_file(str(exported / "model.safetensors")).keys() == (
+        load_file(str(out / "model.safetensors")).keys()
+    )
+
+
+def test_export_into_the_work_directory_or_another_runs_is_refused(
+    tiny_model_dir, finished_run, tmp_path, capsys
+):
+    out = tmp_path / "d"
+    for export, message in (
+        (out, "--export must be a directory other than --out"),
+        (finished_run, f"--export {finished_run}: holds a train-draft work directory"),
+    ):
+        capsys.readouterr()
+        assert _train(tiny_model_dir, out, "--export", str(export)) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and message in err[0], err
+        assert not (out / "data").exists()
+
+
+def test_the_closing_hint_names_the_target_as_given_or_none_for_the_default():
+    from engine.entrypoints.train_draft import serve_hint
+
+    args = build_parser().parse_args(["train-draft", "--out", "my draft", "--tokenizer", "t"])
+    assert serve_hint(args) == "specserve serve --tokenizer t --draft-model 'my draft'"
+    args = build_parser().parse_args(["train-draft", "--out", "d", "--model", "org/m;x"])
+    assert serve_hint(args) == "specserve serve --model 'org/m;x' --draft-model d"
 
 
 # ---- the draft as served ----------------------------------------------------------------

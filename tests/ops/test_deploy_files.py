@@ -233,3 +233,28 @@ def test_dockerfiles_build_from_arguments_and_use_python3(name: str) -> None:
     assert "gcc" not in runtime_runs and "libc6-dev" not in runtime_runs
     args = {i["value"].split("=")[0] for i in structure if i["instruction"] == "ARG"}
     assert {"BASE_IMAGE", "TORCH_PIP_ARGS"} <= args, args
+
+
+def test_build_image_help_prints_the_usage_and_no_code() -> None:
+    """--help is the comment block under the shebang: every line printed is one of its
+    comment lines, and it stops before the first line of code (`set -euo pipefail`)."""
+    script = REPO_ROOT / "scripts" / "build_image.sh"
+    result = subprocess.run(
+        ["bash", str(script), "--help"], capture_output=True, text=True, timeout=30
+    )
+    assert result.returncode == 0 and result.stderr == ""
+    lines = result.stdout.splitlines()
+    assert lines[0].startswith("Build specserve's CPU container image")
+    assert lines[-1] == "Progress goes to stderr; the last line on stdout is the image's tag."
+    comments = {line.removeprefix("#").removeprefix(" ") for line in
+                script.read_text().splitlines() if line.startswith("#")}  # fmt: skip
+    assert [line for line in lines if line not in comments] == []
+    assert "  --engine E          docker or podman, instead of detecting" in lines
+
+
+def test_the_operations_guide_says_the_cpu_image_has_no_compiler() -> None:
+    """The runtime stages install no gcc (test_dockerfiles_build_from_arguments_...);
+    the guide must not say they do, and says where their kernels come from instead."""
+    guide = " ".join((REPO_ROOT / "docs" / "operations.md").read_text().split())
+    assert "ships gcc" not in guide
+    assert "The images have no compiler" in guide and "prebuilds the kernels" in guide
