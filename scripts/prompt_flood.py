@@ -1,18 +1,20 @@
 """Huge prompts against a running server: does another stream stall, does health lag?
 
     .venv/bin/specserve serve --port 50099 &
-    .venv/bin/python scripts/prompt_flood.py localhost:50099 text   # or: chat
+    .venv/bin/python scripts/prompt_flood.py localhost:50099 text   # or: chat, ids, vllm-ids
 
 One greedy stream runs; after 20 s of baseline, 20 requests with a 522k-character
-prompt arrive at once (text, or one chat message). Prints the stream's longest and
-99th-percentile wait between deltas before and during the flood (a longer window sees
-a larger maximum by chance alone, hence the percentile), how long the flood took, and
-the slowest health answer (polled every 20 ms) during it.
+prompt arrive at once (text, or one chat message), or 6 requests of 15M token ids with
+truncate_prompt_tokens 16 (ids: specserve.v1, vllm-ids: VllmEngine). Prints the
+stream's longest and 99th-percentile wait between deltas before and during the flood (a
+longer window sees a larger maximum by chance alone, hence the percentile), how long the
+flood took, and the slowest health answer (polled every 20 ms) during it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import sys
 import threading
 import time
@@ -22,16 +24,23 @@ import grpc
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from smg_grpc_proto.generated import vllm_engine_pb2 as vpb  # noqa: E402
+
 from engine.client import SpecserveClient  # noqa: E402
+from engine.rpc import generation_pb2 as pb  # noqa: E402
 
 NUM_PROMPTS = 20
 PROMPT_CHARS = 522_000
+NUM_ID_PROMPTS = 6
+PROMPT_IDS = 15_000_000  # about 14 MiB on the wire, under the default 16 MiB cap
 BASELINE_S = 20.0
+KINDS = ("text", "chat", "ids", "vllm-ids")
 
 
 def main(target: str, kind: str) -> None:
     client = SpecserveClient(target)
     client.wait_serving(300)
+    send, num_prompts = _sender(client, target, kind)  # before anything is measured
     times: list[float] = []
     threading.Thread(target=_stream, args=(client, times), daemon=True).start()
     time.sleep(BASELINE_S)
@@ -39,8 +48,7 @@ def main(target: str, kind: str) -> None:
     latencies: list[float] = []
     done = threading.Event()
     threading.Thread(target=_poll_health, args=(client, latencies, done), daemon=True).start()
-    text = ("The quick brown fox jumps over the lazy dog. " * 12000)[:PROMPT_CHARS]
-    flood = [threading.Thread(target=_big, args=(client, text, kind)) for _ in range(NUM_PROMPTS)]
+    flood = [threading.Thread(target=send) for _ in range(num_prompts)]
     start = time.monotonic()
     for t in flood:
         t.start()
@@ -75,10 +83,41 @@ def _poll_health(client: SpecserveClient, latencies: list[float], done: threadin
         time.sleep(0.02)
 
 
-def _big(client: SpecserveClient, text: str, kind: str) -> None:
-    prompt = {"messages": [{"role": "user", "content": text}]} if kind == "chat" else {}
-    with contextlib.suppress(grpc.RpcError):  # refused as too long for the context
-        client.generate_complete(None if prompt else text, max_tokens=1, **prompt)
+def _sender(client: SpecserveClient, target: str, kind: str) -> tuple:
+    """(what one flood thread runs, how many threads)."""
+    if kind in ("text", "chat"):
+        text = ("The quick brown fox jumps over the lazy dog. " * 12000)[:PROMPT_CHARS]
+        prompt = {"messages": [{"role": "user", "content": text}]} if kind == "chat" else {}
+
+        def send() -> None:
+            with contextlib.suppress(grpc.RpcError):  # refused as too long for the context
+                client.generate_complete(None if prompt else text, max_tokens=1, **prompt)
+
+        return send, NUM_PROMPTS
+    method, data = _id_request(kind)
+    channel = grpc.insecure_channel(target)
+
+    def send_ids() -> None:  # answered as the last 16 ids alone
+        call = channel.unary_stream(method) if kind == "vllm-ids" else channel.unary_unary(method)
+        result = call(data, timeout=120)
+        if kind == "vllm-ids":
+            list(result)
+
+    return send_ids, NUM_ID_PROMPTS
+
+
+def _id_request(kind: str) -> tuple[str, bytes]:
+    """The method and the request, serialized once (15M ids take a second to build)."""
+    ids = itertools.repeat(5, PROMPT_IDS)
+    if kind == "ids":
+        sampling = pb.SamplingOptions(max_tokens=1, truncate_prompt_tokens=16)
+        request = pb.GenerateRequest(sampling=sampling)
+        request.token_ids.ids.extend(ids)
+        return "/specserve.v1.Generation/GenerateComplete", request.SerializeToString()
+    vllm_sampling = vpb.SamplingParams(max_tokens=1, truncate_prompt_tokens=16)
+    vllm_request = vpb.GenerateRequest(request_id="flood", sampling_params=vllm_sampling)
+    vllm_request.tokenized.input_ids.extend(ids)
+    return "/vllm.grpc.engine.VllmEngine/Generate", vllm_request.SerializeToString()
 
 
 def _gaps(times: list[float], start: float, end: float) -> list[float]:
@@ -91,6 +130,6 @@ def _p99(gaps: list[float]) -> float:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) != 3 or sys.argv[2] not in ("text", "chat"):
-        sys.exit("usage: prompt_flood.py HOST:PORT text|chat")
+    if len(sys.argv) != 3 or sys.argv[2] not in KINDS:
+        sys.exit(f"usage: prompt_flood.py HOST:PORT {'|'.join(KINDS)}")
     main(sys.argv[1], sys.argv[2])

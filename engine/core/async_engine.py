@@ -21,9 +21,9 @@ import queue
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from engine.config import EngineConfig
 from engine.errors import (
@@ -38,6 +38,7 @@ from engine.io.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 
 _IDLE_WAIT_S = 0.05
+T = TypeVar("T")
 
 
 @dataclass(slots=True)
@@ -65,20 +66,78 @@ class _CallCommand:
 class _RequestStream:
     """Per-request output queue; items are RequestOutput or an exception to raise."""
 
-    __slots__ = ("key", "label", "queue", "loop", "finished", "aborted")
+    __slots__ = ("key", "label", "queue", "loop", "finished", "aborted", "abort_event")
 
-    def __init__(self, key: str, label: str, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(
+        self,
+        key: str,
+        label: str,
+        loop: asyncio.AbstractEventLoop,
+        abort_event: asyncio.Event,
+    ) -> None:
         self.key = key  # internal, unique: what the LLMEngine knows the request by
         self.label = label  # the caller's request_id
         self.queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self.loop = loop
         self.finished = False
         self.aborted = False  # set by abort(label); read by the loop thread
+        # Set after ``aborted``, on this stream's loop: wakes a Reservation waiting for
+        # a prompt. The streams admitted together share it.
+        self.abort_event = abort_event
+
+    def mark_aborted(self) -> None:
+        self.aborted = True
+        with contextlib.suppress(RuntimeError):  # a closed loop: nobody is waiting
+            self.loop.call_soon_threadsafe(self.abort_event.set)
 
     def put_threadsafe(self, item: RequestOutput | BaseException) -> None:
         # A closed event loop raises RuntimeError: nobody is listening any more.
         with contextlib.suppress(RuntimeError):
             self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+
+
+class Reservation:
+    """Requests admitted together under one label before their prompts are known
+    (``AsyncEngine.reserve``): ``abort(label)`` reaches every one of them from the
+    moment they exist, before, while and after each is started with ``generate``."""
+
+    def __init__(self, engine: AsyncEngine, streams: list[_RequestStream]) -> None:
+        self._engine = engine
+        self._streams = streams
+
+    @property
+    def aborted(self) -> bool:
+        return self._streams[0].aborted  # abort(label) marks them all at once
+
+    def generate(
+        self, index: int, prompt: str | list[int] | None, params: SamplingParams, **kwargs: Any
+    ) -> AsyncIterator[RequestOutput]:
+        """Request ``index`` (each at most once), as ``AsyncEngine.generate`` runs it.
+        One aborted before it starts is added and aborted on the engine thread in one
+        go: it ends with an "abort" output and never holds a KV block."""
+        return self._engine.generate(prompt, params, reserved=self._streams[index], **kwargs)
+
+    async def unless_aborted(self, awaitable: Awaitable[T]) -> T | None:
+        """``awaitable``'s result, or None as soon as ``abort(label)`` reaches these
+        requests; ``awaitable`` is then cancelled (a prompt queued for the encoder is
+        dropped, not encoded)."""
+        work = asyncio.ensure_future(awaitable)
+        aborted = asyncio.ensure_future(self._streams[0].abort_event.wait())
+        try:
+            await asyncio.wait((work, aborted), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            aborted.cancel()
+            work.cancel()  # nothing when it is done; also when we are cancelled
+        if not self.aborted:
+            return work.result()
+        if work.done() and not work.cancelled():
+            work.exception()  # retrieved: an abort wins over a failure that came with it
+        return None
+
+    def close(self) -> None:
+        """Give back the places of requests never started (``generate`` gives back its
+        own when it ends). Call it once every started request has ended."""
+        self._engine._release(self._streams)
 
 
 class AsyncEngine:
@@ -188,6 +247,7 @@ class AsyncEngine:
         *,
         priority: int = 0,
         messages: list[dict[str, str]] | None = None,
+        reserved: _RequestStream | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Submit one request and yield its output deltas until it finishes.
 
@@ -200,11 +260,11 @@ class AsyncEngine:
         input (before any output), EngineOverloadedError when the engine already holds
         ``max_num_seqs + max_waiting_requests`` requests, EngineDeadError when the
         engine has failed, EngineShutdownError while loading or shutting down.
+        ``reserved`` (from ``Reservation.generate``): admitted already, under its label.
         """
         if messages is not None and prompt:
             raise ValueError("give either prompt or messages, not both")
-        label = request_id or f"req-{uuid.uuid4().hex[:16]}"
-        stream = self._admit(label)
+        stream = reserved or self._admit(request_id, 1)[0]
         submitted = False
         try:
             if isinstance(prompt, str) or messages is not None:
@@ -221,10 +281,17 @@ class AsyncEngine:
                     stream.finished = True
                     return
         finally:
-            with self._streams_lock:
-                self._streams.pop(stream.key, None)
+            self._release([stream])
             if submitted and not stream.finished:
                 self._commands.put(_AbortCommand(stream.key))
+
+    def reserve(self, request_id: str | None, num_requests: int = 1) -> Reservation:
+        """Admit ``num_requests`` requests under one label now, all or none, before
+        their prompts are known: an ``abort(request_id)`` from this moment on ends every
+        one of them, even one whose prompt is still being encoded or that has not
+        started yet. Start each with ``Reservation.generate``; ``Reservation.close``
+        gives back the places of those never started. Raises as ``generate`` does."""
+        return Reservation(self, self._admit(request_id, num_requests))
 
     async def tokenize(
         self,
@@ -268,11 +335,15 @@ class AsyncEngine:
         with self._streams_lock:
             streams = [s for s in self._streams.values() if s.label == request_id]
             for stream in streams:
-                stream.aborted = True
+                stream.mark_aborted()
                 self._commands.put(_AbortCommand(stream.key))
         return len(streams)
 
-    def _admit(self, label: str) -> _RequestStream:
+    def _admit(self, request_id: str | None, num_requests: int) -> list[_RequestStream]:
+        """Register ``num_requests`` streams under one label, all or none."""
+        label = request_id or f"req-{uuid.uuid4().hex[:16]}"
+        loop = asyncio.get_running_loop()
+        abort_event = asyncio.Event()
         with self._streams_lock:
             if self._dead_error is not None:
                 raise EngineDeadError(f"engine has failed: {self._dead_error}")
@@ -281,14 +352,24 @@ class AsyncEngine:
             if not self._ready.is_set():
                 raise EngineShutdownError("engine is still loading the model")
             num_in_flight = len(self._streams)
-            if num_in_flight >= self.max_in_flight:
+            if num_in_flight + num_requests > self.max_in_flight:
                 # Running slots are full, so at least this many requests are waiting.
                 raise EngineOverloadedError(
-                    num_in_flight - self.config.max_num_seqs, self.config.max_waiting_requests
+                    max(num_in_flight - self.config.max_num_seqs, 0),
+                    self.config.max_waiting_requests,
                 )
-            stream = _RequestStream(f"a{next(self._keys)}", label, asyncio.get_running_loop())
-            self._streams[stream.key] = stream
-        return stream
+            streams = [
+                _RequestStream(f"a{next(self._keys)}", label, loop, abort_event)
+                for _ in range(num_requests)
+            ]
+            for stream in streams:
+                self._streams[stream.key] = stream
+        return streams
+
+    def _release(self, streams: list[_RequestStream]) -> None:
+        with self._streams_lock:
+            for stream in streams:
+                self._streams.pop(stream.key, None)
 
     async def _encode(
         self,

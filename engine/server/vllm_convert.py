@@ -80,6 +80,12 @@ def complete(
     return vpb.GenerateResponse(complete=message)
 
 
+def aborted(index: int) -> vpb.GenerateResponse:
+    """The end of choice ``index`` aborted before its prompt was encoded: no tokens, and
+    no prompt tokens counted (none reached the engine)."""
+    return vpb.GenerateResponse(complete=vpb.GenerateComplete(finish_reason="abort", index=index))
+
+
 def model_info(info: dict[str, Any]) -> vpb.GetModelInfoResponse:
     max_model_len = int(info.get("max_model_len") or 0)
     response = vpb.GetModelInfoResponse(

@@ -23,6 +23,7 @@ from smg_grpc_proto.generated import vllm_engine_pb2 as vpb
 from smg_grpc_proto.generated import vllm_engine_pb2_grpc as vpb_grpc
 
 from engine import version
+from engine.core.async_engine import Reservation
 from engine.io.sampling_params import SamplingParams
 from engine.server import vllm_convert, vllm_tokenizer
 from engine.server.rpc_guard import RETRY_AFTER_KEY, RpcError, RpcGuard, ready_engine
@@ -94,12 +95,32 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
         engine = ready_engine(self._engine)
         limits = ModelLimits.from_model_info(engine.model_info)
         req = to_vllm_request(request, limits, self._max_choices(engine))
-        prompt_ids = req.prompt(await self._prompt_ids(engine, req, limits), limits)
+        _check_room(engine, req.num_choices)
+        # Every choice is admitted under the label before the first await: an Abort from
+        # now on ends them all, even while the text waits for the encoder.
+        with contextlib.closing(engine.reserve(req.label, req.num_choices)) as reservation:
+            await self._run(engine, reservation, req, limits, context)
+
+    async def _run(
+        self,
+        engine: Any,
+        reservation: Reservation,
+        req: VllmRequest,
+        limits: ModelLimits,
+        context: grpc.aio.ServicerContext,
+    ) -> None:
+        prompt_ids = req.prompt_ids
+        if prompt_ids is None:
+            prompt_ids = await reservation.unless_aborted(self._tokenize(engine, req, limits))
+            if prompt_ids is None:  # aborted before its text was encoded: nothing ran
+                for index in range(req.num_choices):
+                    await context.write(vllm_convert.aborted(index))
+                return
+        prompt_ids = req.prompt(prompt_ids, limits)
         params = req.sampling_params(len(prompt_ids), limits)
-        _check_room(engine, len(params))
         eos_ids = frozenset(engine.model_info.get("eos_token_ids") or ())
         choices = [vllm_convert.ChoiceState(i) for i in range(len(params))]
-        async with contextlib.aclosing(_outputs(engine, prompt_ids, params, req.label)) as outputs:
+        async with contextlib.aclosing(_outputs(reservation, prompt_ids, params)) as outputs:
             async for index, output in outputs:
                 choice = choices[index]
                 choice.add(output)
@@ -109,9 +130,7 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
                     complete = vllm_convert.complete(choice, req.logprobs, eos_ids, req.stream)
                     await context.write(complete)
 
-    async def _prompt_ids(self, engine: Any, req: VllmRequest, limits: ModelLimits) -> list[int]:
-        if req.prompt_ids is not None:
-            return req.prompt_ids
+    async def _tokenize(self, engine: Any, req: VllmRequest, limits: ModelLimits) -> list[int]:
         # The engine's own encoder, off this loop; bounded unless the request truncates.
         max_tokens = None if req.truncate_prompt_tokens else limits.max_model_len - 1
         try:
@@ -241,7 +260,7 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
 
 def _check_room(engine: Any, num_choices: int) -> None:
     """All n choices or none: a stream must not end RESOURCE_EXHAUSTED half way through
-    (AsyncEngine still refuses any one of them if the room goes meanwhile)."""
+    (AsyncEngine.reserve admits them together; this refusal names n and the room)."""
     num_free = engine.max_in_flight - engine.num_in_flight
     if num_choices > 1 and num_choices > num_free:
         raise RpcError(
@@ -253,12 +272,13 @@ def _check_room(engine: Any, num_choices: int) -> None:
 
 
 async def _outputs(
-    engine: Any, prompt_ids: list[int], params: list[SamplingParams], label: str | None
+    reservation: Reservation, prompt_ids: list[int], params: list[SamplingParams]
 ) -> AsyncIterator[tuple[int, Any]]:
     """(choice index, output delta) of every choice, as they come. Leaving early (or an
     error in any choice) closes every engine iterator, which aborts its request."""
     if len(params) == 1:
-        async with contextlib.aclosing(engine.generate(prompt_ids, params[0], label)) as outputs:
+        generate = reservation.generate(0, prompt_ids, params[0])
+        async with contextlib.aclosing(generate) as outputs:
             async for output in outputs:
                 yield 0, output
         return
@@ -267,7 +287,7 @@ async def _outputs(
     async def pump(index: int, choice_params: SamplingParams) -> None:
         try:
             async with contextlib.aclosing(
-                engine.generate(prompt_ids, choice_params, label)
+                reservation.generate(index, prompt_ids, choice_params)
             ) as outputs:
                 async for output in outputs:
                     queue.put_nowait((index, output))

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import itertools
+import time
+
 import pytest
 
 from engine.client import build_request
@@ -48,10 +51,29 @@ def test_logit_options_pass_through():
     assert (p.min_tokens, p.logit_bias, p.include_stop_str_in_output) == (
         9, {3: -100.0, 319: 2.5}, True,
     )  # fmt: skip
-    assert p.truncate_prompt_tokens == 511 and len(req.prompt) == 600  # the engine cuts it
+    assert p.truncate_prompt_tokens == 511 and len(req.prompt) == 511  # cut before it is read
     default = check(build_request("x")).params
     assert (default.repetition_penalty, default.min_tokens, default.logit_bias) == (1.0, 0, {})
     assert default.truncate_prompt_tokens is None and not default.processes_logits
+
+
+def test_truncation_reads_only_the_ids_it_keeps():
+    """The last n ids, range-checked; the rest is never read (15M ids held the event
+    loop over a second when each one was checked and copied)."""
+    huge = build_request([5], truncate_prompt_tokens=16)
+    huge.token_ids.ids.extend(itertools.repeat(5, 5_000_000))
+    huge.token_ids.ids.extend(range(100, 116))
+    t0 = time.perf_counter()
+    prompt = check(huge).prompt
+    assert time.perf_counter() - t0 < 0.05  # about 0.4 s when every id was read
+    assert prompt == list(range(100, 116))
+    request = build_request([1] * 600 + [7, 8, 9], truncate_prompt_tokens=3)
+    assert check(request).prompt == [7, 8, 9]
+    # Ids that truncation drops are never read, so never refused.
+    dropped_is_out_of_range = build_request([999] * 600 + [7, 8, 9], truncate_prompt_tokens=3)
+    assert check(dropped_is_out_of_range).prompt == [7, 8, 9]
+    with pytest.raises(InvalidArgument, match=r"^token_ids.ids must be in \[0, 319\]"):
+        check(build_request([1] * 600 + [7, 320, 9], truncate_prompt_tokens=3))
 
 
 def test_speculation_off_and_top_k_clamped_to_off():

@@ -6,8 +6,10 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import io
+import itertools
 import math
 import threading
+import time
 import zipfile
 from typing import Any
 
@@ -233,6 +235,36 @@ def test_fields_the_engine_lacks_are_refused_by_name(monkeypatch):
         vllm_request.to_vllm_request(request, limits, 8)
     # Left at its default, the missing field is not an error.
     assert "min_tokens" not in vllm_request.to_vllm_request(_request(), limits, 8).kwargs
+
+
+def test_truncation_reads_only_the_input_ids_it_keeps():
+    """The last n ids, range-checked, never more than the context holds; the rest is
+    never read (15M ids held the event loop over a second when each one was read)."""
+    limits = ModelLimits(vocab_size=259, max_model_len=512)
+
+    def prompt_ids(ids, **sampling) -> list[int] | None:
+        request = _request(ids, **sampling)
+        return vllm_request.to_vllm_request(request, limits, 8).prompt_ids
+
+    huge = _request([5], truncate_prompt_tokens=16)
+    huge.tokenized.input_ids.extend(itertools.repeat(5, 5_000_000))
+    huge.tokenized.input_ids.extend(range(100, 116))
+    t0 = time.perf_counter()
+    kept = vllm_request.to_vllm_request(huge, limits, 8).prompt_ids
+    assert time.perf_counter() - t0 < 0.05  # about 0.4 s when every id was read
+    assert kept == list(range(100, 116))
+    # Ids that truncation drops are never read, so never refused.
+    assert prompt_ids([999] * 600 + [7, 8, 9], truncate_prompt_tokens=3) == [7, 8, 9]
+    ids = [i % 250 for i in range(600)]
+    assert prompt_ids(ids, truncate_prompt_tokens=-1) == ids[-511:]  # the whole context
+    with pytest.raises(ValueError, match=r"^tokenized.input_ids must be in \[0, 258\]"):
+        prompt_ids([1] * 600 + [7, 300, 9], truncate_prompt_tokens=3)
+    with pytest.raises(ValueError) as info:
+        prompt_ids([1] * 600, truncate_prompt_tokens=520)
+    assert str(info.value) == (
+        "tokenized.input_ids must have at most 511 ids (max_model_len - 1) after "
+        "sampling_params.truncate_prompt_tokens, got 520"
+    )
 
 
 class SteppedEngine:
