@@ -40,7 +40,13 @@ from engine import envs
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("cpu_kernels.c")
+# One translation unit, in this order (each part uses what the ones before it define);
+# the compiler sees their concatenation as SOURCE.name, #line directives keeping its
+# messages on the right file and line.
+SOURCES = tuple(Path(__file__).with_name(name) for name in (
+    "cpu_kernels.c", "quant_kernels.c", "decoder_kernels.c",
+))  # fmt: skip
+SOURCE = SOURCES[0]
 # Compiled and linked in two steps: linking with -ffast-math (gcc < 13) adds
 # crtfastmath.o, whose constructor turns on flush-to-zero for the whole process when
 # the library loads, silently changing every other float computation (hypothesis
@@ -54,14 +60,21 @@ _PROC_FD = Path("/proc/self/fd")
 _X86_64_V2 = frozenset({"cx16", "lahf_lm", "popcnt", "pni", "sse4_1", "sse4_2", "ssse3"})
 _X86_64_V3 = _X86_64_V2 | {"abm", "avx", "avx2", "bmi1", "bmi2", "f16c", "fma", "movbe", "xsave"}
 _X86_64_V4 = _X86_64_V3 | {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"}
-# Not a psABI level: -v4 plus AVX512-BF16 (Zen 4 and later, Cooper Lake, Sapphire Rapids
-# and later), which the bf16 Linear kernel needs.
-_X86_64_V4_BF16 = _X86_64_V4 | {"avx512_bf16"}
+# Not psABI levels: a level plus the extensions specserve's kernels use. AVX512-VNNI
+# (Cascade Lake, Ice Lake and later, Zen 4 and later) runs the quantized Linear kernel
+# on zmm; AVX512-BF16 with it (Zen 4 and later, Cooper Lake, Sapphire Rapids and later)
+# the bf16 Linear kernel too; AVX-VNNI (Alder Lake and later) the quantized kernel's
+# 256-bit dot products.
+_X86_64_V4_VNNI = _X86_64_V4 | {"avx512_vnni"}
+_X86_64_V4_VNNI_BF16 = _X86_64_V4_VNNI | {"avx512_bf16"}
+_X86_64_V3_AVXVNNI = _X86_64_V3 | {"avx_vnni"}
 # Per architecture (``platform.machine()``): prebuilt levels, best first.
 PREBUILT_LEVELS: dict[str, list[tuple[str, frozenset[str]]]] = {
     "x86_64": [
-        ("x86-64-v4-bf16", _X86_64_V4_BF16),
+        ("x86-64-v4-vnni-bf16", _X86_64_V4_VNNI_BF16),
+        ("x86-64-v4-vnni", _X86_64_V4_VNNI),
         ("x86-64-v4", _X86_64_V4),
+        ("x86-64-v3-avxvnni", _X86_64_V3_AVXVNNI),
         ("x86-64-v3", _X86_64_V3),
         ("x86-64-v2", _X86_64_V2),
     ],
@@ -73,6 +86,12 @@ class KernelBuildError(RuntimeError):
     pass
 
 
+def read_source() -> bytes:
+    """The kernels' translation unit: every part of SOURCES, each after a #line
+    directive naming it."""
+    return b"".join(f'#line 1 "{path.name}"\n'.encode() + path.read_bytes() for path in SOURCES)
+
+
 def build_library(out_dir: Path | None = None) -> Path:
     """A compiled cpu_kernels.c that is safe to load: the cached ``-march=native`` build
     in ``out_dir`` (default ``envs.kernel_cache_dir()``) when it passes
@@ -81,7 +100,7 @@ def build_library(out_dir: Path | None = None) -> Path:
     there that this CPU can run, else ``_build_private``. A cached build that fails the
     rule is logged once, in one warning line saying which of those happens instead."""
     cc = _compiler()
-    source = SOURCE.read_bytes()
+    source = read_source()
     cache = _canonical(out_dir or envs.kernel_cache_dir())
     problem: tuple[int, str] | None = None
     refused = ""  # "not loading PATH: why; " when the cached build failed the rule
@@ -128,7 +147,7 @@ def prebuild(out_dir: Path, machine: str | None = None) -> list[Path]:
     machine = machine or platform.machine()
     if machine not in PREBUILT_LEVELS:
         raise KernelBuildError(f"no prebuilt kernel levels for {machine}")
-    source = SOURCE.read_bytes()
+    source = read_source()
     out = _canonical(out_dir)
     _make_dirs(out)
     built = []
@@ -293,7 +312,11 @@ def _build_dir(parent: Path) -> Iterator[tuple[Path, int]]:
 
 
 # Levels that are a psABI level plus extensions: the -march value and the extra flags.
-_LEVEL_FLAGS = {"x86-64-v4-bf16": ["-march=x86-64-v4", "-mavx512bf16"]}
+_LEVEL_FLAGS = {
+    "x86-64-v4-vnni-bf16": ["-march=x86-64-v4", "-mavx512vnni", "-mavx512bf16"],
+    "x86-64-v4-vnni": ["-march=x86-64-v4", "-mavx512vnni"],
+    "x86-64-v3-avxvnni": ["-march=x86-64-v3", "-mavxvnni"],
+}
 
 
 def _compile_flags(march: str) -> list[str]:
@@ -326,7 +349,7 @@ def _compile(
         if result.returncode != 0:
             lines = result.stderr.strip().splitlines() or ["(no output)"]
             first = next((line for line in lines if "error" in line), lines[0])
-            raise KernelBuildError(f"{cc} failed to build {SOURCE.name}: {first}")
+            raise KernelBuildError(f"{cc} failed to build the CPU kernels: {first}")
 
 
 def _open_build(dir_fd: int, name: str) -> int:

@@ -9,9 +9,10 @@ bit-identical to the Python forward (tested), and Python is left with the embedd
 the final norm and the LM head.
 
 Used by ``LlamaModel.forward`` when every piece of a layer runs on these kernels: a
-bf16 CPU model, kernels built with AVX512-BF16 (every Linear packed for
-``specserve_linear_bf16``, only qkv with a bias), the ``cpu`` attention backend with
-every query on the kernel (always so in bf16), KV caches bound.
+bf16 CPU model whose every Linear is either packed for ``specserve_linear_bf16``
+(kernels built with AVX512-BF16) or quantized (``specserve_quant_linear_bf16``), only
+qkv with a bias, the ``cpu`` attention backend with every query on the kernel (always
+so in bf16), KV caches bound.
 ``SPECSERVE_FUSED_DECODER=0`` keeps the layer-by-layer Python forward (what
 ``specserve bench step`` times component by component).
 """
@@ -29,8 +30,11 @@ _LAYER_FIELDS = (
 )  # fmt: skip
 
 
-class _Layer(ctypes.Structure):
-    _fields_ = [(name, _P) for name in _LAYER_FIELDS]  # struct specserve_layer_bf16
+_FORMAT_FIELDS = ("qkv_fmt", "o_fmt", "gate_up_fmt", "down_fmt")
+
+
+class _Layer(ctypes.Structure):  # struct specserve_layer_bf16
+    _fields_ = [(name, _P) for name in _LAYER_FIELDS] + [(name, _I32) for name in _FORMAT_FIELDS]
 
 
 _ARGTYPES = [_P, _I64, _P, _P, _P, _P, _P, _P, _P, _I64]  # layers .. act, n
@@ -57,17 +61,20 @@ class FusedDecoderLayers:
         for layer, cache in zip(model.layers, kv_caches, strict=True):
             attn, mlp = layer.self_attn, layer.mlp
             qkv_bias = attn.qkv_proj.bias
+            linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+            (qkv, o, gate_up, down), formats = zip(*(self._weight(m) for m in linears))
             rows.append(
                 _Layer(
                     self._ptr(layer.input_layernorm.weight),
-                    self._ptr(attn.qkv_proj.packed_weight),
+                    qkv,
                     None if qkv_bias is None else self._ptr(qkv_bias),
-                    self._ptr(attn.o_proj.packed_weight),
+                    o,
                     self._ptr(layer.post_attention_layernorm.weight),
-                    self._ptr(mlp.gate_up_proj.packed_weight),
-                    self._ptr(mlp.down_proj.packed_weight),
+                    gate_up,
+                    down,
                     self._ptr(cache[0]),
                     self._ptr(cache[1]),
+                    *formats,
                 )
             )
         self.layers = (_Layer * len(rows))(*rows)
@@ -75,6 +82,18 @@ class FusedDecoderLayers:
         fn = kernels.lib.specserve_decoder_layers_bf16
         fn.restype, fn.argtypes = ctypes.c_int, _ARGTYPES
         self._fn = fn
+
+    def _weight(self, linear) -> tuple[int, int]:
+        """(pointer, format) of a Linear's packed weight: format 0 for the bf16 kernel's
+        layout, the GGML type id of a quantized one."""
+        weight_q = getattr(linear, "weight_q", None)
+        if weight_q is None:
+            return self._ptr(linear.packed_weight), 0
+        data = weight_q.data
+        if data.dtype is not torch.uint8 or not data.is_contiguous() or not data.is_cpu:
+            raise ValueError("fused decoder: a quantized weight is not dense uint8 on the CPU")
+        self._keep.append(data)
+        return data.data_ptr(), weight_q.fmt
 
     def _ptr(self, t: torch.Tensor) -> int:
         t = t.detach()
@@ -137,6 +156,8 @@ def _error(status: int, num_positions: int, num_slots: int) -> Exception:
         return ValueError(f"a position is outside the rotary table's 0..{num_positions - 1}")
     if status == 2:
         return ValueError(f"a slot in slot_mapping is past the cache's {num_slots} slots")
+    if status == 3:
+        return MemoryError("a quantized Linear could not allocate its scratch buffers")
     if status == 11:
         return MemoryError("paged attention could not allocate its scratch buffers")
     if status == 12:

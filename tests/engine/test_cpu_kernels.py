@@ -454,7 +454,7 @@ def test_compiler_failure_is_one_line(monkeypatch, tmp_path):
     )
     bad_cc.chmod(0o755)
     monkeypatch.setenv("CC", str(bad_cc))
-    with pytest.raises(KernelBuildError, match=r"failed to build cpu_kernels.c: x.c:1: error"):
+    with pytest.raises(KernelBuildError, match=r"failed to build the CPU kernels: x.c:1: error"):
         build_library(tmp_path / "out")
 
 

@@ -58,7 +58,7 @@ def marker(tmp_path, monkeypatch) -> Path:
 
 
 def _library_name() -> str:
-    return build_mod.library_name(build_mod._compiler(), build_mod.SOURCE.read_bytes())
+    return build_mod.library_name(build_mod._compiler(), build_mod.read_source())
 
 
 def _plant(planted_library: Path, directory: Path) -> Path:
@@ -424,12 +424,12 @@ def test_the_bf16_level_has_the_linear_kernel_and_v4_does_not(prebuilt, monkeypa
     _cpu_with(monkeypatch, build_mod._X86_64_V4)
     v4 = build_library(out)
     assert v4.name.endswith("-x86-64-v4.so")
-    _cpu_with(monkeypatch, build_mod._X86_64_V4_BF16)
+    _cpu_with(monkeypatch, build_mod._X86_64_V4_VNNI_BF16)
     v4_bf16 = build_library(out)
-    assert v4_bf16.name.endswith("-x86-64-v4-bf16.so")
+    assert v4_bf16.name.endswith("-x86-64-v4-vnni-bf16.so")
     if have >= build_mod._X86_64_V4:
         assert not CpuKernels(v4).has_bf16_linear
-    if have >= build_mod._X86_64_V4_BF16:
+    if have >= build_mod._X86_64_V4_VNNI_BF16:
         kernels = CpuKernels(v4_bf16)
         assert kernels.has_bf16_linear
         weight = torch.randn(40, 16).to(torch.bfloat16)

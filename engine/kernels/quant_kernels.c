@@ -1,0 +1,457 @@
+/* specserve CPU kernels, part 2 of 3 (after cpu_kernels.c, whose element types and
+ * helpers it uses): Linear layers on 4- and 8-bit weights.
+ *
+ * Weights are GGUF's Q4_0, Q4_1 or Q8_0 (a 32-weight block: an fp16 scale d, Q4_1 an
+ * fp16 minimum m too, and 32 quants: w = d * (q - 8), d * q + m, d * q), served as
+ * stored; `--quantization int8` makes Q8_0 blocks of any model's weights.
+ *
+ * Activations are quantized once per call, per row and per 32-block, to int8 with an
+ * fp32 scale (xd = max|x| / 127, xq = round(x / xd)) and the sum of the block's xq.
+ * A block's contribution to an output is then an exact integer dot product, scaled:
+ *
+ *     Q8_0:  d * xd * sum(q * xq)
+ *     Q4_0:  d * xd * (sum(q * xq) - 8 * sum(xq))          q in 0..15
+ *     Q4_1:  d * xd * sum(q * xq) + m * xd * sum(xq)
+ *
+ * Batch invariance, by construction: each output is one fp32 accumulator over the
+ * blocks in order, from zero, and a row's quantized activations depend on that row
+ * alone; the row block a row falls in, the rows beside it and the thread that runs it
+ * change nothing. Bias is added once and the result rounded once to the output type.
+ *
+ * Packed layout (specserve_quant_pack, once at load): tiles of QLANES outputs, each
+ * tile every block of its outputs in order; a block of a tile holds QLANES fp16 d, for
+ * Q4_1 QLANES fp16 m, then the quants interleaved for the dot-product instructions:
+ * Q8_0 in 8 groups of 4 inputs, each [QLANES][4] int8 (group g: inputs 4g..4g+3);
+ * Q4 in 4 chunks, each [QLANES][4] bytes whose low nibbles are inputs 4c..4c+3 and
+ * high nibbles inputs 16+4c..16+4c+3. A tile's block is as many bytes as QLANES GGUF
+ * blocks: the weights stream at their stored size. Lanes past n are zero.
+ *
+ * Three paths, chosen at compile time (one library per CPU kind):
+ *   avx512-vnni  16 lanes, vpdpbusd on zmm (u8 x s8); Q8_0's signed weights are made
+ *                unsigned with +128 (an xor) and 128 * sum(xq) taken back off;
+ *   avx2         8 lanes, vpmaddubsw + vpmaddwd, or vpdpbusd on ymm where the CPU has
+ *                AVX-VNNI (or AVX512-VNNI with VL); Q8_0 by the sign trick
+ *                |q| * sign(xq, q), which never saturates for |q| <= 128, |xq| <= 127;
+ *   portable     8 lanes, plain C: any CPU (x86-64-v2, Arm).
+ */
+
+#define QK 32
+#define QFMT_Q4_0 2 /* GGML type ids */
+#define QFMT_Q4_1 3
+#define QFMT_Q8_0 8
+
+typedef uint16_t f16;
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define QPATH_AVX512 1
+#define QLANES 16
+#define QROWS 8 /* rows of x per register block: 16 accumulators */
+#define QPATH_NAME "avx512-vnni"
+#elif defined(__AVX2__) && defined(__F16C__)
+#define QPATH_AVX2 1
+#define QLANES 8
+#define QROWS 4
+#if defined(__AVXVNNI__) || (defined(__AVX512VNNI__) && defined(__AVX512VL__))
+#define QPATH_NAME "avx2+vnni"
+#else
+#define QPATH_NAME "avx2"
+#endif
+#else
+#define QLANES 8
+#define QROWS 4
+#define QPATH_NAME "portable"
+#endif
+
+#if defined(QPATH_AVX512) || defined(QPATH_AVX2)
+#include <immintrin.h>
+#endif
+
+int32_t specserve_quant_lanes(void) { return QLANES; }
+const char *specserve_quant_path(void) { return QPATH_NAME; }
+
+INLINE int q_known(int32_t fmt) {
+    return fmt == QFMT_Q4_0 || fmt == QFMT_Q4_1 || fmt == QFMT_Q8_0;
+}
+/* Bytes of one output's block as GGUF stores it, and of its scales in a tile. */
+INLINE int64_t q_gguf_block_bytes(int32_t fmt) {
+    return fmt == QFMT_Q8_0 ? 34 : fmt == QFMT_Q4_1 ? 20 : 18;
+}
+INLINE int64_t q_scale_bytes(int32_t fmt) { return fmt == QFMT_Q4_1 ? 4 : 2; }
+INLINE int64_t q_tile_block_bytes(int32_t fmt) { return QLANES * q_gguf_block_bytes(fmt); }
+
+/* IEEE half -> float, exact (normals, subnormals, inf, NaN). */
+INLINE float f16_to_f32(f16 h) {
+    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
+    uint32_t exp = (h >> 10) & 0x1fu, man = h & 0x3ffu;
+    if (exp == 0x1f) return BITS_TO_F32(sign | 0x7f800000u | (man << 13));
+    if (exp == 0) {
+        if (man == 0) return BITS_TO_F32(sign);
+        const float sub = (float)man * (1.0f / 16777216.0f); /* man * 2^-24 */
+        return sign ? -sub : sub;
+    }
+    return BITS_TO_F32(sign | ((exp + 112u) << 23) | (man << 13));
+}
+
+/* Packed bytes of an [n, k] weight of format fmt; -1 when fmt is unknown or k is not
+ * a multiple of 32. */
+int64_t specserve_quant_packed_bytes(int32_t fmt, int64_t n, int64_t k) {
+    if (!q_known(fmt) || k <= 0 || k % QK || n <= 0) return -1;
+    const int64_t tiles = (n + QLANES - 1) / QLANES;
+    return tiles * (k / QK) * q_tile_block_bytes(fmt);
+}
+
+/* GGUF rows (n rows of k / 32 blocks, row_bytes apart) -> the packed layout above.
+ * Returns 0, or 1 for an unknown format, a k that is not a multiple of 32, or rows
+ * shorter than their blocks. */
+int specserve_quant_pack(int32_t fmt, const uint8_t *src, int64_t row_bytes, int64_t n,
+                         int64_t k, uint8_t *dst) {
+    if (specserve_quant_packed_bytes(fmt, n, k) < 0 || row_bytes < k / QK * q_gguf_block_bytes(fmt))
+        return 1;
+    const int64_t nb = k / QK, gb = q_gguf_block_bytes(fmt), sb = q_scale_bytes(fmt);
+    const int64_t tb = q_tile_block_bytes(fmt), tiles = (n + QLANES - 1) / QLANES;
+    memset(dst, 0, (size_t)(tiles * nb * tb));
+    _Pragma("omp parallel for schedule(static)") for (int64_t row = 0; row < n; row++) {
+        const int64_t tile = row / QLANES, lane = row % QLANES;
+        for (int64_t b = 0; b < nb; b++) {
+            const uint8_t *in = src + row * row_bytes + b * gb;
+            uint8_t *out = dst + (tile * nb + b) * tb;
+            memcpy(out + lane * 2, in, 2); /* d */
+            if (fmt == QFMT_Q4_1) memcpy(out + QLANES * 2 + lane * 2, in + 2, 2); /* m */
+            uint8_t *qs = out + QLANES * sb;
+            const uint8_t *q = in + sb;
+            if (fmt == QFMT_Q8_0) {
+                for (int i = 0; i < QK; i++) qs[(i / 4) * QLANES * 4 + lane * 4 + i % 4] = q[i];
+            } else { /* GGUF: byte j holds input j (low nibble) and input j + 16 (high) */
+                for (int j = 0; j < 16; j++) qs[(j / 4) * QLANES * 4 + lane * 4 + j % 4] = q[j];
+            }
+        }
+    }
+    return 0;
+}
+
+/* ---- activations: one row to int8 blocks ---- */
+
+#define QUANTIZE_ROW(T, S)                                                                     \
+    INLINE void quantize_row_##S(const T *restrict x, int64_t k, int8_t *restrict q,          \
+                                 float *restrict d, int32_t *restrict s) {                     \
+        for (int64_t b = 0; b < k / QK; b++) {                                                 \
+            float v[QK], amax = 0.0f;                                                          \
+            for (int i = 0; i < QK; i++) {                                                     \
+                v[i] = LD_##S(x, b * QK + i);                                                  \
+                amax = fmaxf(amax, fabsf(v[i]));                                               \
+            }                                                                                  \
+            const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;                              \
+            int32_t sum = 0;                                                                   \
+            for (int i = 0; i < QK; i++) {                                                     \
+                float r = nearbyintf(v[i] * inv);                                              \
+                r = r > 127.0f ? 127.0f : r < -127.0f ? -127.0f : r;                           \
+                q[b * QK + i] = (int8_t)r;                                                     \
+                sum += (int32_t)r;                                                             \
+            }                                                                                  \
+            d[b] = amax / 127.0f;                                                              \
+            s[b] = sum;                                                                        \
+        }                                                                                      \
+    }
+QUANTIZE_ROW(float, f32)
+QUANTIZE_ROW(bf16, bf16)
+
+/* The quantized activations of m rows: xq [m][k], xd and xs [m][k / 32]. */
+struct qrows {
+    int8_t *q;
+    float *d;
+    int32_t *s;
+    int64_t k, nb;
+};
+
+INLINE int qrows_alloc(struct qrows *a, int64_t m, int64_t k) {
+    a->k = k, a->nb = k / QK;
+    a->q = malloc((size_t)(m * k));
+    a->d = malloc(sizeof(float) * (size_t)(m * a->nb));
+    a->s = malloc(sizeof(int32_t) * (size_t)(m * a->nb));
+    if (a->q && a->d && a->s) return 0;
+    free(a->q), free(a->d), free(a->s);
+    return 3;
+}
+INLINE void qrows_free(struct qrows *a) { free(a->q), free(a->d), free(a->s); }
+
+/* ---- one tile of outputs for rows [r0, r0 + rows): per-path dot products ---- */
+
+INLINE int32_t load_i32(const void *p) {
+    int32_t v;
+    memcpy(&v, p, 4);
+    return v;
+}
+
+#if defined(QPATH_AVX512)
+typedef __m512 qacc; /* one row's QLANES fp32 accumulators */
+
+/* `rows` (a constant after inlining) rows against one tile of `fmt` (a constant too). */
+INLINE void q_tile(qacc *acc, int32_t fmt, int rows, const uint8_t *tile,
+                   const struct qrows *a, int64_t r0) {
+    const __m512i low4 = _mm512_set1_epi8(0x0f), flip = _mm512_set1_epi8((char)0x80);
+    const int64_t tb = q_tile_block_bytes(fmt), sb = q_scale_bytes(fmt);
+    for (int r = 0; r < rows; r++) acc[r] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < a->nb; b++) {
+        const uint8_t *blk = tile + b * tb, *qs = blk + QLANES * sb;
+        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)blk));
+        __m512i dot[QROWS];
+        for (int r = 0; r < rows; r++) dot[r] = _mm512_setzero_si512();
+        if (fmt == QFMT_Q8_0) {
+            for (int g = 0; g < 8; g++) {
+                const __m512i w = _mm512_xor_si512(_mm512_loadu_si512(qs + g * 64), flip);
+                for (int r = 0; r < rows; r++) {
+                    const int8_t *x = a->q + (r0 + r) * a->k + b * QK + 4 * g;
+                    dot[r] = _mm512_dpbusd_epi32(dot[r], w, _mm512_set1_epi32(load_i32(x)));
+                }
+            }
+        } else {
+            for (int c = 0; c < 4; c++) {
+                const __m512i v = _mm512_loadu_si512(qs + c * 64);
+                const __m512i lo = _mm512_and_si512(v, low4);
+                const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+                for (int r = 0; r < rows; r++) {
+                    const int8_t *x = a->q + (r0 + r) * a->k + b * QK + 4 * c;
+                    dot[r] = _mm512_dpbusd_epi32(dot[r], lo, _mm512_set1_epi32(load_i32(x)));
+                    dot[r] = _mm512_dpbusd_epi32(dot[r], hi, _mm512_set1_epi32(load_i32(x + 16)));
+                }
+            }
+        }
+        const __m512 m = fmt == QFMT_Q4_1
+                             ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + 32)))
+                             : _mm512_setzero_ps();
+        for (int r = 0; r < rows; r++) {
+            const int64_t i = (r0 + r) * a->nb + b;
+            const float xd = a->d[i];
+            const int32_t xs = a->s[i];
+            __m512i total = dot[r];
+            if (fmt == QFMT_Q8_0) total = _mm512_sub_epi32(total, _mm512_set1_epi32(128 * xs));
+            if (fmt == QFMT_Q4_0) total = _mm512_sub_epi32(total, _mm512_set1_epi32(8 * xs));
+            const __m512 scale = _mm512_mul_ps(d, _mm512_set1_ps(xd));
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(total), scale, acc[r]);
+            if (fmt == QFMT_Q4_1)
+                acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(xd * (float)xs), acc[r]);
+        }
+    }
+}
+
+INLINE void q_acc_to_lanes(float *lanes, qacc v) { _mm512_storeu_ps(lanes, v); }
+
+#elif defined(QPATH_AVX2)
+typedef __m256 qacc;
+
+#if defined(__AVXVNNI__)
+#define DPBUSD8(acc, u, s) _mm256_dpbusd_avx_epi32(acc, u, s)
+#elif defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define DPBUSD8(acc, u, s) _mm256_dpbusd_epi32(acc, u, s)
+#else /* u8 * s8 pairs to i16 (no saturation for these ranges), then pairs of i16 to i32 */
+#define DPBUSD8(acc, u, s)                                                                     \
+    _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)))
+#endif
+
+INLINE void q_tile(qacc *acc, int32_t fmt, int rows, const uint8_t *tile,
+                   const struct qrows *a, int64_t r0) {
+    const __m256i low4 = _mm256_set1_epi8(0x0f);
+    const int64_t tb = q_tile_block_bytes(fmt), sb = q_scale_bytes(fmt);
+    for (int r = 0; r < rows; r++) acc[r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < a->nb; b++) {
+        const uint8_t *blk = tile + b * tb, *qs = blk + QLANES * sb;
+        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk));
+        __m256i dot[QROWS];
+        for (int r = 0; r < rows; r++) dot[r] = _mm256_setzero_si256();
+        if (fmt == QFMT_Q8_0) {
+            for (int g = 0; g < 8; g++) {
+                const __m256i w = _mm256_loadu_si256((const __m256i *)(qs + g * 32));
+                const __m256i wabs = _mm256_sign_epi8(w, w);
+                for (int r = 0; r < rows; r++) {
+                    const int8_t *x = a->q + (r0 + r) * a->k + b * QK + 4 * g;
+                    const __m256i xs = _mm256_sign_epi8(_mm256_set1_epi32(load_i32(x)), w);
+                    dot[r] = DPBUSD8(dot[r], wabs, xs);
+                }
+            }
+        } else {
+            for (int c = 0; c < 4; c++) {
+                const __m256i v = _mm256_loadu_si256((const __m256i *)(qs + c * 32));
+                const __m256i lo = _mm256_and_si256(v, low4);
+                const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+                for (int r = 0; r < rows; r++) {
+                    const int8_t *x = a->q + (r0 + r) * a->k + b * QK + 4 * c;
+                    dot[r] = DPBUSD8(dot[r], lo, _mm256_set1_epi32(load_i32(x)));
+                    dot[r] = DPBUSD8(dot[r], hi, _mm256_set1_epi32(load_i32(x + 16)));
+                }
+            }
+        }
+        const __m256 m = fmt == QFMT_Q4_1
+                             ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 16)))
+                             : _mm256_setzero_ps();
+        for (int r = 0; r < rows; r++) {
+            const int64_t i = (r0 + r) * a->nb + b;
+            const float xd = a->d[i];
+            const int32_t xs = a->s[i];
+            __m256i total = dot[r];
+            if (fmt == QFMT_Q4_0) total = _mm256_sub_epi32(total, _mm256_set1_epi32(8 * xs));
+            const __m256 scale = _mm256_mul_ps(d, _mm256_set1_ps(xd));
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(total), scale, acc[r]);
+            if (fmt == QFMT_Q4_1)
+                acc[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(xd * (float)xs), acc[r]);
+        }
+    }
+}
+
+INLINE void q_acc_to_lanes(float *lanes, qacc v) { _mm256_storeu_ps(lanes, v); }
+
+#else /* portable */
+typedef struct {
+    float v[QLANES];
+} qacc;
+
+INLINE void q_tile(qacc *acc, int32_t fmt, int rows, const uint8_t *tile,
+                   const struct qrows *a, int64_t r0) {
+    const int64_t tb = q_tile_block_bytes(fmt), sb = q_scale_bytes(fmt);
+    for (int r = 0; r < rows; r++) memset(&acc[r], 0, sizeof(qacc));
+    for (int64_t b = 0; b < a->nb; b++) {
+        const uint8_t *blk = tile + b * tb, *qs = blk + QLANES * sb;
+        for (int lane = 0; lane < QLANES; lane++) {
+            f16 dh, mh = 0;
+            memcpy(&dh, blk + 2 * lane, 2);
+            if (fmt == QFMT_Q4_1) memcpy(&mh, blk + 2 * QLANES + 2 * lane, 2);
+            const float d = f16_to_f32(dh), m = f16_to_f32(mh);
+            for (int r = 0; r < rows; r++) {
+                const int8_t *x = a->q + (r0 + r) * a->k + b * QK;
+                int32_t dot = 0;
+                for (int i = 0; i < QK; i++) {
+                    int32_t w;
+                    if (fmt == QFMT_Q8_0) {
+                        w = (int8_t)qs[(i / 4) * QLANES * 4 + lane * 4 + i % 4];
+                    } else {
+                        const int j = i % 16;
+                        const uint8_t byte = qs[(j / 4) * QLANES * 4 + lane * 4 + j % 4];
+                        w = i < 16 ? byte & 0x0f : byte >> 4;
+                    }
+                    dot += w * x[i];
+                }
+                const int64_t idx = (r0 + r) * a->nb + b;
+                const float xd = a->d[idx];
+                const int32_t xs = a->s[idx];
+                if (fmt == QFMT_Q4_0) dot -= 8 * xs;
+                acc[r].v[lane] = fmaf((float)dot, d * xd, acc[r].v[lane]);
+                if (fmt == QFMT_Q4_1) acc[r].v[lane] = fmaf(m, xd * (float)xs, acc[r].v[lane]);
+            }
+        }
+    }
+}
+
+INLINE void q_acc_to_lanes(float *lanes, qacc v) { memcpy(lanes, v.v, sizeof(v.v)); }
+#endif
+
+/* ---- out = x @ W^T (+ bias) ---- */
+
+#define QUANT_LINEAR(T, S, NAME)                                                               \
+    INLINE void q_store_##S(T *out, qacc acc, const T *bias, int64_t cols) {                    \
+        float lanes[QLANES];                                                                   \
+        q_acc_to_lanes(lanes, acc);                                                            \
+        for (int64_t c = 0; c < cols; c++)                                                     \
+            ST_##S(out, c, bias == NULL ? lanes[c] : lanes[c] + LD_##S(bias, c));              \
+    }                                                                                          \
+    /* out [m, n] (dense); x [m, k], rows x_stride apart; packed by specserve_quant_pack;    \
+     * bias [n] or NULL. Returns 0, 1 for a bad fmt or k, 3 when out of memory. */           \
+    int NAME(T *out, const T *x, int64_t x_stride, const uint8_t *packed, int32_t fmt,          \
+             const T *bias, int64_t m, int64_t n, int64_t k, int32_t num_threads) {            \
+        if (specserve_quant_packed_bytes(fmt, n, k) < 0) return 1;                             \
+        if (m <= 0) return 0;                                                                  \
+        struct qrows a;                                                                        \
+        if (qrows_alloc(&a, m, k)) return 3;                                                   \
+        FOR_ROWS_OF(m, k, num_threads, QUANTIZE_ONE_##S);                                      \
+        const int64_t tiles = (n + QLANES - 1) / QLANES;                                       \
+        const int64_t tile_bytes = a.nb * q_tile_block_bytes(fmt);                             \
+        _Pragma("omp parallel for num_threads(num_threads) schedule(static)") for (           \
+            int64_t t = 0; t < tiles; t++) {                                                   \
+            const uint8_t *tile = packed + t * tile_bytes;                                     \
+            const int64_t cols = n - t * QLANES < QLANES ? n - t * QLANES : QLANES;            \
+            const T *b = bias == NULL ? NULL : bias + t * QLANES;                              \
+            qacc acc[QROWS];                                                                   \
+            for (int64_t r0 = 0; r0 < m; r0 += QROWS) {                                        \
+                const int rows = m - r0 < QROWS ? (int)(m - r0) : QROWS;                       \
+                q_tile_rows(acc, fmt, rows, tile, &a, r0);                                     \
+                for (int r = 0; r < rows; r++)                                                 \
+                    q_store_##S(out + (r0 + r) * n + t * QLANES, acc[r], b, cols);             \
+            }                                                                                  \
+        }                                                                                      \
+        qrows_free(&a);                                                                        \
+        return 0;                                                                              \
+    }
+
+#define QUANTIZE_ONE_f32(i) quantize_row_f32(x + (i) * x_stride, k, a.q + (i) * k, \
+                                             a.d + (i) * a.nb, a.s + (i) * a.nb)
+#define QUANTIZE_ONE_bf16(i) quantize_row_bf16(x + (i) * x_stride, k, a.q + (i) * k, \
+                                               a.d + (i) * a.nb, a.s + (i) * a.nb)
+
+/* q_tile with fmt and rows as constants, so each case compiles to its own loop; one
+ * copy per format (not inlined into each output type's caller: compile time). */
+#define Q_TILE_CASE(F, R)                                                                      \
+    case R:                                                                                    \
+        q_tile(acc, F, R, tile, a, r0);                                                        \
+        break;
+#define Q_TILE_FMT(F)                                                                          \
+    static __attribute__((noinline)) void q_tile_##F(qacc *acc, int rows, const uint8_t *tile,  \
+                                                     const struct qrows *a, int64_t r0) {      \
+        switch (rows) { Q_TILE_CASES(F) }                                                      \
+    }
+#if QROWS == 8
+#define Q_TILE_CASES(F)                                                                        \
+    Q_TILE_CASE(F, 1) Q_TILE_CASE(F, 2) Q_TILE_CASE(F, 3) Q_TILE_CASE(F, 4) Q_TILE_CASE(F, 5) \
+    Q_TILE_CASE(F, 6) Q_TILE_CASE(F, 7) Q_TILE_CASE(F, 8)
+#else
+#define Q_TILE_CASES(F) Q_TILE_CASE(F, 1) Q_TILE_CASE(F, 2) Q_TILE_CASE(F, 3) Q_TILE_CASE(F, 4)
+#endif
+Q_TILE_FMT(QFMT_Q4_0)
+Q_TILE_FMT(QFMT_Q4_1)
+Q_TILE_FMT(QFMT_Q8_0)
+
+INLINE void q_tile_rows(qacc *acc, int32_t fmt, int rows, const uint8_t *tile,
+                        const struct qrows *a, int64_t r0) {
+    if (fmt == QFMT_Q8_0) q_tile_QFMT_Q8_0(acc, rows, tile, a, r0);
+    else if (fmt == QFMT_Q4_1) q_tile_QFMT_Q4_1(acc, rows, tile, a, r0);
+    else q_tile_QFMT_Q4_0(acc, rows, tile, a, r0);
+}
+
+QUANT_LINEAR(float, f32, specserve_quant_linear)
+QUANT_LINEAR(bf16, bf16, specserve_quant_linear_bf16)
+
+/* ---- embedding rows from the packed weights (a tied Q8_0 embedding is the LM head) ----
+ *
+ * out [num_ids, k] = the dequantized rows ids of a packed [n, k] weight: d * q (Q8_0),
+ * d * (q - 8) (Q4_0), d * q + m (Q4_1), in fp32, rounded once to the output type.
+ * Returns 0, 1 for a bad fmt or k, 2 for an id outside 0..n-1 (nothing written). */
+#define QUANT_EMBED(T, S, NAME)                                                                \
+    int NAME(T *out, const int64_t *ids, int64_t num_ids, const uint8_t *packed, int32_t fmt,   \
+             int64_t n, int64_t k) {                                                           \
+        if (specserve_quant_packed_bytes(fmt, n, k) < 0) return 1;                             \
+        for (int64_t i = 0; i < num_ids; i++)                                                  \
+            if (ids[i] < 0 || ids[i] >= n) return 2;                                           \
+        const int64_t nb = k / QK, tb = q_tile_block_bytes(fmt), sb = q_scale_bytes(fmt);      \
+        for (int64_t i = 0; i < num_ids; i++) {                                                \
+            const int64_t tile = ids[i] / QLANES, lane = ids[i] % QLANES;                      \
+            for (int64_t b = 0; b < nb; b++) {                                                 \
+                const uint8_t *blk = packed + (tile * nb + b) * tb, *qs = blk + QLANES * sb;   \
+                f16 dh, mh = 0;                                                                \
+                memcpy(&dh, blk + 2 * lane, 2);                                                \
+                if (fmt == QFMT_Q4_1) memcpy(&mh, blk + 2 * QLANES + 2 * lane, 2);             \
+                const float d = f16_to_f32(dh), m = f16_to_f32(mh);                            \
+                for (int j = 0; j < QK; j++) {                                                 \
+                    float w;                                                                   \
+                    if (fmt == QFMT_Q8_0) {                                                    \
+                        w = d * (float)(int8_t)qs[(j / 4) * QLANES * 4 + lane * 4 + j % 4];    \
+                    } else {                                                                   \
+                        const int jj = j % 16;                                                 \
+                        const uint8_t byte = qs[(jj / 4) * QLANES * 4 + lane * 4 + jj % 4];    \
+                        const int q = j < 16 ? byte & 0x0f : byte >> 4;                        \
+                        w = fmt == QFMT_Q4_1 ? d * (float)q + m : d * (float)(q - 8);          \
+                    }                                                                          \
+                    ST_##S(out + i * k, b * QK + j, w);                                        \
+                }                                                                              \
+            }                                                                                  \
+        }                                                                                      \
+        return 0;                                                                              \
+    }
+QUANT_EMBED(float, f32, specserve_quant_embed)
+QUANT_EMBED(bf16, bf16, specserve_quant_embed_bf16)

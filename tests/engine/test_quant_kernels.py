@@ -1,0 +1,232 @@
+"""The quantized Linear kernels (engine/kernels/quant_kernels.c) against a reference.
+
+The reference quantizes each row's activations per 32-block as the kernel promises
+(xd = max|x| / 127, xq = round-half-even(x / xd)) and multiplies them, dequantized,
+by the dequantized weights (gguf's own dequantizer) in float64: the kernel's integer
+dot products are exact, so they differ only by its fp32 accumulation. Rows are
+bit-identical however they are batched, on one thread or two; bf16 is the fp32 result
+rounded once; every misuse is a ValueError before C runs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from engine.kernels.quant import BLOCK, FORMATS, QuantOps, quant_ops
+
+FORMAT_NAMES = list(FORMATS)
+
+
+@pytest.fixture(scope="module")
+def ops() -> QuantOps:
+    found = quant_ops()
+    if found is None:
+        pytest.fail("CPU kernels failed to build; see the warning logged by cpu_kernels()")
+    return found
+
+
+def quantize_rows(weight: torch.Tensor, name: str) -> torch.Tensor:
+    """GGUF rows (uint8 [n, k / 32 * block bytes]) of ``weight`` [n, k]."""
+    kind = getattr(gguf.GGMLQuantizationType, name)
+    return torch.from_numpy(gguf.quants.quantize(weight.float().numpy(), kind))
+
+
+def dequantize_rows(rows: torch.Tensor, name: str) -> torch.Tensor:
+    kind = getattr(gguf.GGMLQuantizationType, name)
+    return torch.from_numpy(gguf.quants.dequantize(rows.numpy(), kind))
+
+
+def quantized_activations(x: torch.Tensor) -> torch.Tensor:
+    """x [m, k] as the kernel sees it: xd * xq per 32-block, in float64."""
+    blocks = x.double().reshape(x.shape[0], -1, BLOCK)
+    amax = blocks.abs().amax(dim=-1, keepdim=True).float()
+    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    xq = torch.round(blocks.float() * inv).clamp(-127, 127)
+    return (xq.double() * (amax / 127.0).double()).reshape(x.shape)
+
+
+def reference(x, rows, name, bias=None) -> torch.Tensor:
+    out = quantized_activations(x) @ dequantize_rows(rows, name).double().T
+    return out if bias is None else out + bias.double()
+
+
+def _case(n: int, k: int, m: int, name: str, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    weight = torch.randn(n, k, generator=g) * 0.05
+    x = torch.randn(m, k, generator=g)
+    x[0, :BLOCK] = 0.0  # an all-zero block: scale 0, nothing divided by it
+    return weight, x, quantize_rows(weight, name)
+
+
+@pytest.mark.parametrize("name", FORMAT_NAMES)
+@pytest.mark.parametrize(("n", "k", "m"), [(40, 96, 5), (16, 32, 1), (259, 64, 13), (7, 128, 9)])
+def test_linear_matches_the_reference(ops, name, n, k, m):
+    weight, x, rows = _case(n, k, m, name)
+    fmt = FORMATS[name]
+    bias = torch.randn(n)
+    out = ops.linear(x, ops.pack(fmt, rows, k), bias)
+    ref = reference(x, rows, name, bias)
+    scale = (quantized_activations(x).abs() @ dequantize_rows(rows, name).double().abs().T) + 1
+    assert ((out.double() - ref).abs() / scale).max() < 1e-5
+
+
+@pytest.mark.parametrize("name", FORMAT_NAMES)
+def test_the_error_against_the_float_weights_is_the_quantization(ops, name):
+    """Against x @ W.T in float: the weights' and activations' rounding, nothing else."""
+    weight, x, rows = _case(64, 256, 8, name)
+    fmt = FORMATS[name]
+    out = ops.linear(x, ops.pack(fmt, rows, 256), None)
+    exact = x @ weight.T
+    rel = (out - exact).norm() / exact.norm()
+    assert rel < (0.02 if name == "Q8_0" else 0.12), rel
+
+
+@pytest.mark.parametrize("name", FORMAT_NAMES)
+def test_rows_are_bit_identical_in_any_batch_and_thread_count(ops, name):
+    weight, x, rows = _case(50, 160, 23, name, seed=3)
+    fmt = FORMATS[name]
+    packed = ops.pack(fmt, rows, 160)
+    alone = torch.cat([ops.linear(x[i : i + 1], packed, None) for i in range(23)])
+    threads = torch.get_num_threads()
+    try:
+        for num_threads in (1, 2):
+            torch.set_num_threads(num_threads)
+            whole = ops.linear(x, packed, None)
+            assert torch.equal(whole, alone), num_threads
+            for start, stop in ((3, 11), (10, 23), (0, 9)):
+                part = ops.linear(x[start:stop], packed, None)
+                assert torch.equal(part, alone[start:stop]), (num_threads, start, stop)
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("name", FORMAT_NAMES)
+def test_bf16_is_the_fp32_result_rounded_once(ops, name):
+    weight, x, rows = _case(48, 96, 6, name, seed=4)
+    fmt = FORMATS[name]
+    packed = ops.pack(fmt, rows, 96)
+    xb = x.bfloat16()
+    bias = torch.randn(48).bfloat16()
+    out = ops.linear(xb, packed, bias)
+    assert out.dtype is torch.bfloat16
+    fp32 = ops.linear(xb.float(), packed, bias.float())
+    assert torch.equal(out, fp32.bfloat16())
+
+
+def test_strided_rows_read_the_rows_only(ops):
+    weight, x, rows = _case(32, 64, 4, "Q4_1")
+    fmt = FORMATS["Q4_1"]
+    packed = ops.pack(fmt, rows, 64)
+    wide = torch.full((4, 100), float("nan"))
+    wide[:, 10:74] = x
+    assert torch.equal(ops.linear(wide[:, 10:74], packed, None), ops.linear(x, packed, None))
+
+
+@pytest.mark.parametrize("name", FORMAT_NAMES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_embedding_rows_are_the_dequantized_weights(ops, name, dtype):
+    weight, _, rows = _case(37, 64, 1, name)
+    fmt = FORMATS[name]
+    packed = ops.pack(fmt, rows, 64)
+    ids = torch.tensor([36, 0, 5, 5, 17])
+    out = ops.embed(ids, packed, dtype)
+    assert torch.equal(out, dequantize_rows(rows, name)[ids].to(dtype))
+
+
+def test_an_empty_batch_gives_an_empty_result(ops):
+    _, x, rows = _case(16, 32, 1, "Q8_0")
+    packed = ops.pack(8, rows, 32)
+    assert ops.linear(x[:0], packed, None).shape == (0, 16)
+    empty = torch.zeros(0, dtype=torch.int64)
+    assert ops.embed(empty, packed, torch.float32).shape == (0, 32)
+
+
+# ---- misuse: a ValueError naming the argument, before C runs -----------------------------
+
+
+def _valid(ops):
+    _, x, rows = _case(20, 64, 3, "Q4_0")
+    return x, ops.pack(2, rows, 64)
+
+
+def _with(weight, **changes):
+    return dataclasses.replace(weight, **changes)
+
+
+@pytest.mark.parametrize(
+    ("case", "message"),
+    [
+        (lambda x, w: dict(x=x.double()), "x must be a float32 or bfloat16"),
+        (lambda x, w: dict(x=x[:, :32]), "does not fit a"),
+        (lambda x, w: dict(weight=_with(w, data=w.data[:-1])), "packed holds"),
+        (lambda x, w: dict(weight=_with(w, data=w.data.view(torch.int8))), "dense uint8"),
+        (lambda x, w: dict(weight=_with(w, data=w.data[::2])), "dense uint8"),
+        (lambda x, w: dict(weight=_with(w, fmt=5)), "unknown quantized format"),
+        (lambda x, w: dict(weight=_with(w, fmt=3)), "packed holds"),  # Q4_1 is larger
+        (lambda x, w: dict(weight=_with(w, n=40)), "packed holds"),
+        (lambda x, w: dict(weight=_with(w, k=60), x=x[:, :60]), "multiple of 32"),
+        (lambda x, w: dict(bias=torch.zeros(19)), "bias"),
+        (lambda x, w: dict(bias=torch.zeros(20).bfloat16()), "bias is"),
+        (lambda x, w: dict(x=x.unsqueeze(0)), "2-D"),
+    ],
+)
+def test_linear_refuses(ops, case, message):
+    x, weight = _valid(ops)
+    args = dict(x=x, weight=weight, bias=None)
+    args.update(case(x, weight))
+    with pytest.raises(ValueError, match=message):
+        ops.linear(**args)
+
+
+def test_embed_and_pack_refuse(ops):
+    x, packed = _valid(ops)
+    with pytest.raises(ValueError, match="outside 0..19"):
+        ops.embed(torch.tensor([0, 20]), packed, torch.float32)
+    with pytest.raises(ValueError, match="outside 0..19"):
+        ops.embed(torch.tensor([-1]), packed, torch.float32)
+    with pytest.raises(ValueError, match="1-D int64"):
+        ops.embed(torch.tensor([0], dtype=torch.int32), packed, torch.float32)
+    with pytest.raises(ValueError, match="float32 or bfloat16"):
+        ops.embed(torch.tensor([0]), packed, torch.float16)
+    rows = quantize_rows(torch.randn(4, 64), "Q8_0")
+    with pytest.raises(ValueError, match="each must be 68 bytes"):
+        ops.pack(8, rows[:, :-1], 64)
+    with pytest.raises(ValueError, match="not Q4_0 rows"):
+        ops.pack(2, rows, 64)
+    with pytest.raises(ValueError, match="multiple of 32"):
+        ops.pack(8, rows, 60)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    name=st.sampled_from(FORMAT_NAMES),
+    n=st.integers(1, 70),
+    blocks=st.integers(1, 5),
+    m=st.integers(1, 20),
+    seed=st.integers(0, 2**16),
+)
+def test_random_shapes_match_the_reference(ops, name, n, blocks, m, seed):
+    k = blocks * BLOCK
+    _, x, rows = _case(n, k, m, name, seed)
+    fmt = FORMATS[name]
+    out = ops.linear(x, ops.pack(fmt, rows, k), None)
+    ref = reference(x, rows, name)
+    scale = quantized_activations(x).abs() @ dequantize_rows(rows, name).double().abs().T + 1
+    assert ((out.double() - ref).abs() / scale).max() < 1e-5
+
+
+def test_gguf_block_sizes_agree_with_gguf():
+    from engine.kernels.quant import GGUF_BLOCK_BYTES
+
+    for name, fmt in FORMATS.items():
+        kind = getattr(gguf.GGMLQuantizationType, name)
+        block, size = gguf.GGML_QUANT_SIZES[kind]
+        assert (block, size) == (BLOCK, GGUF_BLOCK_BYTES[fmt])
+    assert np.dtype(np.uint8).itemsize == 1
