@@ -9,6 +9,7 @@ from engine.io.sampling_params import MAX_NUM_SPECULATIVE_TOKENS, check_int
 SPECULATIVE_METHODS = ("none", "draft", "ngram", "hybrid")
 ATTENTION_BACKENDS = ("auto", "cpu", "torch", "xformers")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+QUANTIZATIONS = ("auto", "none", "int8")
 
 GiB = 1 << 30
 
@@ -45,6 +46,10 @@ class EngineConfig:
     device: str = "auto"
     dtype: str = "auto"
     attn_backend: str = "auto"
+    # "auto": a .gguf's Q4_0/Q4_1/Q8_0 tensors served as stored on the CPU kernels (float
+    # models as they are); "none": dequantized; "int8": every Linear weight of any model
+    # made Q8_0 blocks at load. Applies to a --draft-model too.
+    quantization: str = "auto"
     seed: int = 0
     # CPU threads for torch (None: torch's default, one per core). Fewer threads win
     # when other busy processes share the cores: spinning OpenMP workers then stall.
@@ -54,6 +59,7 @@ class EngineConfig:
         _in("speculative_method", self.speculative_method, (None, *SPECULATIVE_METHODS))
         _in("attn_backend", self.attn_backend, ATTENTION_BACKENDS)
         _in("dtype", self.dtype, DTYPES)
+        _in("quantization", self.quantization, QUANTIZATIONS)
         check_int(
             "num_speculative_tokens", self.num_speculative_tokens, 1, MAX_NUM_SPECULATIVE_TOKENS
         )

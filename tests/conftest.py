@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.tiny_models import make_tiny_model, make_truncated_draft
+from tests.tiny_models import make_tiny_model, make_truncated_draft, write_tiny_gguf
 
 # One thread: tiny models gain nothing from more, and tests that start a server process
 # would otherwise have two processes spinning OpenMP threads on a 2-core machine.
@@ -44,6 +44,30 @@ def tiny_model_factory(tmp_path_factory):
 def tiny_model_dir(tiny_model_factory) -> str:
     """A GQA Llama (4 heads, 2 KV heads, head_dim 16, 2 layers, vocab 259), untied."""
     return tiny_model_factory()
+
+
+@pytest.fixture(scope="session")
+def tiny_gguf_factory(tiny_model_factory, tmp_path_factory):
+    """A tiny model as a .gguf, its Linear weights and embedding in the given GGUF types
+    (``factory(linear="Q4_1", embedding="Q8_0", **model_overrides)``); cached."""
+    built: dict[tuple, str] = {}
+
+    def factory(linear: str = "Q4_1", embedding: str = "Q8_0", **overrides) -> str:
+        key = (linear, embedding, tuple(sorted((k, repr(v)) for k, v in overrides.items())))
+        if key not in built:
+            hf_dir = tiny_model_factory(**overrides)
+            path = tmp_path_factory.mktemp("tiny-gguf") / f"tiny-{linear}-{embedding}.gguf"
+            built[key] = write_tiny_gguf(hf_dir, path, linear, embedding)
+        return built[key]
+
+    return factory
+
+
+@pytest.fixture(scope="session")
+def tiny_gguf_path(tiny_gguf_factory) -> str:
+    """tiny_model_dir as the default model ships: Q4_1 Linear weights (the untied head
+    too), a Q8_0 embedding, F32 norms; served as stored by default."""
+    return tiny_gguf_factory()
 
 
 @pytest.fixture(scope="session")

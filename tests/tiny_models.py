@@ -135,8 +135,12 @@ def _gguf_name(hf_name: str) -> str:
     return f"blk.{parts[2]}.{_GGUF_NAMES['.'.join(parts[3:-1])]}.weight"
 
 
-def write_tiny_gguf(hf_dir: str | Path, gguf_path: str | Path) -> str:
-    """Write the tiny *llama* model at ``hf_dir`` as an F32 .gguf, the llama.cpp way."""
+def write_tiny_gguf(
+    hf_dir: str | Path, gguf_path: str | Path, linear: str = "F32", embedding: str = "F32"
+) -> str:
+    """Write the tiny *llama* model at ``hf_dir`` as a .gguf, the llama.cpp way: its
+    Linear weights (and the head) in type ``linear``, the embedding in ``embedding``
+    ("F32", "F16", "Q8_0", "Q4_0", "Q4_1", ...), norms in F32."""
     import json
 
     import gguf
@@ -156,7 +160,7 @@ def write_tiny_gguf(hf_dir: str | Path, gguf_path: str | Path) -> str:
     writer.add_rope_freq_base(theta)
     writer.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
     writer.add_rope_dimension_count(cfg["head_dim"])
-    writer.add_file_type(0)  # all F32
+    writer.add_file_type(0 if linear == "F32" else 1 if linear == "F16" else 7)
     vocab = json.loads((hf_dir / "tokenizer.json").read_text())["model"]["vocab"]
     tokens = [tok for tok, _ in sorted(vocab.items(), key=lambda kv: kv[1])]
     writer.add_tokenizer_model("gpt2")
@@ -173,7 +177,15 @@ def write_tiny_gguf(hf_dir: str | Path, gguf_path: str | Path) -> str:
         proj = name.split(".")[-2]
         if proj in heads:
             array = _permute_for_gguf(array, heads[proj])
-        writer.add_tensor(_gguf_name(name), np.ascontiguousarray(array))
+        kind = "F32" if array.ndim == 1 else embedding if "embed_tokens" in name else linear
+        if kind == "F32":
+            writer.add_tensor(_gguf_name(name), np.ascontiguousarray(array))
+        elif kind == "F16":
+            writer.add_tensor(_gguf_name(name), np.ascontiguousarray(array.astype(np.float16)))
+        else:
+            qtype = getattr(gguf.GGMLQuantizationType, kind)
+            data = gguf.quants.quantize(np.ascontiguousarray(array), qtype)
+            writer.add_tensor(_gguf_name(name), data, raw_dtype=qtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -49,6 +49,7 @@ def run(args: argparse.Namespace) -> int:
         device=config.device,
         attn_backend=config.attn_backend,
         tokenizer=config.tokenizer,
+        quantization=config.quantization,
     )
     prompts = tokenize_prompts(
         loaded.tokenizer, load_prompts(args.workload, args.num_prompts), not args.no_chat_template

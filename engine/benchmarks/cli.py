@@ -20,6 +20,10 @@ BENCHMARKS = {
         "engine.benchmarks.acceptance",
         "draft acceptance of seeded (coupled) vs unseeded (rejection-sampled) requests",
     ),
+    "accuracy": (
+        "engine.benchmarks.accuracy",
+        "what quantized weights cost: perplexity, KL and top-1 agreement vs float32",
+    ),
     "blocks": ("engine.benchmarks.blocks", "block manager operations per second"),
     "serve": (
         "engine.benchmarks.serve",

@@ -181,10 +181,10 @@ def to_run_result(result: dict, system: str, num_prompts: int, output_len: int) 
 
 def _model_and_system(name: str, args, loaded) -> tuple[str, str]:
     if name == "vllm":
-        if loaded.model_dir is None:
+        if loaded.float_weights_dir() is None:
             raise ValueError("--baselines vllm needs the model's HF directory; this model has none")
         tag = _DTYPE_TAGS.get(loaded.dtype, str(loaded.dtype))
-        return str(loaded.model_dir), f"vLLM-CPU {{version}} ({tag})"
+        return str(loaded.float_weights_dir()), f"vLLM-CPU {{version}} ({tag})"
     gguf = gguf_path(args.model)
     return str(gguf), f"llama.cpp {quant_tag(gguf)}"
 

@@ -89,6 +89,7 @@ def run(args: argparse.Namespace) -> int:
         device=base_config.device,
         attn_backend=base_config.attn_backend,
         tokenizer=base_config.tokenizer,
+        quantization=base_config.quantization,
     )
     prompts = tokenize_prompts(
         loaded.tokenizer, load_prompts(args.workload, args.num_prompts), not args.no_chat_template
@@ -224,9 +225,9 @@ def _run_baselines(args, loaded, prompts, concurrency) -> list[RunResult]:
             results.append(external.run(args, name, loaded, prompts, concurrency))
             continue
         if model is None:
-            if loaded.model_dir is None:
+            if loaded.float_weights_dir() is None:
                 raise ValueError("baselines need the model's HF directory; this model has none")
-            model = hf.load_hf_model(loaded.model_dir, str(loaded.device), loaded.dtype)
+            model = hf.load_hf_model(loaded.float_weights_dir(), str(loaded.device), loaded.dtype)
         pad_id = loaded.tokenizer.pad_token_id or 0
         bar = _bar(len(prompts), f"hf {name}", args.no_progress)
         if name == "generate":

@@ -76,12 +76,15 @@ class LLMEngine:
             device=config.device,
             attn_backend=config.attn_backend,
             tokenizer=config.tokenizer,
+            quantization=config.quantization,
         )
         self.tokenizer = self.loaded.tokenizer
         self.device = torch.device(self.loaded.device)
         method = config.resolved_speculative_method
         if method in ("draft", "hybrid") and draft_loaded is None:
-            draft_loaded = load_draft(config.resolved_draft_model, self.loaded, config.attn_backend)
+            draft_loaded = load_draft(
+                config.resolved_draft_model, self.loaded, config.attn_backend, config.quantization
+            )
         plan = plan_kv_cache(config, self.loaded, draft_loaded)
         self.max_model_len = plan.max_model_len
         self.num_kv_blocks = plan.num_blocks
@@ -390,6 +393,7 @@ class LLMEngine:
             "device": str(self.device),
             "dtype": str(self.loaded.dtype).removeprefix("torch."),
             "attn_backend": self.loaded.model.model.layers[0].self_attn.attn_backend.name,
+            "quantization": self.loaded.quantization,
             "architectures": list(self.loaded.arch.architectures),
             "model_type": _hf_model_type(self.loaded.model_dir),
             "bos_token_id": self.loaded.arch.bos_token_id,

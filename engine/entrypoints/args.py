@@ -6,7 +6,13 @@ from __future__ import annotations
 import argparse
 from dataclasses import fields
 
-from engine.config import ATTENTION_BACKENDS, DTYPES, SPECULATIVE_METHODS, EngineConfig
+from engine.config import (
+    ATTENTION_BACKENDS,
+    DTYPES,
+    QUANTIZATIONS,
+    SPECULATIVE_METHODS,
+    EngineConfig,
+)
 
 # The engine's defaults, from EngineConfig itself: flags never restate them.
 _ENGINE_DEFAULTS = {f.name: f.default for f in fields(EngineConfig)}
@@ -105,6 +111,13 @@ def add_engine_args(parser: argparse.ArgumentParser, *, with_seed: bool = True) 
         "or bfloat16 when they build, else torch",
         choices=ATTENTION_BACKENDS,
     )
+    flag(
+        "--quantization",
+        "auto: a .gguf's Q4_0/Q4_1/Q8_0 weights served as stored on the CPU kernels, other "
+        "models as they are; none: dequantized (exact parity with transformers); int8: every "
+        "Linear weight of any model quantized to 8 bits at load (CPU)",
+        choices=QUANTIZATIONS,
+    )
     flag("--num-threads", "torch CPU threads (default: one per core)", type=int)
     if with_seed:
         flag("--seed", "engine seed for unseeded requests", type=int)
@@ -129,6 +142,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         device=args.device,
         dtype=args.dtype,
         attn_backend=args.attn_backend,
+        quantization=args.quantization,
         seed=getattr(args, "seed", _ENGINE_DEFAULTS["seed"]),
         num_threads=args.num_threads,
     )

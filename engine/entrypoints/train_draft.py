@@ -172,11 +172,11 @@ def _make_data(args, out: Path, prompts: list[str]):
     )
     loaded = engine.loaded
     layer_sources(loaded.arch.num_layers, args.num_layers)  # refuse before generating
-    if loaded.model_dir is None:
+    if loaded.float_weights_dir() is None:
         raise ValueError(f"{loaded.name}: the target's weights have no local directory")
     dtype = str(loaded.dtype).removeprefix("torch.")
-    embedding = loaded.model.model.embed_tokens.weight
-    fingerprint = embedding_fingerprint(embedding, embed_probe_ids(loaded.arch.vocab_size))
+    probe_ids = embed_probe_ids(loaded.arch.vocab_size)
+    fingerprint = embedding_fingerprint(loaded.model.embedding_rows(probe_ids))
     manifest = manifest_for(loaded.name, prompts, args.max_tokens, args.seed, dtype, fingerprint)
     if args.restart:
         changes = discard_other_data(out / "data", manifest)
@@ -201,7 +201,8 @@ def _make_data(args, out: Path, prompts: list[str]):
         f"data: {summary.num_sequences} answers, {summary.num_response_tokens} response tokens"
         + (f", generated in {summary.seconds:.0f} s" if summary.seconds else " (all resumed)")
     )
-    return loaded.model_dir, manifest, loaded.arch.vocab_size, set(loaded.eos_token_ids), summary
+    target_dir = loaded.float_weights_dir()  # the draft starts from the target's layers
+    return target_dir, manifest, loaded.arch.vocab_size, set(loaded.eos_token_ids), summary
 
 
 def _settings(args):

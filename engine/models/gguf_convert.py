@@ -1,9 +1,11 @@
 """One-time conversion of a .gguf file into a cached Hugging Face directory.
 
-Dequantizing through transformers takes ~20 s (it also undoes llama.cpp's rotary
-permutation of the Q/K weights), so we do it once per file and keep fp32 safetensors,
-config, generation config and tokenizer in the cache, keyed by the file's path, size
-and modification time (seconds). Later loads read that directory like any HF checkpoint.
+The config, generation config and tokenizer come from the file's metadata through
+transformers (~10 s). Served as stored (``--quantization auto``) the weights stay in the
+.gguf; dequantized (``--quantization none``, ~20 s, undoing llama.cpp's rotary
+permutation of the Q/K weights) they are written as fp32 safetensors beside them. Both
+are done once per file: the cache is keyed by the file's path, size and modification
+time (seconds), and later loads read that directory like any HF checkpoint.
 """
 
 from __future__ import annotations
@@ -32,22 +34,22 @@ def converted_dir(gguf_path: Path) -> Path:
     return envs.cache_dir() / "gguf" / f"{gguf_path.stem}-{digest}"
 
 
-def ensure_converted(gguf_path: Path) -> Path:
-    """The converted HF directory for ``gguf_path``, converting on first use. An
-    architecture we cannot serve is refused before any conversion work."""
+def ensure_converted(gguf_path: Path, weights: bool = True) -> Path:
+    """The converted HF directory for ``gguf_path``, converting on first use: config and
+    tokenizer always, the dequantized weights when ``weights``. An architecture we
+    cannot serve is refused before any conversion work."""
     target = converted_dir(gguf_path)
-    if (target / "config.json").exists():
+    if (target / "config.json").exists() and (
+        not weights or (target / "model.safetensors").exists()
+    ):
         return target
     check_architecture(gguf_path)
-    print(
-        f"specserve: converting {gguf_path.name} to safetensors (once, ~20 s) ...",
-        file=sys.stderr,
-        flush=True,
-    )
+    what = "to safetensors (once, ~20 s)" if weights else "metadata (once, ~10 s)"
+    print(f"specserve: converting {gguf_path.name} {what} ...", file=sys.stderr, flush=True)
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent, prefix=".converting-") as tmp:
         try:
-            _convert(gguf_path, Path(tmp))
+            _convert(gguf_path, Path(tmp), weights)
         except Exception as exc:  # noqa: BLE001 - a bad file becomes one line for the user
             raise ModelLoadError(f"cannot read {gguf_path}: {type(exc).__name__}: {exc}") from None
         # Publish atomically: a crash mid-conversion never leaves a half-written cache.
@@ -83,28 +85,38 @@ def gguf_architecture(gguf_path: Path) -> str:
         raise ModelLoadError(f"cannot read {gguf_path}: {type(exc).__name__}: {exc}") from None
 
 
-def _convert(gguf_path: Path, out_dir: Path) -> None:
+def _convert(gguf_path: Path, out_dir: Path, weights: bool) -> None:
     import torch
     import transformers
-    from safetensors.torch import save_file
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     transformers.utils.logging.set_verbosity_error()
     src_dir, name = str(gguf_path.parent), gguf_path.name
     # transformers draws its own dequantization progress bar; our one line is enough.
     with contextlib.redirect_stderr(io.StringIO()):
-        model = AutoModelForCausalLM.from_pretrained(src_dir, gguf_file=name, dtype=torch.float32)
         tokenizer = AutoTokenizer.from_pretrained(src_dir, gguf_file=name)
-    # save_pretrained refuses GGUF-quantized models; the weights are plain fp32 by now, so
-    # write them ourselves and drop the quantization marker from the config.
-    config = model.config
-    config.architectures = [type(model).__name__]  # GGUF-derived configs leave it empty
+        if weights:
+            model = AutoModelForCausalLM.from_pretrained(
+                src_dir, gguf_file=name, dtype=torch.float32
+            )
+            config, generation_config = model.config, model.generation_config
+        else:
+            config = AutoConfig.from_pretrained(src_dir, gguf_file=name)
+            generation_config = GenerationConfig.from_model_config(config)
+    # GGUF-derived configs leave the architecture empty
+    config.architectures = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[config.model_type]]
     if hasattr(config, "quantization_config"):
         del config.quantization_config
-    state = model.state_dict()
-    if config.tie_word_embeddings:
-        state.pop("lm_head.weight", None)  # shared with embed_tokens; safetensors refuses aliases
-    save_file({k: v.contiguous() for k, v in state.items()}, str(out_dir / "model.safetensors"))
+    if weights:
+        # save_pretrained refuses GGUF-quantized models; the weights are plain fp32 by
+        # now, so write them ourselves.
+        from safetensors.torch import save_file
+
+        state = model.state_dict()
+        if config.tie_word_embeddings:  # shared with embed_tokens; safetensors refuses aliases
+            state.pop("lm_head.weight", None)
+        save_file({k: v.contiguous() for k, v in state.items()}, str(out_dir / "model.safetensors"))
     config.save_pretrained(out_dir)
-    model.generation_config.save_pretrained(out_dir)
+    generation_config.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)

@@ -157,6 +157,25 @@ class LlamaForCausalLM(nn.Module):
         """[n, hidden_size] -> [n, vocab_size] float32."""
         return self.lm_head(hidden_states).float()
 
+    @torch.no_grad()
+    def embedding_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows ``ids`` of the input embedding [len(ids), hidden] in the model's dtype,
+        dequantized when the embedding is quantized."""
+        return self.model.embed_tokens(ids)
+
+    @torch.no_grad()
+    def head_rows(self, ids: torch.Tensor) -> torch.Tensor | None:
+        """Rows ``ids`` of the LM head's weight [len(ids), hidden], or None when the model
+        keeps no copy it can read (a float head packed for the CPU GEMM)."""
+        if self.config.tie_word_embeddings:
+            return self.embedding_rows(ids)
+        head = self.lm_head
+        if isinstance(getattr(head, "weight", None), torch.Tensor):
+            return head.weight.detach()[ids]
+        if hasattr(head, "weight_q"):  # a quantized head: its rows, dequantized
+            return head.ops.embed(ids, head.weight_q, self.model.norm.weight.dtype)
+        return None
+
     def bind_kv_caches(self, kv_caches: list[torch.Tensor]) -> None:
         """Give layer i its cache ``[2, num_blocks, block_size, num_kv_heads, head_dim]``."""
         if len(kv_caches) != len(self.model.layers):
@@ -179,18 +198,15 @@ def fused_decoder_for(
     """The one-call decoder for ``model`` when every piece of its layers runs on the bf16
     kernels (engine/kernels/decoder.py), else None: the layer-by-layer forward."""
     from engine.attention.cpu_backend import CpuAttentionBackend
-    from engine.models.weights import PackedLinear
 
-    weight = model.embed_tokens.weight
+    weight = model.norm.weight
     kernels = kernels_for(weight.device, weight.dtype)
-    if not envs.fused_decoder() or weight.dtype is not torch.bfloat16:
-        return None
-    if kernels is None or not kernels.has_bf16_linear:
+    if not envs.fused_decoder() or weight.dtype is not torch.bfloat16 or kernels is None:
         return None
     for layer in model.layers:
         attn, mlp = layer.self_attn, layer.mlp
         linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-        if not all(isinstance(m, PackedLinear) and m.kernels is not None for m in linears):
+        if not all(_on_the_kernels(m) for m in linears):
             return None
         if any(m.bias is not None for m in linears[1:]):
             return None
@@ -200,3 +216,13 @@ def fused_decoder_for(
         return FusedDecoderLayers(kernels, model, kv_caches)
     except ValueError:  # a tensor that is not dense bf16: the layer-by-layer path copes
         return None
+
+
+def _on_the_kernels(linear: nn.Module) -> bool:
+    """A Linear the one-call decoder runs: quantized, or packed for the bf16 kernel."""
+    from engine.models.quant import QuantizedLinear
+    from engine.models.weights import PackedLinear
+
+    if isinstance(linear, QuantizedLinear):
+        return True
+    return isinstance(linear, PackedLinear) and linear.kernels is not None

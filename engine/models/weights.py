@@ -9,6 +9,9 @@ from torch import nn
 
 from engine import envs
 from engine.kernels.cpu import CpuKernels, kernels_for
+from engine.kernels.quant import quant_ops
+from engine.models.gguf_weights import QuantizedTensor
+from engine.models.quant import install_quantized
 
 # HF suffix -> (our module suffix, shard index); shards are stacked along dim 0 in order.
 _FUSED = {
@@ -37,28 +40,50 @@ def _target(name: str) -> tuple[str, int | None]:
     return name, None
 
 
-def load_hf_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+def load_hf_weights(
+    model: nn.Module,
+    weights: Iterable[tuple[str, torch.Tensor]],
+    preloaded: Iterable[str] = (),
+) -> None:
+    """Copy HF-named tensors into ``model``, fusing q/k/v and gate/up; ``preloaded``
+    names parameters the model already holds (a module shared with another model). A
+    ``QuantizedTensor`` (a GGUF tensor kept as stored, or ``--quantization int8``) goes
+    into a quantized module (engine/models/quant.py) where every shard of its layer is
+    quantized in one format, and is dequantized into the float layer otherwise."""
     params = dict(model.named_parameters(remove_duplicate=False))
     tied = bool(getattr(model.config, "tie_word_embeddings", False))
-    expected = {n for n in params if not (tied and n == "lm_head.weight")}
-    loaded: set[str] = set()
+    loaded = {f"{name}#None" for name in preloaded}
+    quantized: dict[str, QuantizedTensor] = {}
     for hf_name, tensor in weights:
         if hf_name.endswith(_SKIPPED_SUFFIXES) or (tied and hf_name == "lm_head.weight"):
             continue
-        name, shard = _target(hf_name)
-        if name not in params:
-            raise ValueError(f"checkpoint tensor {hf_name!r} has no place in the model")
-        param = params[name]
-        if shard is None:
-            _copy(param.data, tensor, hf_name)
+        if isinstance(tensor, QuantizedTensor):
+            quantized[hf_name] = tensor
         else:
-            sizes = _shard_sizes(model, name.rsplit(".", 1)[0])
-            start = sum(sizes[:shard])
-            _copy(param.data[start : start + sizes[shard]], tensor, hf_name)
-        loaded.add(f"{name}#{shard}")
+            _load_one(model, params, hf_name, tensor, loaded)
+    if quantized:
+        used = install_quantized(model, quantized, quant_ops(), model.model.norm.weight.dtype)
+        for hf_name in sorted(set(quantized) - used):
+            _load_one(model, params, hf_name, quantized[hf_name].dequantize(), loaded)
+        params = dict(model.named_parameters(remove_duplicate=False))
+    expected = {n for n in params if not (tied and n == "lm_head.weight")}
     _check_complete(model, expected, loaded)
     if can_pack_linears(model):
         pack_linears_for_cpu(model)
+
+
+def _load_one(model, params, hf_name: str, tensor: torch.Tensor, loaded: set[str]) -> None:
+    name, shard = _target(hf_name)
+    if name not in params:
+        raise ValueError(f"checkpoint tensor {hf_name!r} has no place in the model")
+    param = params[name]
+    if shard is None:
+        _copy(param.data, tensor, hf_name)
+    else:
+        sizes = _shard_sizes(model, name.rsplit(".", 1)[0])
+        start = sum(sizes[:shard])
+        _copy(param.data[start : start + sizes[shard]], tensor, hf_name)
+    loaded.add(f"{name}#{shard}")
 
 
 class PackedLinear(nn.Module):
@@ -119,7 +144,7 @@ def row_bucket(rows: int) -> int:
 
 
 def can_pack_linears(model: nn.Module) -> bool:
-    weight = model.lm_head.weight
+    weight = model.model.norm.weight
     if not envs.cpu_weight_packing() or weight.device.type != "cpu":
         return False
     if bf16_linear_kernels(weight) is not None:

@@ -62,6 +62,7 @@ def to_model_info(info: dict[str, Any]) -> pb.ModelInfo:
         device=str(info.get("device") or ""),
         dtype=str(info.get("dtype") or ""),
         attn_backend=str(info.get("attn_backend") or ""),
+        quantization=str(info.get("quantization") or ""),
     )
 
 

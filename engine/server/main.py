@@ -55,12 +55,13 @@ async def _serve(
             ready.result()
             info = server.engine.model_info
             logger.info(
-                "serving %s on %s:%d (%s, %s, attention: %s, speculation: %s)",
+                "serving %s on %s:%d (%s, %s, weights: %s, attention: %s, speculation: %s)",
                 info.get("model") or config.model,
                 options.host,
                 port,
                 info.get("device"),
                 describe_dtype(config.dtype, info.get("dtype"), info.get("device")),
+                describe_quantization(info.get("quantization")),
                 info.get("attn_backend"),
                 describe_speculation(info),
             )
@@ -74,6 +75,14 @@ async def _serve(
     await server.shutdown()
     logger.info("stopped")
     return exit_code
+
+
+def describe_quantization(quantization: str | None) -> str:
+    """The weights' form for the startup line."""
+    return {
+        "gguf": "the .gguf's quantized tensors as stored",
+        "int8": "int8, quantized at load",
+    }.get(quantization or "none", "float")
 
 
 def describe_speculation(info: dict) -> str:

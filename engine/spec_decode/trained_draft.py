@@ -3,10 +3,11 @@
 The directory holds only what was trained: L decoder layers and a final norm in HF
 names, the draft vocabulary (token ids its head scores) and 16 rows of the embedding
 it was trained with. The rest comes from the loaded target: the embedding is the
-target's own tensor (shared, not copied) and the head is the target's LM-head rows for
-the draft vocabulary. Logits over the draft vocabulary are scattered into the full
-vocabulary with -inf elsewhere, so draft probabilities are a distribution over the
-target's tokens as rejection sampling needs, zero outside the draft vocabulary.
+target's own (shared, not copied; a quantized one too) and the head is the target's
+LM-head rows for the draft vocabulary (dequantized from a quantized head). Logits over
+the draft vocabulary are scattered into the full vocabulary with -inf elsewhere, so
+draft probabilities are a distribution over the target's tokens as rejection sampling
+needs, zero outside the draft vocabulary.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ class TrainedDraftForCausalLM(LlamaForCausalLM):
         self.lm_head = nn.Linear(config.hidden_size, len(draft_vocab), bias=False)
         self.register_buffer("draft_vocab", draft_vocab.clone(), persistent=False)
         self.num_params = sum(p.numel() for p in self.parameters())
+        # What a step reads: the embedding is a lookup of a few rows.
         self.num_streamed_params = self.num_params - self.model.embed_tokens.weight.numel()
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
@@ -50,9 +52,10 @@ class TrainedDraftForCausalLM(LlamaForCausalLM):
         return full.index_copy_(1, self.draft_vocab, reduced)
 
 
-def load_draft(path: str, target, attn_backend: str = "auto"):
+def load_draft(path: str, target, attn_backend: str = "auto", quantization: str = "auto"):
     """The draft model for ``target``: a train-draft directory, or any model path or hub
-    id load_model accepts (a standalone model sharing the target's tokenizer)."""
+    id load_model accepts (a standalone model sharing the target's tokenizer, loaded with
+    ``quantization``)."""
     if is_trained_draft(path):
         return load_trained_draft(path, target, attn_backend)
     from engine.loader import load_model
@@ -62,6 +65,7 @@ def load_draft(path: str, target, attn_backend: str = "auto"):
         dtype=str(target.dtype).removeprefix("torch."),
         device=str(target.device),
         attn_backend=attn_backend,
+        quantization=quantization,
     )
 
 
@@ -90,13 +94,11 @@ def load_trained_draft(path: str | Path, target, attn_backend: str = "auto"):
         model = TrainedDraftForCausalLM(arch, backend, draft_vocab)
     model = model.to(dtype).to_empty(device=device)
     model.draft_vocab = draft_vocab.to(device)
-    embed = _target_embedding(target)
-    head_rows = _target_head(target)[draft_vocab]
+    model.model.embed_tokens = target.model.model.embed_tokens  # shared: no second copy
+    head_rows = _target_head_rows(target, draft_vocab)
     load_hf_weights(
-        model,
-        [*weights.items(), ("model.embed_tokens.weight", embed), ("lm_head.weight", head_rows)],
+        model, [*weights.items(), ("lm_head.weight", head_rows)], ["model.embed_tokens.weight"]
     )
-    model.model.embed_tokens.weight = embed  # the target's tensor: no second copy
     return LoadedModel(
         model.eval(),
         target.tokenizer,
@@ -117,7 +119,7 @@ def _check_target(directory: Path, meta: dict, arch, target, probe: torch.Tensor
             f"{arch.vocab_size}, hidden size {arch.hidden_size}), not for {target.name!r} "
             f"({target.arch.vocab_size}, {target.arch.hidden_size}); {hint}"
         )
-    rows = _target_embedding(target)[embed_probe_ids(arch.vocab_size)].float().cpu()
+    rows = target.model.embedding_rows(embed_probe_ids(arch.vocab_size)).float().cpu()
     if rows.shape != probe.shape or not torch.allclose(rows, probe, rtol=2e-2, atol=2e-3):
         raise ModelLoadError(
             f"draft {directory} was made for {meta.get('target')!r}, whose embedding differs "
@@ -131,18 +133,12 @@ def _model_flag(target) -> str:
     return "(default)" if target.name == DEFAULT_MODEL_NAME else target.name
 
 
-def _target_embedding(target) -> torch.Tensor:
-    return target.model.model.embed_tokens.weight
-
-
-def _target_head(target) -> torch.Tensor:
-    """The target's LM-head weight [vocab, hidden] (packed CPU Linears keep no plain
-    weight, so an untied head is read back from the checkpoint)."""
-    if target.arch.tie_word_embeddings:
-        return _target_embedding(target).detach()
-    head = target.model.lm_head
-    if isinstance(getattr(head, "weight", None), torch.Tensor):
-        return head.weight.detach()
+def _target_head_rows(target, ids: torch.Tensor) -> torch.Tensor:
+    """The target's LM-head rows ``ids`` [len(ids), hidden] (a float head packed for the
+    CPU GEMM keeps no plain weight: it is read back from the checkpoint)."""
+    rows = target.model.head_rows(ids)
+    if rows is not None:
+        return rows
     if target.model_dir is None:
         raise ModelLoadError(f"cannot read {target.name!r}'s LM head for the draft")
     from safetensors import safe_open
@@ -150,7 +146,7 @@ def _target_head(target) -> torch.Tensor:
     for file in sorted(Path(target.model_dir).glob("*.safetensors")):
         with safe_open(str(file), framework="pt", device=str(target.device)) as f:
             if "lm_head.weight" in f.keys():  # noqa: SIM118 - safe_open handles are not iterable
-                return f.get_tensor("lm_head.weight").to(target.dtype)
+                return f.get_tensor("lm_head.weight").to(target.dtype)[ids]
     raise ModelLoadError(f"{target.model_dir}: no lm_head.weight for the draft's head")
 
 

@@ -75,9 +75,9 @@ def manifest_for(
     }
 
 
-def embedding_fingerprint(embedding, probe_ids) -> str:
-    """A short hash of a target's embedding rows ``probe_ids`` (torch tensors)."""
-    rows = embedding[probe_ids].detach().float().cpu().numpy()
+def embedding_fingerprint(rows) -> str:
+    """A short hash of some rows of a target's embedding (a torch tensor)."""
+    rows = rows.detach().float().cpu().numpy()
     return "sha256 " + hashlib.sha256(rows.tobytes()).hexdigest()[:16]
 
 

@@ -65,7 +65,7 @@ def _parse(*argv: str) -> argparse.Namespace:
 
 
 def _loaded(model_dir: Path, dtype=torch.bfloat16):
-    return SimpleNamespace(model_dir=model_dir, dtype=dtype)
+    return SimpleNamespace(model_dir=model_dir, dtype=dtype, float_weights_dir=lambda: model_dir)
 
 
 def _request(**overrides) -> dict:
@@ -267,25 +267,87 @@ def test_worker_rejects_a_bad_request(worker, request_, match):
 
 
 FAKE_LLAMA_CPP = """\
+# llama.cpp's C API as llama_cpp exposes it, enough for the worker: it records what is
+# decoded, keeps a KV length, and samples 100 + i (EOS at the second token, which a
+# greedy llama.cpp samples and goes on from).
+import ctypes
+import types
+
 __version__ = "0.0-fake"
 EOS = 2
+llama_token = ctypes.c_int32
+LOG = []
+STATE = {"kv": 0, "sampled": 0}
 
 
-class Llama:
-    def __init__(self, model_path, n_ctx, n_threads, n_threads_batch, **kwargs):
-        assert n_threads == n_threads_batch == 3, n_threads
-        assert n_ctx >= 4 + 6, n_ctx
-        self.model_path = model_path
+def llama_backend_init():
+    pass
 
-    def reset(self):
-        pass
 
-    def generate(self, tokens, temp, top_k, **kwargs):
-        assert temp == 0.0 and top_k == 1
-        i = 0
-        while True:  # like llama.cpp: it samples EOS and goes on; the caller stops
-            i += 1
-            yield EOS if i == 2 else 100 + i
+def llama_model_default_params():
+    return types.SimpleNamespace()
+
+
+def llama_model_load_from_file(path, params):
+    assert path == b"m"
+    return object()
+
+
+def llama_context_default_params():
+    return types.SimpleNamespace()
+
+
+def llama_init_from_model(model, params):
+    assert params.n_threads == params.n_threads_batch == 3
+    assert params.n_ctx >= 4 + 6 and params.n_batch == params.n_ctx
+    return object()
+
+
+def llama_sampler_chain_default_params():
+    return None
+
+
+def llama_sampler_chain_init(params):
+    return []
+
+
+def llama_sampler_init_greedy():
+    return "greedy"
+
+
+def llama_sampler_chain_add(chain, sampler):
+    chain.append(sampler)
+
+
+def llama_batch_get_one(array, n):
+    return list(array)[:n]
+
+
+def llama_decode(ctx, batch):
+    LOG.append(("decode", STATE["kv"], batch))
+    STATE["kv"] += len(batch)
+    return 0
+
+
+def llama_get_memory(ctx):
+    return "memory"
+
+
+def llama_memory_seq_rm(memory, seq, start, end):
+    assert (seq, end) == (0, -1) and start <= STATE["kv"]
+    LOG.append(("keep", start))
+    STATE["kv"] = start
+
+
+def llama_memory_clear(memory, data):
+    STATE["kv"] = 0
+    LOG.clear()
+
+
+def llama_sampler_sample(sampler, ctx, index):
+    assert sampler == ["greedy"] and index == -1
+    STATE["sampled"] += 1
+    return EOS if STATE["sampled"] % 6 == 2 else 100 + STATE["sampled"]
 """
 
 
@@ -300,6 +362,27 @@ def test_llamacpp_worker_cuts_the_stream_at_output_len(tmp_path):
     assert result["input"] == "token_ids"
     assert [r["num_tokens"] for r in result["requests"]] == [6, 6]
     assert all(0 <= r["ttft_s"] <= r["latency_s"] for r in result["requests"])
+
+
+def test_llamacpp_worker_decodes_each_prompt_once_keeping_a_shared_prefix(tmp_path):
+    """Only the part of a prompt the cache does not hold is decoded, then one token a
+    step: llama.cpp's own loop, sampling in C."""
+    fake = FAKE_LLAMA_CPP + (
+        "import atexit, json, os\n"
+        'atexit.register(lambda: open(os.environ["FAKE_LOG"], "w").write(json.dumps(LOG)))\n'
+    )
+    (tmp_path / "llama_cpp.py").write_text(fake)
+    log = tmp_path / "log.json"
+    prompts = [[5, 6, 7, 8], [5, 6, 9]]
+    env = {"PYTHONPATH": str(tmp_path), "FAKE_LOG": str(log)}
+    request = _request(prompts=prompts, output_len=3, num_threads=3)
+    proc = _worker("llamacpp_worker.py", request, env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    steps = json.loads(log.read_text())
+    first, second = steps[: steps.index(["keep", 2])], steps[steps.index(["keep", 2]) :]
+    assert first[0] == ["keep", 0] and first[1] == ["decode", 0, [5, 6, 7, 8]]
+    assert len(first) == 4 and all(len(s[2]) == 1 for s in first[2:])  # fed back one by one
+    assert second[1] == ["decode", 2, [9]]  # [5, 6] kept in the cache
 
 
 def test_llamacpp_worker_refuses_batching():

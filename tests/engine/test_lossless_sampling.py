@@ -8,6 +8,11 @@ is at most 16 sequences. 4000 requests each sample one; the first token comes fr
 prefill, the rest from verifications of up to 2 drafts. Unseeded requests are verified
 by rejection sampling, seeded ones by coupling; penalties, logit bias, min_tokens and a
 stop token ride along in their own rows of the matrix.
+
+Two targets: the tiny float model, against transformers' own forward, and the same
+model as a .gguf served quantized (Q4_1 layers and head, Q8_0 embedding), against the
+engine's plain forward of that target (rows are batch invariant, so the target a
+request sees alone is the target it sees in any batch).
 """
 
 from __future__ import annotations
@@ -16,9 +21,11 @@ import pytest
 import torch
 
 from engine.io.sampling_params import SamplingParams
+from engine.loader import load_model
 from engine.spec_decode.verifier import Verifier
 from tests.engine.engine_helpers import _hf_model, make_engine, run_to_completion
 from tests.engine.penalty_reference import adjust, stop_ids_of
+from tests.engine.simple_runner import SimplePagedRunner
 from tests.tiny_models import EOS_ID
 
 TOP_K = 2
@@ -60,15 +67,15 @@ PENALIZED = {
 def exact_distribution(model_dir, prompt, features=None, dtype=torch.float32):
     """P(t1 .. t4) of the target with temperature 1 and top-k 2, by enumeration. With
     ``features`` (penalties, logit_bias, min_tokens, stop_token_ids) the reference
-    applies them at each step first, and a stop token ends a sequence early."""
-    model = _hf_model(model_dir, dtype)
+    applies them at each step first, and a stop token ends a sequence early. A .gguf
+    target's logits come from the engine's own forward of it, anything else's from
+    transformers."""
+    next_logits = _next_logits(model_dir, prompt, dtype)
     params = SamplingParams(ignore_eos=True, **(features or {}))
     stop_ids = stop_ids_of(params, {EOS_ID})
 
     def next_probs(seq):
-        with torch.no_grad():
-            logits = model(torch.tensor([prompt + seq])).logits[0, -1].float()
-        top = adjust(logits, prompt, seq, params, stop_ids).topk(TOP_K)
+        top = adjust(next_logits(seq), prompt, seq, params, stop_ids).topk(TOP_K)
         return dict(zip(top.indices.tolist(), torch.softmax(top.values, -1).tolist()))
 
     exact = {(): 1.0}
@@ -82,6 +89,30 @@ def exact_distribution(model_dir, prompt, features=None, dtype=torch.float32):
                 longer[seq + (t,)] = p * q
         exact = longer
     return exact
+
+
+def _next_logits(model_dir, prompt, dtype):
+    """seq -> the target's raw logits [vocab] after prompt + seq."""
+    if str(model_dir).endswith(".gguf"):
+        model = load_model(model_dir, device="cpu", dtype=str(dtype).removeprefix("torch.")).model
+        runner = SimplePagedRunner(model, num_blocks=64)
+        count = iter(range(10**6))
+
+        def from_engine(seq):
+            seq_id = next(count)
+            runner.add_sequence(seq_id)
+            logits = runner.step([(seq_id, prompt + seq)])[0].float()
+            runner.free_sequence(seq_id)
+            return logits
+
+        return from_engine
+    model = _hf_model(model_dir, dtype)
+
+    def from_transformers(seq):
+        with torch.no_grad():
+            return model(torch.tensor([prompt + seq])).logits[0, -1].float()
+
+    return from_transformers
 
 
 def tv(samples, exact) -> float:
@@ -156,45 +187,56 @@ def draft_dirs(tiny_draft_model_dir, tiny_trained_draft_dir) -> dict[str, str]:
     return {"truncated": tiny_draft_model_dir, "trained": tiny_trained_draft_dir}
 
 
+@pytest.fixture(scope="module")
+def targets(tiny_model_dir, tiny_gguf_path) -> dict[str, str]:
+    """The float model, and the same model as a .gguf served quantized."""
+    return {"float": tiny_model_dir, "gguf": tiny_gguf_path}
+
+
+@pytest.mark.parametrize("target", ["float", "gguf"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("proposer", list(PROPOSERS))
 def test_sampled_sequences_follow_the_target_distribution(
-    tiny_model_dir, draft_dirs, proposer, dtype
+    targets, draft_dirs, proposer, dtype, target
 ):
     """Rejection sampling, every proposer. In bfloat16 against transformers' bf16 model:
     the engine's bf16 kernels round where its ops round, so the two targets differ by
     far less than the bound. The trained draft's head scores 200 of the 259 tokens;
     the others can only come from the residual distribution."""
-    exact = exact_distribution(tiny_model_dir, PROMPT, dtype=getattr(torch, dtype))
-    samples = sample_sequences(tiny_model_dir, draft_dirs, proposer, dtype=dtype)
+    model = targets[target]
+    exact = exact_distribution(model, PROMPT, dtype=getattr(torch, dtype))
+    samples = sample_sequences(model, draft_dirs, proposer, dtype=dtype)
     assert set(samples) <= set(exact)
     assert tv(samples, exact) < ENGINE_TV_BOUND
 
 
+@pytest.mark.parametrize("target", ["float", "gguf"])
 @pytest.mark.parametrize("proposer", ["none", *PROPOSERS])
-def test_seeded_samples_follow_the_target_distribution(tiny_model_dir, draft_dirs, proposer):
+def test_seeded_samples_follow_the_target_distribution(targets, draft_dirs, proposer, target):
     """One seed per request: the outcomes over many seeds are exact target samples
     (coupled verification keeps the distribution, like rejection sampling does)."""
-    exact = exact_distribution(tiny_model_dir, PROMPT)
-    samples = sample_sequences(tiny_model_dir, draft_dirs, proposer, seeded=True)
+    exact = exact_distribution(targets[target], PROMPT)
+    samples = sample_sequences(targets[target], draft_dirs, proposer, seeded=True)
     assert set(samples) <= set(exact)
     assert tv(samples, exact) < ENGINE_TV_BOUND
 
 
-@pytest.mark.parametrize("proposer", ["ngram", "draft", "hybrid"])
+@pytest.mark.parametrize(
+    ("proposer", "target"),
+    [("ngram", "float"), ("draft", "float"), ("hybrid", "float"), ("hybrid", "gguf")],
+)
 @pytest.mark.parametrize("seeded", [False, True], ids=["rejection", "coupling"])
 def test_penalized_sampled_sequences_follow_the_penalized_distribution(
-    tiny_model_dir, draft_dirs, proposer, seeded
+    targets, draft_dirs, proposer, seeded, target
 ):
     """Exact samples of the target under penalties applied at each step, verified by
     rejection sampling (unseeded) or coupling (seeded)."""
-    exact = exact_distribution(tiny_model_dir, PROMPT, PENALIZED)
+    model = targets[target]
+    exact = exact_distribution(model, PROMPT, PENALIZED)
     # Far from the plain distribution (0.36), so a verifier that dropped the features
     # would fail the bound below.
-    assert tv_exact(exact, exact_distribution(tiny_model_dir, PROMPT)) > 5 * ENGINE_TV_BOUND
-    samples = sample_sequences(
-        tiny_model_dir, draft_dirs, proposer, features=PENALIZED, seeded=seeded
-    )
+    assert tv_exact(exact, exact_distribution(model, PROMPT)) > 5 * ENGINE_TV_BOUND
+    samples = sample_sequences(model, draft_dirs, proposer, features=PENALIZED, seeded=seeded)
     assert set(samples) <= set(exact)
     assert tv(samples, exact) < ENGINE_TV_BOUND
 

@@ -170,7 +170,8 @@ def test_unsupported_architecture_is_named():
 def test_default_model_greedy_matches_transformers():
     from transformers import AutoModelForCausalLM
 
-    loaded = load_model(None, dtype="float32", device="cpu")  # auto: the compiled kernels
+    # the dequantized GGUF: transformers dequantizes it the same way
+    loaded = load_model(None, dtype="float32", device="cpu", quantization="none")
     assert loaded.model.model.layers[0].self_attn.attn_backend.name == "cpu"
     hf = AutoModelForCausalLM.from_pretrained(loaded.model_dir, dtype=torch.float32).eval()
     messages = [[{"role": "user", "content": "What is the capital of France?"}],

@@ -1,6 +1,7 @@
 """Randomized engine stress: draft and n-gram speculation x preemption x chunked prefill x
 prefix hits x stop strings x aborts x greedy, seeded and unseeded rows x per-request k x
-penalties, logit bias, min_tokens, include_stop_str_in_output, truncate_prompt_tokens.
+penalties, logit bias, min_tokens, include_stop_str_in_output, truncate_prompt_tokens x
+a float target or a quantized one (the tiny model as a .gguf served as stored).
 
 Every step: both pools pass check_integrity and no request holds a block beyond its KV
 length (check_pools); the draft cache never covers a request's last verified token.
@@ -159,14 +160,15 @@ def _run(engine, arrivals, aborts) -> dict[str, dict]:
     raise AssertionError("the engine did not finish its work in 5000 steps")
 
 
-def test_randomized_engine_stress(tiny_model_dir, spec_draft_dirs, stress_seed):
+def test_randomized_engine_stress(tiny_model_dir, tiny_gguf_path, spec_draft_dirs, stress_seed):
     rng = random.Random(stress_seed)
     config = _engine_config(rng, spec_draft_dirs)
+    target = rng.choice([tiny_model_dir, tiny_gguf_path])
     arrivals, aborts = _workload(rng, config["num_speculative_tokens"])
     # odd seeds in bfloat16: greedy and seeded output must not depend on the batch there
     # either (one attention kernel for every query row, batch-invariant GEMMs)
     config["dtype"] = "bfloat16" if stress_seed % 2 else "float32"
-    engine = make_engine(tiny_model_dir, **config)
+    engine = make_engine(target, **config)
     results = _run(engine, arrivals, aborts)
     assert_all_blocks_released(engine)
 
@@ -180,10 +182,10 @@ def test_randomized_engine_stress(tiny_model_dir, spec_draft_dirs, stress_seed):
         assert r["finish_reason"] in ("stop", "length", "abort"), request_id
     exact = [(rid, p, params) for rid, p, params, kind in requests
              if kind != "unseeded" and rid not in aborted]  # fmt: skip
-    reference = make_engine(tiny_model_dir, num_kv_blocks=256, dtype=config["dtype"])
+    reference = make_engine(target, num_kv_blocks=256, dtype=config["dtype"])
     plain = [(rid, p, replace(params, num_speculative_tokens=None), "") for rid, p, params in exact]
     expected = _run(reference, {0: plain}, {})
     for request_id, _, _ in exact:
         got, want = results[request_id], expected[request_id]
-        assert got["token_ids"] == want["token_ids"], (stress_seed, request_id, config)
+        assert got["token_ids"] == want["token_ids"], (stress_seed, request_id, target, config)
         assert (got["text"], got["finish_reason"]) == (want["text"], want["finish_reason"])
