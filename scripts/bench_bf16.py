@@ -21,8 +21,12 @@ from pathlib import Path
 
 from engine.benchmarks.report import median_range
 
+# The dequantized weights (bf16 against fp32): scripts/bench_quant.py measures the
+# .gguf served as stored.
 BATCH1 = ["--num-prompts", "4", "--output-len", "64", "--concurrency", "1", "--spec-modes", "none"]
+BATCH1 += ["--quantization", "none"]
 BATCH32 = ["--num-prompts", "32", "--output-len", "64", "--spec-modes", "none"]
+BATCH32 += ["--quantization", "none"]
 RUNS = {
     "b1-fp32": [*BATCH1, "--baselines", "generate", "--dtype", "float32"],
     "b1-bf16": [*BATCH1, "--baselines", "generate", "--dtype", "bfloat16"],

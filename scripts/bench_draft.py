@@ -27,6 +27,11 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--dtype", default="auto")
     parser.add_argument(
+        "--quantization",
+        default="none",
+        help="the target's weights (default: dequantized, as the draft table was measured)",
+    )
+    parser.add_argument(
         "--workload", default="chat", help="chat (held out of training) or grounded"
     )
     parser.add_argument("--rounds", type=int, default=1)
@@ -60,6 +65,7 @@ def _run(args, temperature: float, concurrency: int, num_prompts: int, path: Pat
     cmd += ["--num-prompts", str(num_prompts), "--concurrency", str(concurrency)]
     cmd += ["--output-len", str(args.output_len), "--spec-modes", ",".join(MODES)]
     cmd += ["--baselines", "none", "--temperature", str(temperature), "--dtype", args.dtype]
+    cmd += ["--quantization", args.quantization]
     cmd += ["--json", str(path), "--no-progress"]
     if args.draft_model:
         cmd += ["--draft-model", args.draft_model]

@@ -50,7 +50,9 @@ class Worker:
         self.log = tempfile.TemporaryFile(mode="w+")  # noqa: SIM115 (lives with the process)
         args = [*SPECSERVE, "serve", "--host", "127.0.0.1", "--port", str(self.port),
                 "--metrics-port", str(self.metrics_port), "--num-threads", "1",
-                "--log-level", "WARNING", *extra]  # fmt: skip
+                "--log-level", "WARNING",
+                "--quantization", "none",  # the weights docs/benchmarks.md measured with
+                *extra]  # fmt: skip
         self.proc = subprocess.Popen(args, cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT)
 
     def prefix_counts(self) -> tuple[float, float]:

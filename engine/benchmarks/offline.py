@@ -20,7 +20,7 @@ from engine.benchmarks.workloads import load_prompts
 from engine.entrypoints.args import add_engine_args, engine_config_from_args
 from scheduler.spec_length import expected_tokens_per_step
 
-BASELINES = ("generate", "generate_batch", "assisted", "vllm", "llamacpp")
+BASELINES = ("generate", "generate_batch", "assisted", "vllm", "llamacpp", "llamacpp-lookup")
 
 
 def add_workload_args(parser: argparse.ArgumentParser, num_prompts: int) -> None:

@@ -28,6 +28,7 @@ from engine.benchmarks.workloads import load_prompts
 
 COMPONENTS = ("linear", "lm_head", "attention", "norm_rope_silu", "forward_rest", "host")
 DTYPES = ("float32", "bfloat16")  # the dtypes the compiled CPU kernels serve
+QUANTIZATIONS = ("none", "auto", "int8")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -40,6 +41,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--dtype", choices=DTYPES, default="float32", help="model, activation and KV cache dtype"
+    )
+    parser.add_argument(
+        "--quantization",
+        choices=QUANTIZATIONS,
+        default="none",
+        help="the weights' form (auto: a .gguf's quantized tensors as stored; the torch-ops "
+        "run has no quantized kernel and dequantizes)",
     )
 
 
@@ -82,6 +90,7 @@ def _profile(args: argparse.Namespace, kernels: bool, fused: bool) -> dict[str, 
                 dtype=args.dtype,
                 attn_backend="cpu" if kernels else "torch",
                 num_threads=args.num_threads,
+                quantization=args.quantization if kernels else "none",
             )
         )
         prompts = tokenize_prompts(
@@ -117,6 +126,7 @@ def _timers(engine, totals: Counter) -> Iterator[None]:
     """Time the calls that make up a forward; restores every patched attribute."""
     import engine.models.layers as layers
     import engine.models.llama as llama
+    from engine.models.quant import QuantizedLinear
     from engine.models.weights import PackedLinear
 
     model = engine.runner.model
@@ -128,7 +138,7 @@ def _timers(engine, totals: Counter) -> Iterator[None]:
         setattr(owner, name, _timed(getattr(owner, name), label, totals))
 
     for module in model.model.modules():  # every Linear but the LM head
-        if isinstance(module, PackedLinear) or type(module).__name__ == "Linear":
+        if isinstance(module, (PackedLinear, QuantizedLinear)) or type(module).__name__ == "Linear":
             patch(module, "forward", "linear")
     patch(model, "compute_logits", "lm_head")
     backend = model.model.layers[0].self_attn.attn_backend
@@ -162,6 +172,7 @@ def _print(args: argparse.Namespace, results: dict[str, dict[str, float]]) -> No
     ours, base = results["kernels"], results["torch ops"]
     print(
         f"\ndecode steps of {args.num_prompts} requests ({args.workload}, {args.dtype}, "
+        f"weights {args.quantization}, "
         f"{int(ours['num_steps'])} steps): ms per step"
     )
     print(f"{'component':<16}{'kernels':>10}{'torch ops':>12}{'torch/kernels':>15}")

@@ -45,11 +45,13 @@ typedef uint16_t f16;
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define QPATH_AVX512 1
 #define QLANES 16
-#define QROWS 8 /* rows of x per register block: 16 accumulators */
+#define QTILES 2 /* tiles per pass: each activation broadcast feeds two dot products */
+#define QROWS 6  /* rows of x per register block: 24 accumulators */
 #define QPATH_NAME "avx512-vnni"
 #elif defined(__AVX2__) && defined(__F16C__)
 #define QPATH_AVX2 1
 #define QLANES 8
+#define QTILES 1
 #define QROWS 4
 #if defined(__AVXVNNI__) || (defined(__AVX512VNNI__) && defined(__AVX512VL__))
 #define QPATH_NAME "avx2+vnni"
@@ -58,6 +60,7 @@ typedef uint16_t f16;
 #endif
 #else
 #define QLANES 8
+#define QTILES 1
 #define QROWS 4
 #define QPATH_NAME "portable"
 #endif
@@ -185,51 +188,69 @@ INLINE int32_t load_i32(const void *p) {
 #if defined(QPATH_AVX512)
 typedef __m512 qacc; /* one row's QLANES fp32 accumulators */
 
-/* `rows` (a constant after inlining) rows against one tile of `fmt` (a constant too). */
-INLINE void q_tile(qacc *acc, int32_t fmt, int rows, const uint8_t *tile,
+/* `rows` rows (a constant after inlining) against QTILES tiles of `fmt` (a constant
+ * too): acc[r * QTILES + j] is row r's outputs of tile j. */
+INLINE void q_tile(qacc *acc, int32_t fmt, int rows, const uint8_t *const *tile,
                    const struct qrows *a, int64_t r0) {
     const __m512i low4 = _mm512_set1_epi8(0x0f), flip = _mm512_set1_epi8((char)0x80);
     const int64_t tb = q_tile_block_bytes(fmt), sb = q_scale_bytes(fmt);
-    for (int r = 0; r < rows; r++) acc[r] = _mm512_setzero_ps();
+    for (int i = 0; i < rows * QTILES; i++) acc[i] = _mm512_setzero_ps();
     for (int64_t b = 0; b < a->nb; b++) {
-        const uint8_t *blk = tile + b * tb, *qs = blk + QLANES * sb;
-        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)blk));
-        __m512i dot[QROWS];
-        for (int r = 0; r < rows; r++) dot[r] = _mm512_setzero_si512();
+        const uint8_t *blk[QTILES], *qs[QTILES];
+        for (int j = 0; j < QTILES; j++) blk[j] = tile[j] + b * tb, qs[j] = blk[j] + QLANES * sb;
+        __m512i dot[QROWS * QTILES];
+        for (int i = 0; i < rows * QTILES; i++) dot[i] = _mm512_setzero_si512();
         if (fmt == QFMT_Q8_0) {
             for (int g = 0; g < 8; g++) {
-                const __m512i w = _mm512_xor_si512(_mm512_loadu_si512(qs + g * 64), flip);
+                __m512i w[QTILES];
+                for (int j = 0; j < QTILES; j++)
+                    w[j] = _mm512_xor_si512(_mm512_loadu_si512(qs[j] + g * 64), flip);
                 for (int r = 0; r < rows; r++) {
                     const int8_t *x = a->q + (r0 + r) * a->k + b * QK + 4 * g;
-                    dot[r] = _mm512_dpbusd_epi32(dot[r], w, _mm512_set1_epi32(load_i32(x)));
+                    const __m512i xb = _mm512_set1_epi32(load_i32(x));
+                    for (int j = 0; j < QTILES; j++)
+                        dot[r * QTILES + j] = _mm512_dpbusd_epi32(dot[r * QTILES + j], w[j], xb);
                 }
             }
         } else {
             for (int c = 0; c < 4; c++) {
-                const __m512i v = _mm512_loadu_si512(qs + c * 64);
-                const __m512i lo = _mm512_and_si512(v, low4);
-                const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+                __m512i lo[QTILES], hi[QTILES];
+                for (int j = 0; j < QTILES; j++) {
+                    const __m512i v = _mm512_loadu_si512(qs[j] + c * 64);
+                    lo[j] = _mm512_and_si512(v, low4);
+                    hi[j] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+                }
                 for (int r = 0; r < rows; r++) {
                     const int8_t *x = a->q + (r0 + r) * a->k + b * QK + 4 * c;
-                    dot[r] = _mm512_dpbusd_epi32(dot[r], lo, _mm512_set1_epi32(load_i32(x)));
-                    dot[r] = _mm512_dpbusd_epi32(dot[r], hi, _mm512_set1_epi32(load_i32(x + 16)));
+                    const __m512i xl = _mm512_set1_epi32(load_i32(x));
+                    const __m512i xh = _mm512_set1_epi32(load_i32(x + 16));
+                    for (int j = 0; j < QTILES; j++) {
+                        __m512i *d = &dot[r * QTILES + j];
+                        *d = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(*d, lo[j], xl), hi[j], xh);
+                    }
                 }
             }
         }
-        const __m512 m = fmt == QFMT_Q4_1
-                             ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + 32)))
-                             : _mm512_setzero_ps();
+        __m512 d[QTILES], m[QTILES];
+        for (int j = 0; j < QTILES; j++) {
+            d[j] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)blk[j]));
+            m[j] = fmt == QFMT_Q4_1
+                       ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk[j] + 32)))
+                       : _mm512_setzero_ps();
+        }
         for (int r = 0; r < rows; r++) {
             const int64_t i = (r0 + r) * a->nb + b;
             const float xd = a->d[i];
             const int32_t xs = a->s[i];
-            __m512i total = dot[r];
-            if (fmt == QFMT_Q8_0) total = _mm512_sub_epi32(total, _mm512_set1_epi32(128 * xs));
-            if (fmt == QFMT_Q4_0) total = _mm512_sub_epi32(total, _mm512_set1_epi32(8 * xs));
-            const __m512 scale = _mm512_mul_ps(d, _mm512_set1_ps(xd));
-            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(total), scale, acc[r]);
-            if (fmt == QFMT_Q4_1)
-                acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(xd * (float)xs), acc[r]);
+            const __m512 vxd = _mm512_set1_ps(xd), vms = _mm512_set1_ps(xd * (float)xs);
+            const __m512i off = _mm512_set1_epi32((fmt == QFMT_Q8_0 ? 128 : 8) * xs);
+            for (int j = 0; j < QTILES; j++) {
+                __m512i total = dot[r * QTILES + j];
+                if (fmt != QFMT_Q4_1) total = _mm512_sub_epi32(total, off);
+                qacc *o = &acc[r * QTILES + j];
+                *o = _mm512_fmadd_ps(_mm512_cvtepi32_ps(total), _mm512_mul_ps(d[j], vxd), *o);
+                if (fmt == QFMT_Q4_1) *o = _mm512_fmadd_ps(m[j], vms, *o);
+            }
         }
     }
 }
@@ -248,8 +269,9 @@ typedef __m256 qacc;
     _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)))
 #endif
 
-INLINE void q_tile(qacc *acc, int32_t fmt, int rows, const uint8_t *tile,
+INLINE void q_tile(qacc *acc, int32_t fmt, int rows, const uint8_t *const *tiles,
                    const struct qrows *a, int64_t r0) {
+    const uint8_t *tile = tiles[0];
     const __m256i low4 = _mm256_set1_epi8(0x0f);
     const int64_t tb = q_tile_block_bytes(fmt), sb = q_scale_bytes(fmt);
     for (int r = 0; r < rows; r++) acc[r] = _mm256_setzero_ps();
@@ -304,8 +326,9 @@ typedef struct {
     float v[QLANES];
 } qacc;
 
-INLINE void q_tile(qacc *acc, int32_t fmt, int rows, const uint8_t *tile,
+INLINE void q_tile(qacc *acc, int32_t fmt, int rows, const uint8_t *const *tiles,
                    const struct qrows *a, int64_t r0) {
+    const uint8_t *tile = tiles[0];
     const int64_t tb = q_tile_block_bytes(fmt), sb = q_scale_bytes(fmt);
     for (int r = 0; r < rows; r++) memset(&acc[r], 0, sizeof(qacc));
     for (int64_t b = 0; b < a->nb; b++) {
@@ -362,18 +385,27 @@ INLINE void q_acc_to_lanes(float *lanes, qacc v) { memcpy(lanes, v.v, sizeof(v.v
         if (qrows_alloc(&a, m, k)) return 3;                                                   \
         FOR_ROWS_OF(m, k, num_threads, QUANTIZE_ONE_##S);                                      \
         const int64_t tiles = (n + QLANES - 1) / QLANES;                                       \
+        const int64_t groups = (tiles + QTILES - 1) / QTILES;                                  \
         const int64_t tile_bytes = a.nb * q_tile_block_bytes(fmt);                             \
         _Pragma("omp parallel for num_threads(num_threads) schedule(static)") for (           \
-            int64_t t = 0; t < tiles; t++) {                                                   \
-            const uint8_t *tile = packed + t * tile_bytes;                                     \
-            const int64_t cols = n - t * QLANES < QLANES ? n - t * QLANES : QLANES;            \
-            const T *b = bias == NULL ? NULL : bias + t * QLANES;                              \
-            qacc acc[QROWS];                                                                   \
+            int64_t g = 0; g < groups; g++) {                                                  \
+            /* a last group short of tiles repeats its last one; its outputs are not kept */   \
+            const uint8_t *group[QTILES];                                                      \
+            for (int j = 0; j < QTILES; j++) {                                                 \
+                const int64_t t = g * QTILES + j < tiles ? g * QTILES + j : tiles - 1;         \
+                group[j] = packed + t * tile_bytes;                                            \
+            }                                                                                  \
+            qacc acc[QROWS * QTILES];                                                          \
             for (int64_t r0 = 0; r0 < m; r0 += QROWS) {                                        \
                 const int rows = m - r0 < QROWS ? (int)(m - r0) : QROWS;                       \
-                q_tile_rows(acc, fmt, rows, tile, &a, r0);                                     \
-                for (int r = 0; r < rows; r++)                                                 \
-                    q_store_##S(out + (r0 + r) * n + t * QLANES, acc[r], b, cols);             \
+                q_tile_rows(acc, fmt, rows, group, &a, r0);                                    \
+                for (int j = 0; j < QTILES && g * QTILES + j < tiles; j++) {                    \
+                    const int64_t t = g * QTILES + j, c0 = t * QLANES;                         \
+                    const int64_t cols = n - c0 < QLANES ? n - c0 : QLANES;                    \
+                    const T *b = bias == NULL ? NULL : bias + c0;                              \
+                    for (int r = 0; r < rows; r++)                                             \
+                        q_store_##S(out + (r0 + r) * n + c0, acc[r * QTILES + j], b, cols);    \
+                }                                                                              \
             }                                                                                  \
         }                                                                                      \
         qrows_free(&a);                                                                        \
@@ -389,17 +421,17 @@ INLINE void q_acc_to_lanes(float *lanes, qacc v) { memcpy(lanes, v.v, sizeof(v.v
  * copy per format (not inlined into each output type's caller: compile time). */
 #define Q_TILE_CASE(F, R)                                                                      \
     case R:                                                                                    \
-        q_tile(acc, F, R, tile, a, r0);                                                        \
+        q_tile(acc, F, R, tiles, a, r0);                                                       \
         break;
 #define Q_TILE_FMT(F)                                                                          \
-    static __attribute__((noinline)) void q_tile_##F(qacc *acc, int rows, const uint8_t *tile,  \
-                                                     const struct qrows *a, int64_t r0) {      \
+    static __attribute__((noinline)) void q_tile_##F(                                          \
+        qacc *acc, int rows, const uint8_t *const *tiles, const struct qrows *a, int64_t r0) {  \
         switch (rows) { Q_TILE_CASES(F) }                                                      \
     }
-#if QROWS == 8
+#if QROWS == 6
 #define Q_TILE_CASES(F)                                                                        \
     Q_TILE_CASE(F, 1) Q_TILE_CASE(F, 2) Q_TILE_CASE(F, 3) Q_TILE_CASE(F, 4) Q_TILE_CASE(F, 5) \
-    Q_TILE_CASE(F, 6) Q_TILE_CASE(F, 7) Q_TILE_CASE(F, 8)
+    Q_TILE_CASE(F, 6)
 #else
 #define Q_TILE_CASES(F) Q_TILE_CASE(F, 1) Q_TILE_CASE(F, 2) Q_TILE_CASE(F, 3) Q_TILE_CASE(F, 4)
 #endif
@@ -407,11 +439,11 @@ Q_TILE_FMT(QFMT_Q4_0)
 Q_TILE_FMT(QFMT_Q4_1)
 Q_TILE_FMT(QFMT_Q8_0)
 
-INLINE void q_tile_rows(qacc *acc, int32_t fmt, int rows, const uint8_t *tile,
+INLINE void q_tile_rows(qacc *acc, int32_t fmt, int rows, const uint8_t *const *tiles,
                         const struct qrows *a, int64_t r0) {
-    if (fmt == QFMT_Q8_0) q_tile_QFMT_Q8_0(acc, rows, tile, a, r0);
-    else if (fmt == QFMT_Q4_1) q_tile_QFMT_Q4_1(acc, rows, tile, a, r0);
-    else q_tile_QFMT_Q4_0(acc, rows, tile, a, r0);
+    if (fmt == QFMT_Q8_0) q_tile_QFMT_Q8_0(acc, rows, tiles, a, r0);
+    else if (fmt == QFMT_Q4_1) q_tile_QFMT_Q4_1(acc, rows, tiles, a, r0);
+    else q_tile_QFMT_Q4_0(acc, rows, tiles, a, r0);
 }
 
 QUANT_LINEAR(float, f32, specserve_quant_linear)

@@ -432,7 +432,13 @@ def test_gguf_path_refuses_a_non_gguf_model(tmp_path):
 
 
 def test_workers_do_not_import_specserve():
-    for name in ("vllm_worker.py", "llamacpp_worker.py", "external_protocol.py"):
+    for name in (
+        "vllm_worker.py",
+        "llamacpp_worker.py",
+        "llamacpp_lookup_worker.py",
+        "llamacpp_logits.py",
+        "external_protocol.py",
+    ):
         source = (WORKERS / name).read_text()
         assert "from engine" not in source and "import engine" not in source, name
     assert 'if __name__ == "__main__":' in (WORKERS / "vllm_worker.py").read_text()
@@ -515,3 +521,61 @@ def test_vllm_worker_keeps_concurrency_in_flight_and_counts_deltas(tmp_path):
     assert seen["peak"] == 2  # never more than --concurrency in flight
     assert seen["prompts"] == prompts[:1] + prompts  # warm-up, then the workload in order
     assert seen["bind"] == str(sorted(os.sched_getaffinity(0))[0])  # num_threads=1
+
+
+FAKE_LOOKUP = """#!/bin/sh
+# llama-lookup as the worker sees it: the timing lines on stderr, after the options.
+echo "$@" > "$(dirname "$0")/args.txt"
+cat "$4" > "$(dirname "$0")/prompt.txt"
+echo "0.01 I encoded    7 tokens in    0.250 seconds, speed:   28.000 t/s" >&2
+echo "0.02 I decoded    6 tokens in    0.500 seconds, speed:   12.000 t/s" >&2
+"""
+
+FAKE_VOCAB = """\
+__version__ = "0.0-fake"
+
+
+class Llama:
+    def __init__(self, model_path, vocab_only, verbose):
+        assert vocab_only
+
+    def detokenize(self, ids, special):
+        assert special  # the chat template's special tokens stay text the binary parses
+        return " ".join(map(str, ids)).encode()
+"""
+
+
+def test_llamacpp_lookup_worker_reports_the_binarys_own_timings(tmp_path):
+    """One llama-lookup run per prompt, its prompt the detokenized ids; its encode and
+    decode times are the request's, without loading the model."""
+    bin_dir = tmp_path / "venv" / "bin"
+    bin_dir.mkdir(parents=True)
+    (bin_dir / "python").symlink_to(sys.executable)
+    (bin_dir / "llama-lookup").write_text(FAKE_LOOKUP)
+    (bin_dir / "llama-lookup").chmod(0o755)
+    (tmp_path / "llama_cpp.py").write_text(FAKE_VOCAB)
+    request = _request(prompts=[[1, 2, 3]], output_len=6, num_threads=2)
+    proc = subprocess.run(
+        [str(bin_dir / "python"), str(WORKERS / "llamacpp_lookup_worker.py")],
+        input=json.dumps(request),
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(tmp_path), "SPECSERVE_LOOKUP_DRAFT": "3"},
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    result = proto.parse_answer(proc.stdout)["result"]
+    assert result["engine"] == "llama.cpp lookup"
+    assert result["requests"] == [{"ttft_s": 0.25, "latency_s": 0.75, "num_tokens": 6}]
+    assert result["duration_s"] == 0.75
+    args = (bin_dir / "args.txt").read_text().split()
+    assert args[args.index("--spec-draft-n-max") + 1] == "3" and "--ignore-eos" in args
+    assert args[args.index("-t") + 1] == "2" and args[args.index("-n") + 1] == "6"
+    assert (bin_dir / "prompt.txt").read_text() == "1 2 3"
+
+
+def test_llamacpp_lookup_worker_without_its_binary_says_how_to_build_it(tmp_path):
+    (tmp_path / "llama_cpp.py").write_text(FAKE_VOCAB)
+    proc = _worker("llamacpp_lookup_worker.py", _request(), {"PYTHONPATH": str(tmp_path)})
+    error = proto.parse_answer(proc.stdout)["error"]
+    assert "install_baselines.sh llamacpp" in error["message"]

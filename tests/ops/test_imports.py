@@ -14,7 +14,11 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("engine", "block_manager", "scheduler")
 # Run inside another project's venv (vLLM-CPU, llama.cpp), never beside specserve's.
-OTHER_VENV_WORKERS = {"engine.benchmarks.vllm_worker", "engine.benchmarks.llamacpp_worker"}
+OTHER_VENV_WORKERS = {
+    "engine.benchmarks.vllm_worker",
+    "engine.benchmarks.llamacpp_worker",
+    "engine.benchmarks.llamacpp_lookup_worker",
+}
 
 
 def _module_name(path: Path) -> str:
