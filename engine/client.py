@@ -15,6 +15,7 @@ both; the two classes only differ in how they wait for the answer (block or awai
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -61,6 +62,8 @@ class GenerateDelta:
     finish_reason: str | None = None
     usage: Usage | None = None
     stop_reason: str | int | None = None
+    # Why a constrained output may not satisfy its constraint (set on the last chunk).
+    finish_detail: str | None = None
 
     @property
     def finished(self) -> bool:
@@ -76,6 +79,7 @@ class Completion:
     finish_reason: str | None
     usage: Usage | None
     stop_reason: str | int | None = None
+    finish_detail: str | None = None
 
 
 @dataclass(frozen=True)
@@ -121,10 +125,13 @@ def build_request(
     logit_bias: Mapping[int, float] | None = None,
     include_stop_str_in_output: bool = False,
     truncate_prompt_tokens: int | None = None,
+    structured_output: Mapping[str, Any] | None = None,
 ) -> pb.GenerateRequest:
     """A GenerateRequest from plain values. ``num_speculative_tokens``: None = server
     policy, 0 = off, k = exactly k draft tokens per step. None leaves an option to the
-    server's default."""
+    server's default. ``structured_output``: one constraint as a dict, e.g.
+    ``{"json_schema": {...}}`` (a dict or JSON text), ``{"regex": "..."}``,
+    ``{"choice": ["yes", "no"]}``, ``{"grammar": "..."}``, ``{"json_object": True}``."""
     request = pb.GenerateRequest(priority=priority)
     if request_id is not None:
         request.request_id = request_id
@@ -156,12 +163,29 @@ def build_request(
     s.min_tokens = min_tokens
     s.logit_bias.update(logit_bias or {})
     s.include_stop_str_in_output = include_stop_str_in_output
+    if structured_output is not None:
+        s.structured_output.CopyFrom(_structured_output(structured_output))
     if num_speculative_tokens == 0:
         request.speculation.mode = pb.SpeculationOptions.MODE_OFF
     elif num_speculative_tokens is not None:
         request.speculation.mode = pb.SpeculationOptions.MODE_FIXED
         request.speculation.num_speculative_tokens = num_speculative_tokens
     return request
+
+
+def _structured_output(constraint: Mapping[str, Any]) -> pb.StructuredOutput:
+    if len(constraint) != 1:
+        raise ValueError(
+            f"structured_output must hold one constraint, got {sorted(constraint) or 'none'}"
+        )
+    ((kind, value),) = constraint.items()
+    if kind == "json_schema" and not isinstance(value, str):
+        value = json.dumps(value)
+    if kind == "choice":
+        return pb.StructuredOutput(choice=pb.ChoiceList(choices=list(value)))
+    if kind not in pb.StructuredOutput.DESCRIPTOR.fields_by_name:
+        raise ValueError(f"structured_output: unknown constraint {kind!r}")
+    return pb.StructuredOutput(**{kind: value})
 
 
 def retry_after_s(error: grpc.RpcError) -> float | None:
@@ -237,6 +261,7 @@ def _delta(r: pb.GenerateResponse) -> GenerateDelta:
         finish_reason=_FINISH_REASONS.get(r.finish_reason),
         usage=_usage(r) if r.HasField("usage") else None,
         stop_reason=_stop_reason(r),
+        finish_detail=r.finish_detail or None,
     )
 
 
@@ -249,6 +274,7 @@ def _completion(r: pb.GenerateCompleteResponse) -> Completion:
         finish_reason=_FINISH_REASONS.get(r.finish_reason),
         usage=_usage(r) if r.HasField("usage") else None,
         stop_reason=_stop_reason(r),
+        finish_detail=r.finish_detail or None,
     )
 
 

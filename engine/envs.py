@@ -64,6 +64,19 @@ def cpu_kernels() -> bool:
     return os.environ.get("SPECSERVE_CPU_KERNELS", "1") != "0"
 
 
+def forced_tokens() -> bool:
+    """``SPECSERVE_FORCED_TOKENS=0`` decodes a constraint's forced tokens one step each
+    instead of feeding them as drafts in one (the same output; for measuring)."""
+    return os.environ.get("SPECSERVE_FORCED_TOKENS", "1") != "0"
+
+
+def grammar_compile_timeout_s() -> float:
+    """How long a structured_output constraint may take to compile before the request is
+    refused (INVALID_ARGUMENT naming the limit): ``SPECSERVE_GRAMMAR_COMPILE_TIMEOUT_S``,
+    default 10 seconds."""
+    return float(os.environ.get("SPECSERVE_GRAMMAR_COMPILE_TIMEOUT_S", "10"))
+
+
 @contextlib.contextmanager
 def overridden(name: str, value: str) -> Iterator[None]:
     """Set environment variable ``name`` to ``value`` for a block, then put it back as it

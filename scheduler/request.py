@@ -52,6 +52,10 @@ class Request:
     spec_history: AcceptanceHistory = field(default_factory=AcceptanceHistory)
     # One history per proposer when the engine combines several (hybrid speculation).
     spec_histories: dict[str, AcceptanceHistory] = field(default_factory=dict)
+    # Tokens the request's output constraint allows one by one from here, set by the
+    # engine before each schedule: they get lookahead slots, speculation on or off, and
+    # verification keeps them all (not counted as drafts).
+    num_forced_tokens: int = 0
     first_scheduled_time: float | None = None
 
     def __post_init__(self) -> None:

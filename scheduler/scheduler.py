@@ -21,6 +21,9 @@ from scheduler.request import Request, RequestStatus
 from scheduler.spec_length import choose_num_spec_tokens
 from scheduler.step_cost import StepCostModel
 
+# The spec_source of a step whose drafts are a constraint's forced tokens.
+FORCED = "forced"
+
 
 @dataclass(frozen=True)
 class SchedulerConfig:
@@ -119,7 +122,12 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            num_spec, source = self._num_spec_tokens(request, spec_cost) if speculate else (0, None)
+            if request.num_forced_tokens:
+                num_spec, source = self._num_forced_tokens(request), FORCED
+            elif speculate:
+                num_spec, source = self._num_spec_tokens(request, spec_cost)
+            else:
+                num_spec, source = 0, None
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             if num_new + num_spec > budget:
                 num_spec = 0
@@ -164,6 +172,16 @@ class Scheduler:
             source, draft_cost = self.spec_source(request)
             spec_cost += draft_cost - self.config.draft_cost
         return choose_num_spec_tokens(request.history_for(source), max_k, spec_cost), source
+
+    def _num_forced_tokens(self, request: Request) -> int:
+        """The forced tokens that fit the length limits (and a last sampled token)."""
+        if request.num_computed_tokens != request.num_tokens - 1:
+            return 0
+        remaining = min(
+            request.max_tokens - request.num_output_tokens,
+            self.config.max_model_len - request.num_tokens,
+        )
+        return max(0, min(request.num_forced_tokens, remaining - 1))
 
     def _allocate_or_preempt(
         self, request: Request, num_new: int, num_spec: int, preempted: list[str]
@@ -239,6 +257,7 @@ class Scheduler:
                 # the lookahead slots go back to the pool now.
                 valid = item.num_computed_tokens + 1 + num_accepted
                 request.num_computed_tokens = self.kv.rollback(request, valid)
+            if item.num_spec_tokens and item.spec_source != FORCED:
                 request.history_for(item.spec_source).record(num_drafts, num_accepted)
                 request.num_draft_tokens += num_drafts
                 request.num_accepted_tokens += num_accepted

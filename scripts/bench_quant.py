@@ -113,6 +113,9 @@ def main() -> int:
             rows = json.loads(path.read_text())["results"]
             results[name] = {row["system"]: row["output_tokens_per_s"] for row in rows}
         rounds.append(results)
+    from engine.benchmarks import bounds
+
+    print(bounds.line())  # now, beside the table; each run's JSON has its own
     print(_table(rounds, not args.no_baselines))
     return 0
 

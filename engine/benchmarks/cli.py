@@ -25,6 +25,10 @@ BENCHMARKS = {
         "what quantized weights cost: perplexity, KL and top-1 agreement vs float32",
     ),
     "blocks": ("engine.benchmarks.blocks", "block manager operations per second"),
+    "bounds": (
+        "engine.benchmarks.bounds",
+        "this machine's read bandwidth and multiply-add peaks, for reading the tables",
+    ),
     "serve": (
         "engine.benchmarks.serve",
         "load-test a running server over gRPC, or an OpenAI API (the gateway) over HTTP",

@@ -12,11 +12,11 @@ import json
 import sys
 import time
 from collections import deque
-from dataclasses import replace
+from dataclasses import asdict, replace
 
-from engine.benchmarks import external
+from engine.benchmarks import bounds, external
 from engine.benchmarks.report import RequestTiming, RunResult, format_table, summarize
-from engine.benchmarks.workloads import load_prompts
+from engine.benchmarks.workloads import json_schemas, load_prompts, valid_share
 from engine.entrypoints.args import add_engine_args, engine_config_from_args
 from scheduler.spec_length import expected_tokens_per_step
 
@@ -26,7 +26,10 @@ BASELINES = ("generate", "generate_batch", "assisted", "vllm", "llamacpp", "llam
 def add_workload_args(parser: argparse.ArgumentParser, num_prompts: int) -> None:
     """The prompt set and its size: shared by the offline benchmarks."""
     parser.add_argument(
-        "--workload", default="chat", help="chat, grounded, or a JSONL file with a 'prompt' field"
+        "--workload",
+        default="chat",
+        help="chat, grounded, json (extraction: a JSON schema per request), or a JSONL file "
+        "with a 'prompt' field",
     )
     parser.add_argument(
         "--num-prompts", type=int, default=num_prompts, help="requests in the workload"
@@ -95,24 +98,46 @@ def run(args: argparse.Namespace) -> int:
         loaded.tokenizer, load_prompts(args.workload, args.num_prompts), not args.no_chat_template
     )
     results: list[RunResult] = []
+    schemas = json_schemas(len(prompts)) if args.workload == "json" else None
     for mode in _spec_modes(args, base_config):
         draft = None
         if mode in ("draft", "hybrid"):
             draft = replace(base_config, speculative_method=mode).resolved_draft_model
         config = replace(base_config, speculative_method=mode, draft_model=draft)
         engine = LLMEngine(config, loaded=loaded)
-        _run_engine(engine, prompts[:1], min(args.output_len, 8), 1, None)  # warm-up
-        bar = _bar(len(prompts), f"specserve spec={mode}", args.no_progress)
-        name = f"specserve (spec: {mode})"
-        results.append(
-            _run_engine(engine, prompts, args.output_len, concurrency, bar, name, args.temperature)
-        )
-        _close(bar)
+        # Warm-up: one full batch, so the timed runs find the KV cache's pages touched.
+        warm = prompts[:concurrency]
+        _run_engine(engine, warm, min(args.output_len, 8), concurrency, None)
+        if schemas:
+            _compile_schemas(engine, schemas)
+        # The json workload runs each mode with its schemas, then free: the same prompts,
+        # each to the length its constrained answer had, so both runs make the same tokens;
+        # with concurrency, then half and half (what constrained requests cost the others).
+        lengths = None
+        for part in _json_parts(schemas, concurrency):
+            label = f"{mode}, {part}" if part != "free" else mode
+            bar = _bar(len(prompts), f"specserve spec={label}", args.no_progress)
+            result = _run_engine(
+                engine,
+                prompts,
+                args.output_len,
+                concurrency,
+                bar,
+                f"specserve (spec: {label})",
+                args.temperature,
+                _json_part(schemas, part),
+                lengths,
+            )  # fmt: skip
+            lengths = lengths or result.spec.pop("output_lens", None)
+            result.spec.pop("output_lens", None)
+            results.append(result)
+            _close(bar)
     results += _run_baselines(args, loaded, prompts, concurrency)
-    _print_report(args, concurrency, results)
+    machine = bounds.measure() if loaded.device.type == "cpu" else None
+    _print_report(args, concurrency, results, machine)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(_json(args, concurrency, results), f, indent=2)
+            json.dump(_json(args, concurrency, results, machine), f, indent=2)
     return 0
 
 
@@ -141,13 +166,31 @@ def tokenize_prompts(tokenizer, prompts: list[str], chat: bool) -> list[list[int
 
 
 def _run_engine(
-    engine, prompts, output_len, concurrency, bar, name="specserve", temperature=0.0
-) -> RunResult:
-    from engine.io.sampling_params import SamplingParams
+    engine, prompts, output_len, concurrency, bar, name="specserve", temperature=0.0,
+    schemas=None, output_lens=None,
+) -> RunResult:  # fmt: skip
+    """``schemas``: a JSON schema per prompt, its request's structured_output (a
+    constrained request ends when its answer is complete; the result then counts the
+    answers that parse and validate, and keeps each one's length in
+    ``spec["output_lens"]``); None for a request leaves it free, and the result then
+    has the free requests' mean TPOT. ``output_lens``: each request's own max_tokens."""
+    from engine.io.sampling_params import SamplingParams, StructuredOutput
 
-    params = SamplingParams(max_tokens=output_len, temperature=temperature, ignore_eos=True)
+    params = [
+        SamplingParams(
+            max_tokens=output_lens[i] if output_lens else output_len,
+            temperature=temperature,
+            ignore_eos=True,
+            structured_output=(
+                StructuredOutput(json_schema=schemas[i]) if schemas and schemas[i] else None
+            ),
+        )
+        for i in range(len(prompts) if schemas or output_lens else 1)
+    ]
+    engine.kv_manager.reset_prefix_cache()  # no run reuses the prefill of the one before
     pending = deque(enumerate(prompts))
     timings: dict[str, RequestTiming] = {}
+    texts: dict[str, list[str]] = {}
     in_flight = 0
     overhead, steps = 0.0, []
     start = time.perf_counter()
@@ -155,7 +198,7 @@ def _run_engine(
         while pending and in_flight < concurrency:
             i, ids = pending.popleft()
             timings[f"b{i}"] = RequestTiming(time.perf_counter())
-            engine.add_request(f"b{i}", ids, params)
+            engine.add_request(f"b{i}", ids, params[i % len(params)])
             in_flight += 1
         outputs = engine.step()
         now = time.perf_counter()
@@ -168,15 +211,59 @@ def _run_engine(
             if out.token_ids and t.first_token is None:
                 t.first_token = now
             t.num_tokens += len(out.token_ids)
+            texts.setdefault(out.request_id, []).append(out.text)
             if out.finished:
                 t.end = now
                 in_flight -= 1
                 if bar is not None:
                     bar.update(1)
     result = summarize(name, time.perf_counter() - start, list(timings.values()))
-    result.spec = spec_stats(steps)
+    if schemas:
+        held = [i for i, schema in enumerate(schemas) if schema]
+        answers = ["".join(texts.get(f"b{i}", [])) for i in held]
+        result.spec["valid_json"] = valid_share(answers, [schemas[i] for i in held])
+        result.spec["output_lens"] = [timings[f"b{i}"].num_tokens for i in range(len(prompts))]
+        free = [timings[f"b{i}"].tpot for i, schema in enumerate(schemas) if not schema]
+        free = [t for t in free if t is not None]
+        if free:
+            result.spec["free_tpot_ms"] = 1e3 * sum(free) / len(free)
+    result.spec.update(spec_stats(steps))
     result.step_overhead_ms = 1e3 * overhead / max(len(steps), 1)
     return result
+
+
+def _json_parts(schemas, concurrency: int) -> list[str]:
+    if not schemas:
+        return ["free"]
+    return ["json schema", "free"] + (["half json schema"] if concurrency > 1 else [])
+
+
+def _json_part(schemas, part: str) -> list[dict | None] | None:
+    """Each request's schema in one part of the json workload (None: free)."""
+    if part == "free":
+        return None
+    if part == "half json schema":  # every other request
+        return [s if i % 2 == 0 else None for i, s in enumerate(schemas)]
+    return schemas
+
+
+def _compile_schemas(engine, schemas: list[dict]) -> None:
+    """Compile the workload's schemas before the timed runs (a service sees the same
+    schemas again and again; the engine's cache keeps 128), and say what that took."""
+    from engine.io.sampling_params import StructuredOutput
+
+    start = time.perf_counter()
+    engine.grammars.grammar(StructuredOutput(json_schema={"type": "object"}))  # the tokenizer
+    made = time.perf_counter()
+    distinct = {json.dumps(s, sort_keys=True): s for s in schemas}
+    for schema in distinct.values():
+        engine.grammars.grammar(StructuredOutput(json_schema=schema))
+    done = time.perf_counter()
+    print(
+        f"grammar: tokenizer view {1e3 * (made - start):.0f} ms (once per engine), "
+        f"{len(distinct)} schemas compiled in {1e3 * (done - made):.1f} ms (untimed)",
+        file=sys.stderr,
+    )
 
 
 def spec_stats(steps) -> dict[str, float]:
@@ -253,18 +340,24 @@ def _run_baselines(args, loaded, prompts, concurrency) -> list[RunResult]:
     return results
 
 
-def _print_report(args, concurrency, results: list[RunResult]) -> None:
+def _print_report(args, concurrency, results: list[RunResult], machine=None) -> None:
     print(
         f"\nworkload {args.workload}: {args.num_prompts} prompts x {args.output_len} tokens, "
         f"concurrency {concurrency}, "
         f"{'greedy' if args.temperature == 0 else f'temperature {args.temperature}'}, "
         f"dtype {args.dtype}"
     )
+    if machine is not None:
+        print(machine.line())
     print(format_table(results, reference=results[0]))
     specserve = [r for r in results if r.system.startswith("specserve")]
     baselines = [r for r in results if not r.system.startswith("specserve")]
     for r in specserve:
-        if r.spec:
+        if "valid_json" in r.spec:
+            print(f"{r.system}: answers that parse and validate {100 * r.spec['valid_json']:.0f}%")
+        if "free_tpot_ms" in r.spec:
+            print(f"{r.system}: the free requests' TPOT {r.spec['free_tpot_ms']:.2f} ms")
+        if "acceptance_rate" in r.spec:
             s = r.spec
             print(
                 f"{r.system}: acceptance {s['acceptance_rate']:.2f} (per token "
@@ -289,8 +382,9 @@ def _print_report(args, concurrency, results: list[RunResult]) -> None:
             )
 
 
-def _json(args, concurrency, results) -> dict:
+def _json(args, concurrency, results, machine=None) -> dict:
     return {
+        "bounds": asdict(machine) if machine is not None else None,
         "workload": args.workload,
         "num_prompts": args.num_prompts,
         "output_len": args.output_len,

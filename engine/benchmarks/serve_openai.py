@@ -126,6 +126,9 @@ class OpenAIOptions:
         }
         if self.ignore_eos:  # not OpenAI's API; vLLM, SGLang and smg accept it
             body["ignore_eos"] = True
+        if req.json_schema is not None:
+            schema = {"name": "answer", "schema": json.loads(req.json_schema)}
+            body["response_format"] = {"type": "json_schema", "json_schema": schema}
         endpoint = self.endpoint_for(req)
         if endpoint == "chat":
             turns = [{"role": "system", "content": req.system}] if req.system else []
@@ -225,6 +228,8 @@ def _observe(record: RequestRecord, progress: _Progress, chunk: StreamChunk, now
             record.chunk_times.append(now)
             record.chunk_tokens.append(num_tokens)
         progress.text.append(chunk.text)
+        if record.json_schema is not None:
+            record.text.append(chunk.text)
         if chunk.finish_reason is not None:
             record.finish_reason = chunk.finish_reason
     if chunk.prompt_tokens is not None:

@@ -38,8 +38,10 @@ def format_summary(s: dict) -> str:
         f"goodput       {s['goodput']:.3f} req/s (SLO attainment {_pct(s['slo_attainment'])})",
         f"speculation   acceptance rate {_pct(s['acceptance_rate'])} "
         f"({s['num_accepted_tokens']}/{s['num_draft_tokens']} draft tokens)",
-        f"{'latency ms':<14}" + "".join(f"{k:>10}" for k in STAT_KEYS),
     ]
+    if "valid_json" in s:
+        lines.append(f"structured    answers that parse and validate {_pct(s['valid_json'])}")
+    lines.append(f"{'latency ms':<14}" + "".join(f"{k:>10}" for k in STAT_KEYS))
     for key, name in LATENCIES:
         lines.append(f"  {name:<12}" + "".join(f"{_num(s[key][k]):>10}" for k in STAT_KEYS))
     if s["errors"]:

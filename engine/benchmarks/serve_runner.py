@@ -38,6 +38,8 @@ class RequestOptions:
             ignore_eos=self.ignore_eos,
             num_speculative_tokens=self.num_speculative_tokens,
         )
+        if req.json_schema is not None:
+            common["structured_output"] = {"json_schema": req.json_schema}
         if req.token_ids is not None:
             return build_request(list(req.token_ids), **common)
         if self.chat_template:
@@ -134,6 +136,7 @@ class LoadGenerator:
         """One streamed request; the clock starts when the call is made."""
         wire = self._transport.prepare(req)
         record = RequestRecord(req.index, self._now(), req.num_prompt_tokens or 0)
+        record.json_schema = req.json_schema
         await self._transport.fill(wire, record, self._now)
         self._on_done(record)
         return record
@@ -178,6 +181,8 @@ def _observe(record: RequestRecord, delta, now: float) -> None:
         record.num_accepted_tokens = delta.usage.accepted_draft_tokens
     if delta.finish_reason is not None:
         record.finish_reason = delta.finish_reason
+    if record.json_schema is not None:
+        record.text.append(delta.text)
 
 
 def _bounded(

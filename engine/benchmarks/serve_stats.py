@@ -13,12 +13,14 @@ speculation one message may carry several tokens, so TPOT <= mean ITL.
 
 from __future__ import annotations
 
+import json
 import math
 import random
 from collections import Counter
 from dataclasses import dataclass, field
 
 from engine.benchmarks.report import mean, percentile
+from engine.benchmarks.workloads import valid_share
 
 STAT_KEYS = ("mean", "median", "p90", "p99")
 SLO_KEYS = ("ttft", "tpot", "e2e")
@@ -40,6 +42,9 @@ class RequestRecord:
     num_accepted_tokens: int = 0
     finish_reason: str | None = None
     error: str | None = None
+    # Structured output (the json dataset): the schema sent, and the answer's text.
+    json_schema: str | None = None
+    text: list[str] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -157,7 +162,17 @@ def summarize(
         "num_draft_tokens": num_draft,
         "num_accepted_tokens": num_accepted,
         "acceptance_rate": num_accepted / num_draft if num_draft else 0.0,
+        **_validity(done),
     }
+
+
+def _validity(done: list[RequestRecord]) -> dict[str, float]:
+    """The share of completed constrained answers that parse and validate (json dataset)."""
+    held = [r for r in done if r.json_schema is not None]
+    if not held:
+        return {}
+    answers = ["".join(r.text) for r in held]
+    return {"valid_json": valid_share(answers, [json.loads(r.json_schema) for r in held])}
 
 
 def throughput_timeline(records: list[RequestRecord], bin_s: float = 1.0) -> list[float]:

@@ -13,9 +13,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from engine.benchmarks.workloads import BUILTIN, CHAT_PROMPTS, GROUNDED_PROMPTS
+from engine.benchmarks.workloads import BUILTIN, CHAT_PROMPTS, GROUNDED_PROMPTS, JSON_REQUESTS
 
-DATASETS = ("synthetic", "chat", "grounded", "jsonl", "sharegpt", "shared-prefix")
+DATASETS = ("synthetic", "chat", "grounded", "json", "jsonl", "sharegpt", "shared-prefix")
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,6 +29,8 @@ class BenchRequest:
     num_prompt_tokens: int | None = None
     # A system prompt sent before `text` (shared-prefix workloads).
     system: str | None = None
+    # The JSON schema (text) the answer must follow: the request's structured output.
+    json_schema: str | None = None
 
     def messages(self) -> list[dict[str, str]]:
         """The prompt as chat turns: the system prompt, if any, then `text` as the user."""
@@ -69,6 +71,7 @@ class TextItem:
 
     text: str
     output_len: int | None = None
+    json_schema: str | None = None
 
 
 def synthetic_requests(
@@ -99,7 +102,9 @@ def text_requests(
     while True:
         item = items[rng.randrange(len(items))]
         sampled = output_len.sample(rng)  # drawn always, so the stream does not shift
-        yield BenchRequest(index, item.output_len or sampled, text=item.text)
+        yield BenchRequest(
+            index, item.output_len or sampled, text=item.text, json_schema=item.json_schema
+        )
         index += 1
 
 
@@ -133,6 +138,9 @@ def corpus_text() -> str:
 
 
 def builtin_items(name: str) -> list[TextItem]:
+    """A built-in prompt set; json: each extraction prompt with its schema."""
+    if name == "json":
+        return [TextItem(p, json_schema=json.dumps(s)) for p, s in JSON_REQUESTS]
     return [TextItem(p) for p in BUILTIN[name]]
 
 

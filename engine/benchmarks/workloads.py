@@ -53,7 +53,70 @@ _TASKS = [
 
 GROUNDED_PROMPTS = [f"{task}\n\n{passage}" for passage in _PASSAGES for task in _TASKS]
 
-BUILTIN = {"chat": CHAT_PROMPTS, "grounded": GROUNDED_PROMPTS}
+
+def _text(max_length: int = 48) -> dict:
+    return {"type": "string", "maxLength": max_length}
+
+
+def _object(**properties) -> dict:
+    return {
+        "type": "object",
+        "properties": properties,
+        "required": list(properties),
+        "additionalProperties": False,
+    }
+
+
+# Extraction, the way a backend service asks for it: a schema per passage. Strings and
+# lists are bounded, so every answer can complete within a benchmark's output length.
+_SCHEMAS = [
+    _object(
+        topic=_text(),
+        budget_million_dollars={"type": "number"},
+        miles={"type": "integer"},
+        start_month=_text(12),
+        end_month=_text(12),
+    ),
+    _object(
+        name=_text(),
+        company=_text(),
+        joined={"type": "integer"},
+        role=_text(),
+        team_size={"type": "integer"},
+        languages={"type": "array", "items": _text(16), "maxItems": 4},
+    ),
+    _object(
+        wait_seconds={"type": "integer"},
+        light_color=_text(16),
+        network=_text(24),
+        steps={"type": "array", "items": _text(), "maxItems": 4},
+    ),
+    _object(
+        weekday_hours=_text(24),
+        weekend_hours=_text(24),
+        adult_price={"type": "number"},
+        student_price={"type": "number"},
+        closed_on={"type": "array", "items": _text(24), "maxItems": 3},
+    ),
+]
+
+# (prompt, JSON schema): each passage with the fields to extract from it.
+JSON_REQUESTS = [
+    (
+        "Extract these fields from the text as JSON: "
+        f"{', '.join(schema['properties'])}.\n\n{passage}",
+        schema,
+    )
+    for passage, schema in zip(_PASSAGES, _SCHEMAS, strict=True)
+]
+JSON_PROMPTS = [prompt for prompt, _ in JSON_REQUESTS]
+
+BUILTIN = {"chat": CHAT_PROMPTS, "grounded": GROUNDED_PROMPTS, "json": JSON_PROMPTS}
+
+
+def json_schemas(num_prompts: int) -> list[dict]:
+    """The schema of each of the first ``num_prompts`` prompts of the json workload."""
+    return [JSON_REQUESTS[i % len(JSON_REQUESTS)][1] for i in range(num_prompts)]
 
 
 def load_prompts(workload: str, num_prompts: int) -> list[str]:
@@ -70,3 +133,22 @@ def load_prompts(workload: str, num_prompts: int) -> list[str]:
         if not base:
             raise ValueError(f"{workload}: no prompts found")
     return [base[i % len(base)] for i in range(num_prompts)]
+
+
+def valid_share(answers: list[str], schemas: list[dict]) -> float:
+    """The share of answers that parse as JSON and validate against their schema."""
+    try:
+        import jsonschema
+    except ImportError:
+        raise RuntimeError(
+            "the json workload checks its answers with jsonschema: pip install jsonschema "
+            "(or the test extra)"
+        ) from None
+    valid = 0
+    for answer, schema in zip(answers, schemas, strict=True):
+        try:
+            jsonschema.validate(json.loads(answer), schema)
+            valid += 1
+        except (ValueError, jsonschema.ValidationError):
+            pass
+    return valid / max(len(answers), 1)

@@ -22,6 +22,7 @@ import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -48,6 +49,7 @@ class _AddCommand:
     messages: list[dict[str, str]] | None
     params: SamplingParams
     priority: int
+    grammar: Any = None  # the structured_output constraint, compiled off the engine thread
 
 
 @dataclass(slots=True)
@@ -187,6 +189,9 @@ class AsyncEngine:
         self._ended = False  # _end_all ran: nobody will ever serve a new stream
         self._keys = itertools.count()
         self._encoder: PromptEncoder | None = None
+        # Structured-output constraints compile here: off the event loop and the engine
+        # thread. Two threads: one slow schema delays the next, never the server.
+        self._compile_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="grammar")
         self.model_info: dict[str, Any] = {}
         # An EngineStats snapshot, replaced (never mutated) by the loop thread after
         # every step and abort; None until the model is loaded.
@@ -237,6 +242,7 @@ class AsyncEngine:
             self._thread.join(timeout)
         if self._encoder is not None:
             self._encoder.shutdown()
+        self._compile_pool.shutdown(wait=False, cancel_futures=True)
 
     # ---- requests ----------------------------------------------------------------
     async def generate(
@@ -270,7 +276,8 @@ class AsyncEngine:
             if isinstance(prompt, str) or messages is not None:
                 prompt = await self._encode(prompt, messages, params.truncate_prompt_tokens)
                 messages = None
-            self._commands.put(_AddCommand(stream, prompt, messages, params, priority))
+            grammar = await self._compile(params)
+            self._commands.put(_AddCommand(stream, prompt, messages, params, priority, grammar))
             submitted = True
             while True:
                 item = await stream.queue.get()
@@ -284,6 +291,27 @@ class AsyncEngine:
             self._release([stream])
             if submitted and not stream.finished:
                 self._commands.put(_AbortCommand(stream.key))
+
+    async def _compile(self, params: SamplingParams):
+        """The request's constraint compiled on a worker thread (never the loop or the
+        engine thread), within ``envs.grammar_compile_timeout_s()``; None without one."""
+        constraint = params.structured_output
+        if constraint is None:
+            return None
+        from engine import envs
+        from engine.sample.grammar import ConstraintError
+
+        limit = envs.grammar_compile_timeout_s()
+        work = asyncio.get_running_loop().run_in_executor(
+            self._compile_pool, self._engine.grammars.grammar, constraint
+        )
+        try:
+            return await asyncio.wait_for(work, timeout=limit)
+        except TimeoutError:
+            raise ConstraintError(
+                f"structured_output.{constraint.kind} took longer than {limit:g} s to compile "
+                "(SPECSERVE_GRAMMAR_COMPILE_TIMEOUT_S); simplify it"
+            ) from None
 
     def reserve(self, request_id: str | None, num_requests: int = 1) -> Reservation:
         """Admit ``num_requests`` requests under one label now, all or none, before
@@ -398,6 +426,9 @@ class AsyncEngine:
             self.model_info = self._engine.model_info()
             self.model_info["max_token_chars"] = self._encoder.max_token_chars
             self._refresh_stats()
+            grammars = getattr(self._engine, "grammars", None)
+            if grammars is not None:  # the first constrained request need not wait for it
+                self._compile_pool.submit(grammars.prepare)
             self._ready.set()
             self._loop()
         except BaseException as exc:  # the loop must never die silently
@@ -500,6 +531,7 @@ class AsyncEngine:
                 priority=command.priority,
                 messages=command.messages,
                 client_request_id=stream.label,
+                grammar=command.grammar,
             )
         except ValueError as exc:
             stream.put_threadsafe(exc)

@@ -11,6 +11,7 @@ import torch
 
 from block_manager import KVCacheManager, KVEventRecorder
 from engine.config import EngineConfig
+from engine.core import structured
 from engine.core.kv_sizing import plan_kv_cache
 from engine.core.model_runner import ModelRunner, SeqInput
 from engine.io.detokenizer import IncrementalDetokenizer
@@ -18,12 +19,13 @@ from engine.io.input_processor import InputProcessor
 from engine.io.outputs import RequestMetrics, RequestOutput
 from engine.io.sampling_params import SamplingParams
 from engine.observability.stats import EngineStats, StepRecord, StepTimings
+from engine.sample.grammar import Grammar, GrammarCompiler
 from engine.spec_decode.proposers import build_proposer
 from engine.spec_decode.trained_draft import load_draft
 from engine.spec_decode.verifier import Verifier
 from scheduler.output import ModelRunnerOutput, SchedulerOutput
 from scheduler.request import Request
-from scheduler.scheduler import Scheduler, SchedulerConfig
+from scheduler.scheduler import FORCED, Scheduler, SchedulerConfig
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +40,7 @@ class _RequestState:
     metrics: RequestMetrics
     client_request_id: str  # the caller's label; request_id is the engine's key
     num_emitted_tokens: int = 0
+    grammar: Grammar | None = None  # the output constraint's matcher, if any
 
 
 def _detokenize(state: _RequestState, new_ids: list[int]) -> tuple[str, str | None, list[int]]:
@@ -100,7 +103,14 @@ class LLMEngine:
         )
         self.runner = ModelRunner(self.loaded, plan.num_blocks, config.block_size)
         self.proposer = build_proposer(method, config, self.loaded, draft_loaded, plan.num_blocks)
-        self.verifier = Verifier(self.device, config.seed)
+        self.eos_token_ids = frozenset(self.loaded.eos_token_ids)
+        self.verifier = Verifier(self.device, config.seed, min(self.eos_token_ids, default=0))
+        self.vocab_size = self.loaded.arch.vocab_size
+        # Structured output: constraints compiled once per tokenizer, masks beside the
+        # forward (engine/core/structured.py).
+        self.grammars = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids)
+        self._masks = structured.MaskBuilder()
+        self._num_constrained = 0
         self.scheduler = Scheduler(
             SchedulerConfig(
                 max_num_seqs=config.max_num_seqs,
@@ -119,8 +129,6 @@ class LLMEngine:
         if source_for is not None:  # hybrid: k from the history of the proposer it picks
             max_k = config.num_speculative_tokens
             self.scheduler.spec_source = lambda request: source_for(request, max_k)
-        self.eos_token_ids = frozenset(self.loaded.eos_token_ids)
-        self.vocab_size = self.loaded.arch.vocab_size
         max_spec_tokens = config.num_speculative_tokens if self.proposer is not None else 0
         self.input_processor = InputProcessor(
             self.tokenizer, self.vocab_size, self.max_model_len, max_spec_tokens
@@ -140,20 +148,26 @@ class LLMEngine:
         messages: list[dict[str, str]] | None = None,
         arrival_time: float | None = None,
         client_request_id: str | None = None,
+        grammar: Grammar | None = None,
     ) -> None:
         """Queue a request. Raises ValueError (naming the field) for bad input.
 
         ``request_id`` must be unique among the engine's unfinished requests: it is how
         outputs and aborts find the request. ``client_request_id`` (default: the
         request_id) is a label only, carried into every RequestOutput for logs and
-        replies; any number of requests may share it.
+        replies; any number of requests may share it. ``grammar``: the request's
+        constraint compiled already (``self.grammars.grammar``, off this thread); else a
+        ``structured_output`` is compiled here.
         """
         params = params or SamplingParams()
         prompt_ids = self.input_processor.prompt_token_ids(prompt, messages, params)
         if request_id in self._states:
             raise ValueError(f"request_id {request_id!r} is already in use")
+        if params.structured_output is not None and grammar is None:
+            grammar = self.grammars.grammar(params.structured_output)
         stop_ids = set(params.stop_token_ids)
-        if not params.ignore_eos:
+        # A constraint ends at EOS (the only token it allows once complete), ignore_eos or not.
+        if not params.ignore_eos or grammar is not None:
             stop_ids |= self.eos_token_ids
         request = Request(
             request_id=request_id,
@@ -175,7 +189,9 @@ class LLMEngine:
                 arrival_time=request.arrival_time, num_prompt_tokens=len(prompt_ids)
             ),
             client_request_id=request_id if client_request_id is None else client_request_id,
+            grammar=grammar,
         )
+        self._num_constrained += grammar is not None
         self.scheduler.add_request(request)
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
@@ -195,20 +211,29 @@ class LLMEngine:
     # ---- the step ---------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
+        forced = structured.forced_counts(self._states.values()) if self._num_constrained else {}
         sched = self.scheduler.schedule()
         self._release_preempted(sched)
         if sched.is_empty:
             return []
         t1 = time.perf_counter()
         draft_probs = self._propose(sched)
+        if self._num_constrained:
+            structured.constrain(sched, self._states, forced, draft_probs)
         t2 = time.perf_counter()
         seqs, sample_states, drafts = self._build_inputs(sched)
         prepared = self.runner.prepare(seqs)
         t3 = time.perf_counter()
+        pending = self._masks.start(sample_states, drafts) if self._num_constrained else None
         logits = self.runner.execute(prepared)  # [sum(1 + drafts) of sampling requests, vocab]
-        runner_output = self.verifier.verify(logits, sched, sample_states, drafts, draft_probs)
+        masks = pending.result() if pending is not None else None
+        runner_output = self.verifier.verify(
+            logits, sched, sample_states, drafts, draft_probs, masks
+        )
         t4 = time.perf_counter()
         changed = self.scheduler.update(sched, runner_output)
+        if self._num_constrained:
+            structured.advance(changed, self._states)
         if self.proposer is not None:
             self.proposer.on_verified(changed)
         outputs = [self._emit(self._states[r.request_id], runner_output) for r in changed]
@@ -237,7 +262,10 @@ class LLMEngine:
     def _propose(self, sched: SchedulerOutput) -> dict[str, torch.Tensor]:
         """Fill each speculating request's drafts; returns the draft model's
         distributions by request id ([num_drafts, vocab_size]; none for n-gram drafts)."""
-        speculating = [s for s in sched.scheduled if s.num_spec_tokens > 0]
+        # A constraint's forced tokens need no proposer: structured.constrain fills them.
+        speculating = [
+            s for s in sched.scheduled if s.num_spec_tokens > 0 and s.spec_source != FORCED
+        ]
         if not speculating or self.proposer is None:
             return {}
         requests = [self._states[s.request_id] for s in speculating]
@@ -307,7 +335,8 @@ class LLMEngine:
         request = state.request
         if not request.is_finished:  # aborted before the scheduler saw it finish
             request.finish_reason = request.finish_reason or "abort"
-        self._states.pop(request.request_id, None)
+        if self._states.pop(request.request_id, None) is not None and state.grammar is not None:
+            self._num_constrained -= 1
         if self.proposer is not None:
             self.proposer.free(request.request_id)
         metrics = state.metrics
@@ -332,6 +361,7 @@ class LLMEngine:
             stop_reason=request.stop_reason if finished else None,
             logprobs=logprobs[: len(new_ids)] if logprobs else None,
             client_request_id=state.client_request_id,
+            finish_detail=structured.finish_detail(state) if finished else None,
         )
 
     def _record_step(
@@ -343,11 +373,11 @@ class LLMEngine:
         stats = self.stats
         stats.num_steps += 1
         stats.num_preemptions = self.scheduler.num_preemptions
-        for item in sched.scheduled:
+        verified = [s for s in sched.scheduled if s.spec_token_ids and s.spec_source != FORCED]
+        for item in verified:
             stats.num_draft_tokens += len(item.spec_token_ids)
-        stats.num_accepted_tokens += sum(runner_output.num_accepted.values())
+            stats.num_accepted_tokens += runner_output.num_accepted[item.request_id]
         self.refresh_stats()
-        verified = [s for s in sched.scheduled if s.spec_token_ids]
         stats.mean_speculative_length = (
             sum(len(s.spec_token_ids) for s in verified) / len(verified) if verified else 0.0
         )

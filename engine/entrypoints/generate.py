@@ -17,7 +17,7 @@ _DEFAULTS = {f.name: f.default for f in fields(SamplingParams) if f.default is n
 
 # The sampling fields this command carries, as SamplingParams and build_request name them.
 _SAMPLING_FIELDS = ("max_tokens", "temperature", "top_k", "top_p", "min_p", "seed", "stop")
-_SAMPLING_FIELDS += ("ignore_eos",)
+_SAMPLING_FIELDS += ("ignore_eos", "structured_output")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -90,6 +90,20 @@ def _add_sampling_args(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="keep generating past the end-of-sequence token, up to --max-tokens",
     )
+    c = g.add_mutually_exclusive_group()
+    c.add_argument(
+        "--json-schema", metavar="FILE", help="the output is JSON valid against this schema file"
+    )
+    c.add_argument("--json-object", action="store_true", help="the output is a JSON object")
+    c.add_argument("--regex", metavar="REGEX", help="the whole output matches this regex")
+    c.add_argument(
+        "--choice", metavar="A,B,...", help="the output is one of these comma-separated strings"
+    )
+    c.add_argument(
+        "--grammar",
+        metavar="FILE",
+        help="the output matches this grammar file: Lark (rule start) or GBNF (rule root)",
+    )
 
 
 class _Stats(NamedTuple):
@@ -123,7 +137,29 @@ def run(args: argparse.Namespace) -> int:
 
 def _sampling_kwargs(args: argparse.Namespace) -> dict:
     values = vars(args) | {"seed": args.request_seed, "stop": args.stop or []}
+    values["structured_output"] = _constraint(args)
     return {name: values[name] for name in _SAMPLING_FIELDS}
+
+
+def _constraint(args: argparse.Namespace) -> dict | None:
+    """The output constraint the flags ask for, as a dict of one StructuredOutput field."""
+    if args.json_schema is not None:
+        return {"json_schema": _read(args.json_schema, "--json-schema")}
+    if args.grammar is not None:
+        return {"grammar": _read(args.grammar, "--grammar")}
+    if args.regex is not None:
+        return {"regex": args.regex}
+    if args.choice is not None:
+        return {"choice": [c for c in args.choice.split(",") if c]}
+    return {"json_object": True} if args.json_object else None
+
+
+def _read(path: str, flag: str) -> str:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except OSError as exc:
+        raise ValueError(f"{flag} {path}: {exc.strerror}") from None
 
 
 def _refuse_engine_flags(given: tuple[str, ...]) -> None:

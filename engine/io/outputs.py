@@ -62,6 +62,9 @@ class RequestOutput:
     # may share one. ``request_id`` is the engine's own key, unique among its requests.
     # None: the same as request_id.
     client_request_id: str | None = None
+    # Why the output may not satisfy the request's structured_output constraint (it
+    # ended at max_tokens first, or at a dead end), on the last output only.
+    finish_detail: str | None = None
 
     @property
     def label(self) -> str:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 
 _MAX_SEED = 2**63 - 1
@@ -12,6 +13,84 @@ MAX_NUM_SPECULATIVE_TOKENS = 16
 # (OpenAI's limits).
 MAX_LOGIT_BIAS_ENTRIES = 1024
 LOGIT_BIAS_LIMIT = 100.0
+
+
+# Structured output: the most text a constraint may hold, and the most choices.
+MAX_CONSTRAINT_CHARS = 64 * 1024
+MAX_CHOICES = 256
+CONSTRAINT_KINDS = ("json_schema", "regex", "choice", "grammar", "json_object", "structural_tag")
+
+
+@dataclass(frozen=True)
+class StructuredOutput:
+    """A constraint on a request's output text: exactly one of the fields.
+
+    ``json_schema``: a JSON Schema (JSON text, or a dict); ``regex``: the whole output
+    matches it; ``choice``: the output is one of these strings; ``grammar``: a Lark
+    grammar (llguidance's dialect) or a GBNF one (llama.cpp's, recognised by ``::=``)
+    whose ``start`` (Lark) or ``root`` (GBNF) rule the output matches;
+    ``json_object``: any JSON object; ``structural_tag``: vLLM's structural tag (JSON
+    text: ``structures`` of ``begin`` / ``schema`` / ``end`` and their ``triggers``),
+    free text with schema-constrained tool calls inside.
+    """
+
+    json_schema: str | None = None
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    grammar: str | None = None
+    json_object: bool = False
+    structural_tag: str | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.json_schema, dict):
+            object.__setattr__(self, "json_schema", json.dumps(self.json_schema))
+        if self.choice is not None:
+            object.__setattr__(self, "choice", tuple(self.choice))
+        given = [k for k in CONSTRAINT_KINDS if getattr(self, k) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError(
+                f"structured_output must set exactly one of {', '.join(CONSTRAINT_KINDS)}, "
+                f"got {', '.join(given) or 'none'}"
+            )
+        for kind in ("json_schema", "regex", "grammar", "structural_tag"):
+            _check_constraint_text(f"structured_output.{kind}", getattr(self, kind))
+        if self.json_schema is not None or self.structural_tag is not None:
+            kind = "json_schema" if self.json_schema is not None else "structural_tag"
+            try:
+                parsed = json.loads(getattr(self, kind))
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"structured_output.{kind} is not JSON: {exc}") from None
+            if not isinstance(parsed, dict):
+                raise ValueError(f"structured_output.{kind} must be a JSON object")
+        if self.choice is not None:
+            if not 1 <= len(self.choice) <= MAX_CHOICES:
+                raise ValueError(
+                    f"structured_output.choice must hold 1 to {MAX_CHOICES} strings, "
+                    f"got {len(self.choice)}"
+                )
+            for c in self.choice:
+                if not isinstance(c, str) or not c:
+                    raise ValueError("structured_output.choice must hold non-empty strings")
+            _check_constraint_text("structured_output.choice", "".join(self.choice))
+        if not isinstance(self.json_object, bool):
+            raise ValueError(
+                f"structured_output.json_object must be true or false, got {self.json_object!r}"
+            )
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in CONSTRAINT_KINDS if getattr(self, k) not in (None, False))
+
+
+def _check_constraint_text(name: str, text: object) -> None:
+    if text is None:
+        return
+    if not isinstance(text, str) or not text:
+        raise ValueError(f"{name} must be a non-empty string")
+    if len(text) > MAX_CONSTRAINT_CHARS:
+        raise ValueError(
+            f"{name} must be at most {MAX_CONSTRAINT_CHARS} characters, got {len(text)}"
+        )
 
 
 @dataclass
@@ -30,6 +109,10 @@ class SamplingParams:
     ``repetition_penalty`` and a negative one multiplied; a token generated ``c`` times
     loses ``frequency_penalty * c + presence_penalty * (c > 0)``. Reported logprobs stay
     the raw model's. ``truncate_prompt_tokens`` keeps only the last n prompt tokens.
+    ``structured_output`` (a ``StructuredOutput``, or a dict of its fields) then masks
+    every token the constraint does not allow at that point, after those adjustments
+    and before temperature and the filters: the output follows the model's distribution
+    renormalized over what the constraint allows.
     """
 
     max_tokens: int = 16
@@ -50,8 +133,18 @@ class SamplingParams:
     logit_bias: dict[int, float] = field(default_factory=dict)
     include_stop_str_in_output: bool = False
     truncate_prompt_tokens: int | None = None
+    structured_output: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
+        if isinstance(self.structured_output, dict):
+            self.structured_output = StructuredOutput(**self.structured_output)
+        if self.structured_output is not None and not isinstance(
+            self.structured_output, StructuredOutput
+        ):
+            raise ValueError(
+                "structured_output must be a StructuredOutput or a dict of its fields, "
+                f"got {type(self.structured_output).__name__}"
+            )
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop)

@@ -44,7 +44,7 @@ logger = logging.getLogger(__name__)
 # the compiler sees their concatenation as SOURCE.name, #line directives keeping its
 # messages on the right file and line.
 SOURCES = tuple(Path(__file__).with_name(name) for name in (
-    "cpu_kernels.c", "quant_kernels.c", "decoder_kernels.c",
+    "cpu_kernels.c", "quant_kernels.c", "decoder_kernels.c", "bounds_kernels.c",
 ))  # fmt: skip
 SOURCE = SOURCES[0]
 # Compiled and linked in two steps: linking with -ffast-math (gcc < 13) adds

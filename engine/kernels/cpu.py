@@ -89,6 +89,14 @@ class CpuKernels:
         self._linear_bf16 = linear
         tile = self.lib.specserve_linear_tile_bf16
         tile.restype, tile.argtypes = ctypes.c_int32, []
+        read = self.lib.specserve_read_gbps
+        read.restype, read.argtypes = ctypes.c_double, [_P, _I64, _I32, _I32, _P]
+        peak = self.lib.specserve_peak_gmacs
+        peak.restype, peak.argtypes = ctypes.c_double, [_I32, _I64, _I32]
+        self._read_gbps, self._peak_gmacs = read, peak
+        mask = self.lib.specserve_mask_logits
+        mask.restype, mask.argtypes = _I64, [_P, _I64, _I64, _I64, _P, _I64, _P, _I32]
+        self._mask_logits = mask
         # Outputs per packed weight tile; 0 when the library was built without
         # AVX512-BF16, and bf16 Linear layers stay on torch's GEMMs.
         self.linear_tile = int(tile())
@@ -319,6 +327,57 @@ class CpuKernels:
         )
         if status:
             raise ValueError(f"a slot in slots is past the cache's {num_slots} slots")
+
+    def read_gbps(self, buffer: torch.Tensor, reps: int, num_threads: int) -> float:
+        """The best read bandwidth (GB/s) over ``reps`` passes through ``buffer`` (a
+        contiguous CPU tensor of a multiple of 64 bytes) on ``num_threads`` threads."""
+        nbytes = buffer.numel() * buffer.element_size()
+        if not buffer.is_cpu or not buffer.is_contiguous() or nbytes % 64 or nbytes == 0:
+            raise ValueError("buffer must be a contiguous CPU tensor of a multiple of 64 bytes")
+        sink = ctypes.c_uint64(0)
+        return self._read_gbps(buffer.data_ptr(), nbytes, reps, num_threads, ctypes.byref(sink))
+
+    def peak_gmacs(self, kind: int, iters: int, num_threads: int) -> float | None:
+        """Multiply-adds per second (G) of one instruction kind (0 fp32 FMA, 1 bf16
+        vdpbf16ps, 2 int8 vpdpbusd, 3 vpdpbusd on 256-bit registers) in a register-only
+        loop on ``num_threads`` threads; None when this build lacks it."""
+        value = self._peak_gmacs(kind, iters, num_threads)
+        return None if value < 0 else value
+
+    def mask_logits(self, logits: torch.Tensor, words: torch.Tensor) -> list[int]:
+        """In place: -inf in each row of fp32 ``logits`` [rows, vocab] (rows may be
+        strided) where the row's bitmask ``words`` [rows, >= ceil(vocab / 32)] int32 has no
+        bit, or the logit is not finite. Returns the rows left with no token."""
+        if logits.dtype is not torch.float32:
+            raise ValueError(f"logits must be float32, got {logits.dtype}")
+        _check_float("logits", logits, 2, rows_strided=True)
+        rows, vocab = logits.shape
+        if (
+            words.dtype is not torch.int32
+            or not words.is_cpu
+            or not words.is_contiguous()
+            or words.dim() != 2
+            or words.shape[0] != rows
+            or words.shape[1] * 32 < vocab
+        ):
+            raise ValueError(
+                f"words must be a contiguous int32 CPU tensor [{rows}, >= {-(-vocab // 32)}], "
+                f"got {words.dtype} {tuple(words.shape)} on {words.device}"
+            )
+        dead = torch.empty(rows, dtype=torch.uint8)
+        status = self._mask_logits(
+            logits.data_ptr(),
+            rows,
+            vocab,
+            logits.stride(0) if rows > 1 else vocab,
+            words.data_ptr(),
+            words.shape[1],
+            dead.data_ptr(),
+            torch.get_num_threads(),
+        )
+        if status:
+            raise ValueError("words do not cover the vocabulary")
+        return dead.nonzero().flatten().tolist()
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:  # [n, 2 * inter] -> [n, inter]
         dtype = _check_float("x", x, 2)

@@ -1,5 +1,5 @@
 /* specserve CPU kernels, fp32 and bf16: paged attention, KV write, RMSNorm, rotary
- * embedding, SiLU-and-multiply.
+ * embedding, SiLU-and-multiply, bf16 Linear layers, and the logits mask of structured output.
  *
  * Built at first use by engine/kernels/cpu.py with the system C compiler
  * (-O3 -march=native -ffast-math -fopenmp) and called through ctypes. The OpenMP
@@ -836,6 +836,49 @@ INLINE float div_corrected(float g, float d) {
 
 SILU_AND_MUL(float, f32, specserve_silu_and_mul)
 SILU_AND_MUL(bf16, bf16, specserve_silu_and_mul_bf16)
+
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
+
+/* ---- structured output: logits masked to the tokens a constraint allows ----
+ *
+ * words: one bitmask per row, ceil(vocab / 32) words, bit t % 32 of word t / 32 set when
+ * token t is allowed. A token stays when its bit is set and its logit is finite; every
+ * other logit becomes -inf. dead[r] is 1 when row r keeps nothing. Works on the bit
+ * patterns (finite: exponent not all ones), as -ffast-math may fold isfinite() away.
+ * Returns -1 when the words cannot cover the vocabulary. */
+int64_t specserve_mask_logits(float *logits, int64_t rows, int64_t vocab, int64_t stride,
+                              const int32_t *words, int64_t num_words, uint8_t *dead,
+                              int32_t num_threads) {
+    if (num_words * 32 < vocab) return -1;
+#pragma omp parallel for num_threads(num_threads) if (rows * vocab >= (1 << 20))
+    for (int64_t r = 0; r < rows; r++) {
+        uint32_t *row = (uint32_t *)(logits + r * stride);
+        const uint32_t *w = (const uint32_t *)(words + r * num_words);
+        uint32_t any = 0;
+        int64_t i = 0;
+#ifdef __AVX512F__
+        const __m512i exponent = _mm512_set1_epi32(0xff), neg_inf = _mm512_set1_epi32((int)0xff800000u);
+        for (; i + 16 <= vocab; i += 16) { /* a word's 16-bit half is the lane mask */
+            const __mmask16 bits = (__mmask16)(w[i >> 5] >> (i & 16));
+            const __m512i v = _mm512_loadu_si512(row + i);
+            const __mmask16 finite = _mm512_cmpneq_epi32_mask(
+                _mm512_and_si512(_mm512_srli_epi32(v, 23), exponent), exponent);
+            const __mmask16 keep = bits & finite;
+            _mm512_storeu_si512(row + i, _mm512_mask_blend_epi32(keep, neg_inf, v));
+            any |= keep;
+        }
+#endif
+        for (; i < vocab; i++) {
+            const uint32_t keep = ((w[i >> 5] >> (i & 31)) & 1u) & (((row[i] >> 23) & 0xffu) != 0xffu);
+            row[i] = keep ? row[i] : 0xff800000u; /* -inf */
+            any |= keep;
+        }
+        dead[r] = !any;
+    }
+    return 0;
+}
 
 /* ---- bf16 linear layers: out = x @ W^T (+ bias), on AVX512-BF16 ----
  *

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import io
+import os
 import shutil
 import sys
 import tempfile
@@ -39,12 +40,22 @@ def ensure_converted(gguf_path: Path, weights: bool = True) -> Path:
     tokenizer always, the dequantized weights when ``weights``. An architecture we
     cannot serve is refused before any conversion work."""
     target = converted_dir(gguf_path)
-    if (target / "config.json").exists() and (
-        not weights or (target / "model.safetensors").exists()
-    ):
-        return target
+    # A read-only cache (a container's baked one) converts into the temp dir instead.
+    spare = Path(tempfile.gettempdir()) / "specserve" / "gguf" / target.name
+    for found in (target, spare):
+        if (found / "config.json").exists() and (
+            not weights or (found / "model.safetensors").exists()
+        ):
+            return found
     check_architecture(gguf_path)
     what = "to safetensors (once, ~20 s)" if weights else "metadata (once, ~10 s)"
+    if not _writable(target.parent):
+        print(
+            f"specserve: the cache {envs.cache_dir()} is read-only; converting into "
+            f"{spare.parent} (SPECSERVE_CACHE_DIR names a writable cache that keeps it)",
+            file=sys.stderr,
+        )
+        target = spare
     print(f"specserve: converting {gguf_path.name} {what} ...", file=sys.stderr, flush=True)
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent, prefix=".converting-") as tmp:
@@ -62,6 +73,13 @@ def ensure_converted(gguf_path: Path, weights: bool = True) -> Path:
         Path(tmp).rename(target)
         Path(tmp).mkdir()  # TemporaryDirectory wants something to remove
     return target
+
+
+def _writable(directory: Path) -> bool:
+    """Whether ``directory`` (or the nearest parent that exists) can be written."""
+    while not directory.exists() and directory != directory.parent:
+        directory = directory.parent
+    return os.access(directory, os.W_OK | os.X_OK)
 
 
 def check_architecture(gguf_path: Path) -> None:

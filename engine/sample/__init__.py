@@ -1,2 +1,3 @@
-"""Logits to tokens: penalties and bias (logits_processor), temperature / top-k / top-p /
-min-p and seeded noise (sampler), and the rejection sampler that verifies drafts."""
+"""Logits to tokens: penalties and bias (logits_processor), structured-output matchers
+and masks (grammar), temperature / top-k / top-p / min-p and seeded noise (sampler), and
+the rejection sampler that verifies drafts."""

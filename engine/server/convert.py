@@ -89,6 +89,8 @@ def _finish(
         response.stop_string = output.stop_reason
     elif isinstance(output.stop_reason, int):
         response.stop_token_id = output.stop_reason
+    if output.finish_detail:
+        response.finish_detail = output.finish_detail
     m = output.metrics
     response.usage.CopyFrom(
         pb.Usage(

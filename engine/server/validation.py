@@ -12,7 +12,12 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from engine.io.sampling_params import LOGIT_BIAS_LIMIT, MAX_LOGIT_BIAS_ENTRIES, SamplingParams
+from engine.io.sampling_params import (
+    LOGIT_BIAS_LIMIT,
+    MAX_LOGIT_BIAS_ENTRIES,
+    SamplingParams,
+    StructuredOutput,
+)
 from engine.rpc import generation_pb2 as pb
 
 MAX_REQUEST_ID_LEN = 128
@@ -154,6 +159,8 @@ def to_sampling_params(request: pb.GenerateRequest, limits: ModelLimits) -> Samp
     kwargs["ignore_eos"] = s.ignore_eos
     kwargs["num_speculative_tokens"] = _speculation(request, limits)
     kwargs.update(_logit_options(s, limits, kwargs.get("max_tokens", SamplingParams.max_tokens)))
+    if s.HasField("structured_output"):
+        kwargs["structured_output"] = structured_output(s.structured_output)
     try:
         return SamplingParams(**kwargs)
     except ValueError as exc:
@@ -337,8 +344,28 @@ def _request_id(request: pb.GenerateRequest) -> str | None:
     return request_id
 
 
+def structured_output(message: pb.StructuredOutput) -> StructuredOutput:
+    """The constraint a StructuredOutput message holds (its text members checked by
+    StructuredOutput itself; compiling checks the rest, off this thread)."""
+    kind = message.WhichOneof("constraint")
+    if kind is None:
+        raise InvalidArgument(
+            "sampling.structured_output must set one of json_schema, regex, choice, grammar, "
+            "json_object, structural_tag"
+        )
+    if kind == "json_object" and not message.json_object:
+        raise InvalidArgument("sampling.structured_output.json_object must be true when set")
+    value = list(message.choice.choices) if kind == "choice" else getattr(message, kind)
+    try:
+        return StructuredOutput(**{kind: value})
+    except ValueError as exc:
+        raise InvalidArgument(f"sampling.{exc}") from None
+
+
 def _proto_path_message(message: str) -> str:
     for name, path in _PARAM_PATHS.items():
         if message.startswith(name + " "):
             return path + message[len(name) :]
+    if message.startswith("structured_output"):
+        return "sampling." + message
     return message

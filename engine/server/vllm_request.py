@@ -2,8 +2,10 @@
 
 Every refusal is an ``InvalidArgument`` naming the proto field (``sampling_params.top_p``,
 ``tokenized.input_ids``, ...) and what is allowed. What this server does not do is
-refused by name, never ignored: structured-output constraints, prompt logprobs,
-multimodal input, KV transfer, and data-parallel ranks other than 0.
+refused by name, never ignored: prompt logprobs, multimodal input, KV transfer, and
+data-parallel ranks other than 0. Every member of the ``constraint`` oneof (what the
+gateway makes of ``response_format``, ``tool_choice`` and its regex / choice extensions)
+becomes the request's StructuredOutput.
 
 Proto conventions (the gateway's, from vLLM): ``temperature`` unset is 1.0; ``top_p`` 0
 and ``repetition_penalty`` 0 mean unset (1.0); ``n`` 0 is 1; ``max_tokens`` unset is
@@ -27,7 +29,7 @@ from typing import Any
 
 from smg_grpc_proto.generated import vllm_engine_pb2 as vpb
 
-from engine.io.sampling_params import SamplingParams
+from engine.io.sampling_params import SamplingParams, StructuredOutput
 from engine.server.validation import (
     MAX_REQUEST_ID_LEN,
     MAX_STOP_TOKEN_IDS,
@@ -125,12 +127,6 @@ def _label(request_id: str) -> str | None:
 
 def _refuse_unsupported(request: vpb.GenerateRequest) -> None:
     s = request.sampling_params
-    constraint = s.WhichOneof("constraint")
-    if constraint is not None:
-        raise InvalidArgument(
-            f"{P}{constraint}: structured output constraints (json_schema, regex, grammar, "
-            "structural_tag, json_object, choice) are not supported by this server"
-        )
     if s.HasField("prompt_logprobs"):
         raise InvalidArgument(f"{P}prompt_logprobs is not supported by this server")
     if request.HasField("mm_inputs") or request.extra_mm_inputs:
@@ -206,7 +202,28 @@ def _sampling_kwargs(s: vpb.SamplingParams, limits: ModelLimits) -> dict[str, An
             )
         kwargs["logprobs"] = s.logprobs
     kwargs.update(_logit_processing(s, limits))
+    constraint = _constraint(s)
+    if constraint is not None:
+        kwargs["structured_output"] = constraint
     return kwargs
+
+
+def _constraint(s: vpb.SamplingParams) -> StructuredOutput | None:
+    """The constraint oneof as a StructuredOutput (json_object's text is vLLM's flag:
+    any JSON object; compiling checks the rest, off the event loop)."""
+    kind = s.WhichOneof("constraint")
+    if kind is None:
+        return None
+    if kind == "json_object":
+        value: Any = True
+    elif kind == "choice":
+        value = list(s.choice.choices)
+    else:
+        value = getattr(s, kind)
+    try:
+        return StructuredOutput(**{kind: value})
+    except ValueError as exc:
+        raise InvalidArgument(P + str(exc).removeprefix("structured_output.")) from None
 
 
 def _logit_processing(s: vpb.SamplingParams, limits: ModelLimits) -> dict[str, Any]:

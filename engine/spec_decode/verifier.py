@@ -14,8 +14,9 @@ without drafts). Rows are verified one of two ways:
   generator.
 
 Penalties, logit bias and min_tokens adjust each row under the tokens before it
-(engine/sample/logits_processor.py) before either form runs, so both stay exact with them.
-Logprobs are the raw model's.
+(engine/sample/logits_processor.py), then a structured-output constraint masks each row
+to what it allows after the drafts before it (engine/sample/grammar.py), before either
+form runs, so both stay exact with them. Logprobs are the raw model's.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from __future__ import annotations
 import torch
 
 from engine.io.outputs import TokenLogprob
+from engine.sample.grammar import apply_masks
 from engine.sample.logits_processor import LogitsAdjustment
 from engine.sample.rejection_sampler import rejection_sample
 from engine.sample.sampler import (
@@ -36,8 +38,9 @@ from scheduler.output import ModelRunnerOutput, SchedulerOutput
 
 
 class Verifier:
-    def __init__(self, device: torch.device, seed: int) -> None:
+    def __init__(self, device: torch.device, seed: int, eos_token_id: int = 0) -> None:
         self.device = device
+        self.eos_token_id = eos_token_id  # what a constraint's dead end ends with
         # Requests without their own seed draw from this one, so a whole engine run is
         # reproducible for a fixed engine seed and arrival order.
         self.generator = torch.Generator(device).manual_seed(seed)
@@ -49,11 +52,16 @@ class Verifier:
         states: list,  # engine request states, one per sampling request, in batch order
         drafts: list[list[int]],  # per sampling request, possibly empty
         draft_probs: dict[str, torch.Tensor],  # request id -> [num_drafts, V] (draft model)
+        masks: dict[str, torch.Tensor] | None = None,  # request id -> [1 + drafts, words]
     ) -> ModelRunnerOutput:
         items = [s for s in sched.scheduled if s.needs_sample]
         if not items:
             return ModelRunnerOutput(sampled_token_ids={})
         adjusted = self._adjusted(logits, states, drafts)
+        if masks:
+            if adjusted is logits and any(st.params.logprobs is not None for st in states):
+                adjusted = logits.clone()  # logprobs stay the raw model's
+            apply_masks(adjusted, states, drafts, masks, self.eos_token_id)
         if all(st.params.is_greedy for st in states):
             out_tokens, num_accepted = _greedy_verify(adjusted, drafts)
         else:

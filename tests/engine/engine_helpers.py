@@ -70,7 +70,7 @@ def run_to_completion(
     engine: LLMEngine, arrivals: dict[int, list] | None = None, max_steps: int = 10_000
 ) -> dict[str, dict]:
     """Step until idle; `arrivals` maps step index -> [(request_id, prompt, params)].
-    Returns request_id -> {"token_ids", "text", "finish_reason", "metrics"}."""
+    Returns request_id -> {"token_ids", "text", "finish_reason", "metrics", "detail"}."""
     arrivals = dict(arrivals or {})
     results: dict[str, dict] = {}
     for step in range(max_steps):
@@ -85,6 +85,7 @@ def run_to_completion(
             if out.finished:
                 r["finish_reason"] = out.finish_reason
                 r["metrics"] = out.metrics
+                r["detail"] = out.finish_detail
         check_pools(engine)
     return results
 

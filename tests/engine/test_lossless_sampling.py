@@ -17,10 +17,12 @@ request sees alone is the target it sees in any batch).
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
-from engine.io.sampling_params import SamplingParams
+from engine.io.sampling_params import SamplingParams, StructuredOutput
 from engine.loader import load_model
 from engine.spec_decode.verifier import Verifier
 from tests.engine.engine_helpers import _hf_model, make_engine, run_to_completion
@@ -64,18 +66,24 @@ PENALIZED = {
 }
 
 
-def exact_distribution(model_dir, prompt, features=None, dtype=torch.float32):
+def exact_distribution(model_dir, prompt, features=None, dtype=torch.float32, allowed=None):
     """P(t1 .. t4) of the target with temperature 1 and top-k 2, by enumeration. With
     ``features`` (penalties, logit_bias, min_tokens, stop_token_ids) the reference
-    applies them at each step first, and a stop token ends a sequence early. A .gguf
-    target's logits come from the engine's own forward of it, anything else's from
-    transformers."""
+    applies them at each step first, and a stop token ends a sequence early; with
+    ``allowed`` (seq -> the token ids a constraint allows next) it masks the rest after
+    them. A .gguf target's logits come from the engine's own forward of it, anything
+    else's from transformers."""
     next_logits = _next_logits(model_dir, prompt, dtype)
     params = SamplingParams(ignore_eos=True, **(features or {}))
     stop_ids = stop_ids_of(params, {EOS_ID})
 
     def next_probs(seq):
-        top = adjust(next_logits(seq), prompt, seq, params, stop_ids).topk(TOP_K)
+        logits = adjust(next_logits(seq), prompt, seq, params, stop_ids)
+        if allowed is not None:
+            keep = torch.zeros_like(logits, dtype=torch.bool)
+            keep[list(allowed(seq))] = True
+            logits = logits.masked_fill(~keep, float("-inf"))
+        top = logits.topk(TOP_K)
         return dict(zip(top.indices.tolist(), torch.softmax(top.values, -1).tolist()))
 
     exact = {(): 1.0}
@@ -134,7 +142,7 @@ class _SourceCounter:
         self.verify = verify
         self.ngram_steps = self.model_steps = self.mixed_steps = 0
 
-    def __call__(self, logits, sched, states, drafts, draft_probs):
+    def __call__(self, logits, sched, states, drafts, draft_probs, masks=None):
         items = [s for s in sched.scheduled if s.needs_sample]
         drafted = [item.request_id for item, d in zip(items, drafts) if d]
         ngram = any(r not in draft_probs for r in drafted)
@@ -142,11 +150,18 @@ class _SourceCounter:
         self.ngram_steps += ngram
         self.model_steps += model
         self.mixed_steps += ngram and model
-        return self.verify(logits, sched, states, drafts, draft_probs)
+        return self.verify(logits, sched, states, drafts, draft_probs, masks)
 
 
 def sample_sequences(
-    model_dir, draft_dirs, proposer, prompt=PROMPT, features=None, seeded=False, dtype="float32"
+    model_dir,
+    draft_dirs,
+    proposer,
+    prompt=PROMPT,
+    features=None,
+    seeded=False,
+    dtype="float32",
+    constraint=None,
 ):
     """NUM_SAMPLES sequences from one engine speculating with ``proposer`` (a PROPOSERS
     key, or "none"); checks that drafts were both accepted and rejected."""
@@ -170,6 +185,7 @@ def sample_sequences(
             ignore_eos=True,
             num_speculative_tokens=2 if method != "none" else None,
             seed=1000 + i if seeded else None,
+            structured_output=constraint,
             **(features or {}),
         )
         for i in range(NUM_SAMPLES)
@@ -237,6 +253,40 @@ def test_penalized_sampled_sequences_follow_the_penalized_distribution(
     # would fail the bound below.
     assert tv_exact(exact, exact_distribution(model, PROMPT)) > 5 * ENGINE_TV_BOUND
     samples = sample_sequences(model, draft_dirs, proposer, features=PENALIZED, seeded=seeded)
+    assert set(samples) <= set(exact)
+    assert tv(samples, exact) < ENGINE_TV_BOUND
+
+
+# A constraint over the tiny byte-level vocabulary: 4 letters or digits. PROMPT's tokens
+# ('2' and 'O') are among them, so n-gram drafts stay inside it; the model's favourite
+# tokens often are not, so the mask moves the distribution far (checked below).
+CONSTRAINT = StructuredOutput(regex="[0-9A-Za-z]{4}")
+
+
+def _constraint_allows(tokenizer):
+    """The reference mask, independent of llguidance: the characters of the class."""
+    letters = [
+        t for t in range(tokenizer.vocab_size) if re.fullmatch("[0-9A-Za-z]", tokenizer.decode([t]))
+    ]
+    return lambda seq: letters if len(seq) < 4 else []
+
+
+@pytest.mark.parametrize("proposer", ["none", *PROPOSERS])
+@pytest.mark.parametrize("seeded", [False, True], ids=["rejection", "coupling"])
+def test_constrained_sampled_sequences_follow_the_masked_distribution(
+    tiny_model_dir, draft_dirs, proposer, seeded
+):
+    """Under a structured-output constraint the target is the model's distribution
+    masked to what the constraint allows and renormalized: every proposer, mixed in one
+    batch (hybrid), rejection sampling and coupling."""
+    from tests.tiny_models import make_tokenizer
+
+    allows = _constraint_allows(make_tokenizer())
+    exact = exact_distribution(tiny_model_dir, PROMPT, allowed=allows)
+    assert tv_exact(exact, exact_distribution(tiny_model_dir, PROMPT)) > 5 * ENGINE_TV_BOUND
+    samples = sample_sequences(
+        tiny_model_dir, draft_dirs, proposer, seeded=seeded, constraint=CONSTRAINT
+    )
     assert set(samples) <= set(exact)
     assert tv(samples, exact) < ENGINE_TV_BOUND
 

@@ -216,3 +216,27 @@ def test_a_seeded_request_on_a_quantized_target_is_the_same_alone_and_in_a_crowd
         assert results[request_id]["token_ids"] == tokens, request_id
     assert engine.stats.num_draft_tokens > 0
     assert_all_blocks_released(engine)
+
+
+def test_a_read_only_cache_converts_into_the_temp_dir(
+    tiny_gguf_path, tmp_path, monkeypatch, capsys
+):
+    """A container's baked cache is read-only: `--quantization none` on its GGUF still
+    loads, converting into the temp dir (kept while /tmp lasts), and says so."""
+    import tempfile
+    from pathlib import Path
+
+    from engine.models import gguf_convert
+
+    monkeypatch.setenv("SPECSERVE_CACHE_DIR", str(tmp_path / "baked"))
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    baked = gguf_convert.converted_dir(Path(tiny_gguf_path)).parent
+    writable = gguf_convert._writable
+    monkeypatch.setattr(gguf_convert, "_writable", lambda d: d != baked and writable(d))
+    out = gguf_convert.ensure_converted(Path(tiny_gguf_path), weights=True)
+    assert out.is_relative_to(tmp_path / "tmp") and (out / "model.safetensors").exists()
+    assert "is read-only; converting into" in capsys.readouterr().err
+    assert gguf_convert.ensure_converted(Path(tiny_gguf_path), weights=True) == out
+    assert "converting" not in capsys.readouterr().err  # found, not converted again
+    loaded = load_model(tiny_gguf_path, device="cpu", quantization="none")
+    assert loaded.quantization == "none"

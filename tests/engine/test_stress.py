@@ -1,7 +1,8 @@
 """Randomized engine stress: draft and n-gram speculation x preemption x chunked prefill x
 prefix hits x stop strings x aborts x greedy, seeded and unseeded rows x per-request k x
 penalties, logit bias, min_tokens, include_stop_str_in_output, truncate_prompt_tokens x
-a float target or a quantized one (the tiny model as a .gguf served as stored).
+structured-output constraints x a float target or a quantized one (the tiny model as a
+.gguf served as stored).
 
 Every step: both pools pass check_integrity and no request holds a block beyond its KV
 length (check_pools); the draft cache never covers a request's last verified token.
@@ -18,7 +19,7 @@ from __future__ import annotations
 import random
 from dataclasses import replace
 
-from engine.io.sampling_params import SamplingParams
+from engine.io.sampling_params import SamplingParams, StructuredOutput
 from tests.engine.engine_helpers import (
     assert_all_blocks_released,
     check_pools,
@@ -57,7 +58,19 @@ def _params(rng: random.Random, max_k: int) -> tuple[str, SamplingParams]:
     kw["num_speculative_tokens"] = rng.choice([None, None, 0, rng.randint(1, max_k)])
     if rng.random() < 0.4:
         kw.update(_logit_features(rng, kw["max_tokens"]))
+    if rng.random() < 0.3:
+        kw["structured_output"] = rng.choice(CONSTRAINTS)
     return kind, SamplingParams(**kw)
+
+
+# Structured output in the mix: forced runs, free runs, dead ends (beside min_tokens)
+# and constraints that max_tokens cuts short.
+CONSTRAINTS = [
+    StructuredOutput(regex="[a-z ]{3,40}\\."),
+    StructuredOutput(choice=("yes", "no", "maybe so")),
+    StructuredOutput(json_schema={"type": "object", "properties": {"ok": {"type": "boolean"}}}),
+    StructuredOutput(grammar='start: "id-" /[0-9]{2,6}/'),
+]
 
 
 def _logit_features(rng: random.Random, max_tokens: int) -> dict:

@@ -170,9 +170,12 @@ def _input_ids(ids):
 
 
 REFUSALS = [
-    (_sampling(regex="a+"), "sampling_params.regex: structured output constraints"),
-    (_sampling(json_schema="{}"), "sampling_params.json_schema: structured output"),
-    (_sampling(choice=vpb.ChoiceConstraint(choices=["a"])), "sampling_params.choice: struct"),
+    (_sampling(regex="(a"), "structured_output.regex: "),  # the compiler's message
+    (_sampling(json_schema="[1]"), "sampling_params.json_schema must be a JSON object"),
+    (_sampling(json_schema='{"type": "objekt"}'), "structured_output.json_schema: Invalid"),
+    (_sampling(choice=vpb.ChoiceConstraint()), "sampling_params.choice must hold 1 to 256"),
+    (_sampling(grammar='start: "a'), "structured_output.grammar: "),
+    (_sampling(structural_tag='{"structures": []}'), "structured_output.structural_tag must"),
     (_sampling(prompt_logprobs=1), "sampling_params.prompt_logprobs is not supported"),
     (_sampling(logprobs=-1), "sampling_params.logprobs must be in [0, 20] (-1"),
     (_sampling(logprobs=21), "sampling_params.logprobs must be in [0, 20]"),

@@ -1,0 +1,118 @@
+"""The step's structured-output work, for the requests that carry a constraint
+(engine/sample/grammar.py has the matcher; LLMEngine.step calls these in order):
+
+    before schedule   forced_counts   how many tokens each constraint forces from here:
+                                      the scheduler grants that many lookahead slots
+    after propose     constrain       drafts: the forced tokens, else the proposer's cut at
+                                      the first token the constraint refuses
+    beside forward    MaskBuilder     one mask per verified row (1 + drafts per request),
+                                      computed on a worker thread while the model runs;
+                                      the verifier applies them (sample/grammar.py)
+    after update      advance         each matcher consumes the tokens its request kept
+
+The order of logit processing is documented on SamplingParams: penalties, logit bias and
+min_tokens, then the constraint's mask, then temperature and the filters.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future, ThreadPoolExecutor
+
+from engine import envs
+from engine.io.sampling_params import MAX_NUM_SPECULATIVE_TOKENS
+
+INCOMPLETE = (
+    "structured output incomplete: max_tokens ended the output before the constraint was complete"
+)
+DEAD_END = (
+    "structured output dead end: the constraint allowed no token at output position {} "
+    "(min_tokens or stop_token_ids masked all it allowed); the output ends with EOS there"
+)
+
+
+def forced_counts(states) -> dict[str, list[int]]:
+    """Each decoding constrained request's forced tokens (empty lists left out); sets
+    ``request.num_forced_tokens`` for the scheduler."""
+    forced = {}
+    enabled = envs.forced_tokens()
+    for state in states:
+        grammar, request = state.grammar, state.request
+        if grammar is None:
+            continue
+        decoding = request.num_computed_tokens == request.num_tokens - 1
+        tokens = (
+            grammar.forced_tokens()[:MAX_NUM_SPECULATIVE_TOKENS] if decoding and enabled else []
+        )
+        request.num_forced_tokens = len(tokens)
+        if tokens:
+            forced[request.request_id] = tokens
+    return forced
+
+
+def constrain(sched, states: dict, forced: dict[str, list[int]], draft_probs: dict) -> None:
+    """Cut every constrained request's drafts to what the constraint allows: its forced
+    tokens when it has some (they need no proposer, and verification keeps them all),
+    else the proposer's drafts up to the first one refused (n-gram), or up to and with
+    it (drawn from a draft model's q, see below). ``draft_probs`` (the draft model's q
+    per request) loses the rows of drafts dropped; forced drafts are deterministic, so
+    they have none (one-hot q)."""
+    for item in sched.scheduled:
+        state = states.get(item.request_id)
+        if state is None or state.grammar is None or not item.needs_sample:
+            continue
+        drafts = item.spec_token_ids
+        if item.request_id in forced:
+            kept = forced[item.request_id][: item.num_spec_tokens]
+            draft_probs.pop(item.request_id, None)
+        else:
+            num_allowed = state.grammar.allowed_prefix(drafts)
+            if item.request_id in draft_probs:
+                # A draft drawn from q keeps its first refused token: verification then
+                # rejects it for certain (its masked p is 0) and draws from the residual
+                # max(0, p - q), which is what keeps rejection sampling exact. Cutting it
+                # would draw from p instead, and p is not the residual: outputs would
+                # lean towards what the draft model likes.
+                kept = drafts[: num_allowed + 1]
+                draft_probs[item.request_id] = draft_probs[item.request_id][: len(kept)]
+            else:  # a deterministic draft (n-gram): refused means p(d) = 0, the residual is p
+                kept = drafts[:num_allowed]
+        item.num_scheduled_tokens += len(kept) - len(drafts)
+        item.spec_token_ids = list(kept)
+
+
+class MaskBuilder:
+    """Computes the masks of a step on a worker thread, beside the forward (llguidance
+    drops the GIL while it computes; the forward's torch ops drop it too)."""
+
+    def __init__(self) -> None:
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-masks")
+
+    def start(self, states: list, drafts: list[list[int]]) -> Future | None:
+        """Masks per constrained request id ([1 + drafts, words]), or None if none."""
+        work = [(s.request.request_id, s.grammar, d) for s, d in zip(states, drafts) if s.grammar]
+        if not work:
+            return None
+        return self._pool.submit(lambda: {rid: g.masks(d) for rid, g, d in work})
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def advance(changed, states: dict) -> None:
+    """Each constrained request's matcher consumes the output tokens it kept."""
+    for request in changed:
+        state = states.get(request.request_id)
+        if state is not None and state.grammar is not None:
+            state.grammar.advance(request.output_token_ids)
+
+
+def finish_detail(state) -> str | None:
+    """Why a constrained request's output may not satisfy its constraint, or None."""
+    grammar = state.grammar
+    if grammar is None:
+        return None
+    if grammar.dead_end_at is not None:
+        return DEAD_END.format(grammar.dead_end_at)
+    if state.request.finish_reason == "length" and not grammar.is_complete:
+        return INCOMPLETE
+    return None

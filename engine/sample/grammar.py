@@ -1,0 +1,277 @@
+"""Structured output: a grammar matcher per constrained request (llguidance), the masks
+verification needs, and a cache of compiled constraints.
+
+The target distribution under a constraint is the model's, masked to the tokens the
+constraint allows at that point and renormalized. With speculation that must hold at
+every verified position: a request's drafts are cut at the first token the constraint
+refuses (a draft model's just after it, so that rejection sampling draws from the
+residual), its ``1 + k`` rows each get the mask of the state after the drafts before
+them (the matcher advances through the drafts and rolls back), and after verification
+it advances by the tokens the request kept. Where the constraint allows exactly one
+token (a JSON skeleton: ``{"name": "``), those tokens are forced: they go into the
+batch as drafts that verification cannot reject (their masked probability is 1), so
+a skeleton costs one forward, not one per token.
+
+llguidance (PyPI, a Rust library with no dependencies) is the backend: it compiles
+JSON schemas, regexes, Lark and GBNF grammars and structural tags lazily (a matcher
+costs milliseconds to make), computes a mask in tens of microseconds, and rolls back.
+xgrammar, the other candidate, requires triton on Linux x86-64 (a 286 MB wheel that a
+CPU server never uses).
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections import OrderedDict
+
+import torch
+
+from engine.io.sampling_params import StructuredOutput
+from engine.kernels.cpu import cpu_kernels
+
+# Bits of one mask word; a mask is ceil(vocab / 32) int32 words, bit t % 32 of word
+# t // 32 set when token t is allowed.
+_BITS = torch.arange(32, dtype=torch.int32)
+_MAX_ERROR_CHARS = 300
+
+
+# JSON as json.dumps writes it: one space after ':' and ',', no other whitespace. A small
+# model given free whitespace can spend its whole budget on newlines; and a fixed layout
+# makes more of a schema's skeleton forced tokens. A schema's "x-guidance" overrides it.
+JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+class ConstraintError(ValueError):
+    """A constraint that cannot be compiled: the compiler's message, shortened."""
+
+
+def to_grammar(constraint: StructuredOutput) -> str:
+    """The llguidance grammar of a constraint (not yet checked: compiling checks it)."""
+    from llguidance import LLMatcher, StructTag
+    from llguidance.gbnf_to_lark import gbnf_to_lark
+
+    kind = constraint.kind
+    if kind == "json_schema":
+        return LLMatcher.grammar_from_json_schema(constraint.json_schema, defaults=JSON_LAYOUT)
+    if kind == "json_object":
+        return LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_LAYOUT)
+    if kind == "regex":
+        return LLMatcher.grammar_from_regex(constraint.regex)
+    if kind == "choice":  # string literals in Lark are JSON strings
+        options = " | ".join(json.dumps(c) for c in constraint.choice)
+        return LLMatcher.grammar_from_lark(f"start: {options}\n")
+    if kind == "grammar":
+        text = constraint.grammar
+        if "::=" in text:  # GBNF, llama.cpp's grammar syntax
+            try:
+                text = gbnf_to_lark(text)
+            except Exception as exc:  # noqa: BLE001 - the converter's message, one line
+                raise ConstraintError(f"structured_output.grammar: {_short(exc)}") from None
+        return LLMatcher.grammar_from_lark(text)
+    return StructTag.to_grammar(_struct_tags(constraint.structural_tag))
+
+
+def _struct_tags(text: str) -> list:
+    """vLLM's structural tag ({"structures": [{"begin", "schema", "end"}], "triggers"})
+    as llguidance StructTags: each structure under the trigger its begin starts with."""
+    from llguidance import StructTag
+
+    spec = json.loads(text)
+    structures, triggers = spec.get("structures"), spec.get("triggers")
+    if not isinstance(structures, list) or not structures or not isinstance(triggers, list):
+        raise ConstraintError(
+            "structured_output.structural_tag must hold a non-empty 'structures' list and a "
+            "'triggers' list"
+        )
+    tags = []
+    for i, s in enumerate(structures):
+        begin = s.get("begin") if isinstance(s, dict) else None
+        trigger = next(
+            (t for t in triggers if isinstance(begin, str) and begin.startswith(t)), None
+        )
+        if not trigger or not isinstance(s.get("end", ""), str):
+            raise ConstraintError(
+                f"structured_output.structural_tag structures[{i}]: 'begin' must start with "
+                "one of 'triggers', and 'end' must be a string"
+            )
+        tags.append(
+            StructTag(
+                trigger=trigger, begin=begin, grammar=s.get("schema") or {}, end=s.get("end", "")
+            )
+        )
+    return tags
+
+
+class GrammarCompiler:
+    """Compiles constraints for one tokenizer: a template matcher per constraint, kept in
+    a bounded LRU cache; each request gets a copy. Thread-safe: the async engine compiles
+    on worker threads (llguidance drops the GIL while it builds a matcher)."""
+
+    def __init__(self, tokenizer, vocab_size: int, eos_token_ids, cache_size: int = 128) -> None:
+        self._hf_tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self._eos = sorted(eos_token_ids)
+        self._ll_tokenizer = None
+        self._cache: OrderedDict[StructuredOutput, object] = OrderedDict()
+        self._cache_size = cache_size
+        self._lock = threading.Lock()
+
+    def grammar(self, constraint: StructuredOutput) -> Grammar:
+        """A new request's matcher for ``constraint``; ConstraintError when it does not
+        compile."""
+        return Grammar(self._template(constraint).deep_copy(), self.vocab_size)
+
+    def _template(self, constraint: StructuredOutput):
+        with self._lock:
+            if constraint in self._cache:
+                self._cache.move_to_end(constraint)
+                return self._cache[constraint]
+        template = self._compile(constraint)
+        with self._lock:
+            self._cache[constraint] = template
+            while len(self._cache) > self._cache_size:
+                self._cache.popitem(last=False)
+        return template
+
+    def _compile(self, constraint: StructuredOutput):
+        from llguidance import LLMatcher
+
+        try:
+            grammar = to_grammar(constraint)
+        except ConstraintError:
+            raise
+        except (ValueError, AssertionError) as exc:
+            raise ConstraintError(f"structured_output.{constraint.kind}: {_short(exc)}") from None
+        matcher = LLMatcher(self._tokenizer(), grammar, log_level=0)
+        if matcher.is_error():
+            raise ConstraintError(
+                f"structured_output.{constraint.kind}: {_short(matcher.get_error())}"
+            )
+        return matcher
+
+    def prepare(self) -> None:
+        """Make llguidance's view of the tokenizer now (a server does at start, on a
+        worker thread) rather than at the first constrained request."""
+        self._tokenizer()
+
+    def _tokenizer(self):
+        """llguidance's view of the tokenizer, made once (about a second)."""
+        with self._lock:
+            if self._ll_tokenizer is None:
+                import llguidance.hf
+
+                self._ll_tokenizer = llguidance.hf.from_tokenizer(
+                    self._hf_tokenizer, n_vocab=self.vocab_size, eos_token=self._eos
+                )
+            return self._ll_tokenizer
+
+
+class Grammar:
+    """One constrained request's matcher, at the end of its verified tokens."""
+
+    __slots__ = ("_matcher", "_vocab_size", "num_consumed", "dead_rows", "dead_end_at")
+
+    def __init__(self, matcher, vocab_size: int) -> None:
+        self._matcher = matcher
+        self._vocab_size = vocab_size
+        self.num_consumed = 0  # output tokens the matcher has consumed
+        # Output positions of this step's rows that allowed nothing (EOS was put there),
+        # and the one the request's output reached: a dead end.
+        self.dead_rows: set[int] = set()
+        self.dead_end_at: int | None = None
+
+    def forced_tokens(self) -> list[int]:
+        """Tokens the constraint allows one by one from here, whatever the model says."""
+        return list(self._matcher.compute_ff_tokens())
+
+    def allowed_prefix(self, tokens: list[int]) -> int:
+        """How many of ``tokens`` the constraint accepts in a row from here."""
+        return int(self._matcher.validate_tokens(tokens)) if tokens else 0
+
+    def masks(self, drafts: list[int]) -> torch.Tensor:  # [1 + len(drafts), words] int32
+        """The mask of each verified position: here, and after each draft. The drafts
+        are ``allowed_prefix`` of them, perhaps with the first refused one last: the row
+        after that one allows everything, as it is never reached (the refused draft's
+        own row has p = 0 for it, so verification rejects it)."""
+        num_allowed = self.allowed_prefix(drafts)  # never consume a refused token:
+        if num_allowed < len(drafts) - 1:  # it leaves the matcher in its error state
+            raise RuntimeError(f"a refused draft before the last reached masks(): {drafts}")
+        rows = [self._mask()]
+        for token in drafts[:num_allowed]:
+            if not self._matcher.consume_token(token):
+                raise RuntimeError(f"the matcher refused a draft it validated: {token}")
+            rows.append(self._mask())
+        if num_allowed < len(drafts):
+            rows.append(torch.full_like(rows[0], -1))  # every bit set
+        if num_allowed:
+            self._matcher.rollback(num_allowed)
+        return torch.stack(rows)
+
+    def _mask(self) -> torch.Tensor:
+        words = self._matcher.compute_bitmask()
+        return torch.frombuffer(bytearray(words), dtype=torch.int32)
+
+    def advance(self, output_token_ids: list[int]) -> None:
+        """Consume the output tokens not yet consumed (the verified ones)."""
+        new = output_token_ids[self.num_consumed :]
+        last = len(output_token_ids) - 1
+        if self.dead_rows and last in self.dead_rows and self.dead_end_at is None:
+            self.dead_end_at = last  # its token is the EOS a dead row allowed alone
+            new = new[:-1]
+        if new:
+            self._matcher.consume_tokens(new)
+        self.num_consumed = len(output_token_ids)
+        self.dead_rows.clear()
+
+    @property
+    def is_complete(self) -> bool:
+        """Whether the output so far satisfies the constraint (it may end here)."""
+        return bool(self._matcher.is_accepting())
+
+
+def apply_masks(
+    logits: torch.Tensor,  # [sum(1 + drafts), vocab], adjusted, modified in place
+    states: list,
+    drafts: list[list[int]],
+    masks: dict[str, torch.Tensor],  # request id -> [1 + drafts, words] int32
+    eos_token_id: int,
+) -> None:
+    """-inf where the constraint refuses a token. A row that allows nothing (the
+    constraint's tokens all masked by min_tokens or stop-token rules: a dead end) gets
+    EOS alone, and its request records where (Grammar.dead_rows)."""
+    kernels = cpu_kernels() if logits.is_cpu and logits.dtype is torch.float32 else None
+    offset = 0
+    with torch.inference_mode():  # the model's logits are inference tensors
+        for state, draft in zip(states, drafts):
+            rows = 1 + len(draft)
+            mask = masks.get(state.request.request_id)
+            if mask is not None:
+                block = logits[offset : offset + rows]  # a view: filled in place
+                if kernels is not None:  # one pass in C: ~20x the torch ops below
+                    dead = kernels.mask_logits(block, mask)
+                else:
+                    dead = mask_logits(block, mask)
+                for row in dead:
+                    block[row, eos_token_id] = 0.0
+                    state.grammar.dead_rows.add(state.request.num_output_tokens + row)
+            offset += rows
+
+
+def mask_logits(logits: torch.Tensor, masks: torch.Tensor) -> list[int]:
+    """In place: -inf where ``masks`` ([rows, words] int32) refuses a token or the logit
+    is not finite. Returns the rows left with no token (torch ops: any device, dtype)."""
+    allowed = allowed_tokens(masks.to(logits.device), logits.shape[-1]) & torch.isfinite(logits)
+    logits.masked_fill_(~allowed, float("-inf"))
+    return (~allowed.any(dim=-1)).nonzero().flatten().tolist()
+
+
+def allowed_tokens(masks: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """[n, words] int32 masks -> [n, vocab_size] bool: True where the token is allowed."""
+    bits = (masks.unsqueeze(-1) >> _BITS) & 1  # [n, words, 32]
+    return bits.reshape(masks.shape[0], -1)[:, :vocab_size].bool()
+
+
+def _short(error: object) -> str:
+    text = " ".join(str(error).split())
+    return text if len(text) <= _MAX_ERROR_CHARS else text[: _MAX_ERROR_CHARS - 3] + "..."

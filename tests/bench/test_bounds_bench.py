@@ -1,0 +1,40 @@
+"""`specserve bench bounds`: the read bandwidth and multiply-add peaks printed beside
+every benchmark table."""
+
+from __future__ import annotations
+
+import json
+import platform
+
+import pytest
+
+from engine.benchmarks.bounds import Bounds
+from engine.entrypoints.cli import main
+from engine.kernels.build import cpu_flags
+from engine.kernels.cpu import cpu_kernels
+
+
+def test_bounds_are_measured_and_plausible(tmp_path, capsys):
+    if cpu_kernels() is None:
+        pytest.skip("no C compiler: the bounds need the CPU kernels")
+    out = tmp_path / "bounds.json"
+    assert main(["bench", "bounds", "--num-threads", "1", "--json", str(out)]) == 0
+    b = json.loads(out.read_text())
+    assert b["num_threads"] == 1
+    assert 0.5 < b["read_gbps"] < 1000  # any machine this runs on
+    if platform.machine() == "x86_64" and "fma" in cpu_flags():
+        assert 1 < b["fp32_fma_gmacs"] < 1000
+    if "avx512_bf16" in cpu_flags():  # two multiply-adds per lane: above fp32 FMA
+        assert b["bf16_gmacs"] > 1.2 * b["fp32_fma_gmacs"]
+    line = capsys.readouterr().out.strip()
+    assert line.startswith("machine bounds (1 threads): read ") and "fp32 FMA" in line
+
+
+def test_a_missing_instruction_says_n_a_and_bad_flags_are_one_line(capsys):
+    line = Bounds(2, 30.0, 100.0, None, 200.0).line()
+    assert line == (
+        "machine bounds (2 threads): read 30.0 GB/s; multiply-add peaks (G/s) fp32 FMA 100, "
+        "bf16 vdpbf16ps n/a, int8 vpdpbusd 200"
+    )
+    assert main(["bench", "bounds", "--num-threads", "0"]) == 2
+    assert capsys.readouterr().err.strip() == "--num-threads must be >= 1, got 0"

@@ -1,0 +1,332 @@
+"""Structured output in the engine: every constraint kind holds on the tiny model's
+output, speculation never changes what a constrained request gets (greedy and seeded,
+every proposer, forced tokens included), a constraint's forced tokens cost one forward,
+and the ends a constraint can come to are reported, not raised.
+
+That sampled output follows the masked distribution: tests/engine/test_lossless_sampling.py.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from types import SimpleNamespace
+
+import pytest
+
+from engine.io.sampling_params import SamplingParams, StructuredOutput
+from engine.sample.grammar import ConstraintError
+from tests.engine.engine_helpers import (
+    assert_all_blocks_released,
+    make_engine,
+    prompts_of_lengths,
+    run_to_completion,
+)
+
+BOOL_SCHEMA = {
+    "type": "object",
+    "properties": {"ok": {"type": "boolean"}, "n": {"enum": [1, 2, 3]}},
+    "required": ["ok", "n"],
+    "additionalProperties": False,
+}
+CONSTRAINTS = {
+    "json_schema": StructuredOutput(json_schema=BOOL_SCHEMA),
+    "regex": StructuredOutput(regex="[a-e]{3}(x|yz)"),
+    "choice": StructuredOutput(choice=("alpha", "beta", "gamma delta")),
+    "lark": StructuredOutput(grammar='start: "v" NUM\nNUM: /[0-9]{2}/'),
+    "gbnf": StructuredOutput(grammar='root ::= "w" [0-9] [0-9]'),
+}
+
+
+def _check(kind: str, text: str) -> None:
+    if kind == "json_schema":
+        value = json.loads(text)
+        assert set(value) == {"ok", "n"} and isinstance(value["ok"], bool), text
+        assert value["n"] in (1, 2, 3), text
+    elif kind == "regex":
+        assert re.fullmatch("[a-e]{3}(x|yz)", text), text
+    elif kind == "choice":
+        assert text in ("alpha", "beta", "gamma delta"), text
+    elif kind == "lark":
+        assert re.fullmatch("v[0-9]{2}", text), text
+    else:
+        assert re.fullmatch("w[0-9]{2}", text), text
+
+
+def _params(constraint, temperature=0.0, **kw) -> SamplingParams:
+    return SamplingParams(
+        max_tokens=40, temperature=temperature, structured_output=constraint, **kw
+    )
+
+
+@pytest.mark.parametrize("kind", list(CONSTRAINTS))
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_every_constraint_holds_and_the_request_stops_when_it_is_complete(
+    tiny_model_dir, kind, temperature
+):
+    engine = make_engine(tiny_model_dir, seed=3)
+    prompts = prompts_of_lengths([5, 17, 30], seed=4)
+    params = _params(CONSTRAINTS[kind], temperature)
+    results = run_to_completion(engine, {0: [(f"r{i}", p, params) for i, p in enumerate(prompts)]})
+    for r in results.values():
+        assert r["finish_reason"] == "stop"  # ended at EOS, the only token left
+        _check(kind, r["text"])
+    assert_all_blocks_released(engine)
+
+
+def _workload(k, constraint=CONSTRAINTS["json_schema"], temperature=0.0, seeded=False):
+    prompts = prompts_of_lengths([3, 16, 33, 9], seed=8)
+    repetitive = prompts_of_lengths([5], seed=9)[0] * 6  # n-gram lookup finds drafts here
+    prompts.append(repetitive)
+    return {
+        i: [
+            (
+                f"r{i}",
+                p,
+                SamplingParams(
+                    max_tokens=40,
+                    temperature=temperature,
+                    seed=100 + i if seeded else None,
+                    num_speculative_tokens=k,
+                    structured_output=constraint,
+                ),
+            )
+        ]
+        for i, p in enumerate(prompts)
+    }
+
+
+@pytest.mark.parametrize("kind", ["json_schema", "regex", "lark"])
+@pytest.mark.parametrize("method", ["ngram", "draft", "hybrid"])
+def test_greedy_speculation_under_a_constraint_is_the_plain_constrained_output(
+    tiny_model_dir, spec_draft_dirs, method, kind
+):
+    constraint = CONSTRAINTS[kind]
+    reference = run_to_completion(make_engine(tiny_model_dir), _workload(None, constraint))
+    engine = make_engine(
+        tiny_model_dir,
+        speculative_method=method,
+        draft_model=spec_draft_dirs.get(method),
+        speculative_disable_batch_size=64,
+    )
+    for k in (1, 4, None):
+        results = run_to_completion(engine, _workload(k, constraint))
+        for rid, ref in reference.items():
+            assert results[rid]["token_ids"] == ref["token_ids"], (k, rid)
+            _check(kind, results[rid]["text"])
+        assert_all_blocks_released(engine)
+
+
+@pytest.mark.parametrize("method", ["none", "ngram", "draft", "hybrid"])
+def test_a_seeded_constrained_request_is_the_same_alone_and_in_a_crowd(
+    tiny_model_dir, spec_draft_dirs, method
+):
+    crowd = _workload(None, temperature=0.9, seeded=True)
+    alone = {}
+    for arrivals in crowd.values():
+        (rid, prompt, params) = arrivals[0]
+        engine = make_engine(tiny_model_dir, seed=7)
+        alone[rid] = run_to_completion(engine, {0: [(rid, prompt, params)]})[rid]["token_ids"]
+    unconstrained = [("u", prompts_of_lengths([12], seed=1)[0], SamplingParams(max_tokens=30))]
+    crowd.setdefault(1, []).extend(unconstrained)
+    engine = make_engine(
+        tiny_model_dir,
+        speculative_method=method,
+        draft_model=spec_draft_dirs.get(method),
+        speculative_disable_batch_size=64,
+        seed=11,
+    )
+    results = run_to_completion(engine, crowd)
+    for rid, tokens in alone.items():
+        assert results[rid]["token_ids"] == tokens, rid
+    assert_all_blocks_released(engine)
+
+
+def test_forced_tokens_cost_one_forward_and_change_nothing(tiny_model_dir):
+    """A constraint that forces 12 tokens in a row: one verification takes them all,
+    with or without a proposer; the output is the same as one token a step."""
+    constraint = StructuredOutput(regex="(the quick brown)|(the quick blue)")
+    params = SamplingParams(max_tokens=30, temperature=0.0, structured_output=constraint)
+    prompt = prompts_of_lengths([6], seed=2)[0]
+    outputs, steps = {}, {}
+    for method in ("none", "ngram"):
+        engine = make_engine(tiny_model_dir, speculative_method=method)
+        engine.add_request("r", prompt, params)
+        count, tokens = 0, []
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                tokens += out.token_ids
+            count += 1
+        outputs[method], steps[method] = tokens, count
+        assert engine.stats.num_draft_tokens == 0  # forced tokens are not drafts
+    assert outputs["none"] == outputs["ngram"]
+    text = make_engine(tiny_model_dir).tokenizer.decode(outputs["none"][:-1])
+    assert text in ("the quick brown", "the quick blue")
+    # prefill, "the quick b" forced in one step, then "r"/"l" sampled, the rest forced, EOS
+    assert steps["none"] <= 6, steps
+
+
+def test_a_dead_end_ends_the_request_with_a_reason_and_the_batch_runs_on(tiny_model_dir):
+    """min_tokens forbids the EOS the finished constraint needs: no token is allowed;
+    the request ends there with EOS and says why; its neighbour is untouched."""
+    engine = make_engine(tiny_model_dir)
+    dead = SamplingParams(
+        max_tokens=10,
+        temperature=0.0,
+        min_tokens=5,
+        structured_output=StructuredOutput(choice=("ab",)),
+    )
+    free = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    prompt = prompts_of_lengths([7], seed=5)[0]
+    results = run_to_completion(engine, {0: [("dead", prompt, dead), ("free", prompt, free)]})
+    dead_out = results["dead"]
+    assert dead_out["finish_reason"] == "stop"
+    assert engine.tokenizer.decode(dead_out["token_ids"][:-1]) == "ab"
+    assert dead_out["token_ids"][-1] in engine.eos_token_ids
+    assert "dead end" in dead_out["detail"] and "position 2" in dead_out["detail"]
+    assert len(results["free"]["token_ids"]) == 10 and results["free"]["detail"] is None
+    assert_all_blocks_released(engine)
+
+
+def test_max_tokens_before_the_constraint_is_complete_is_length_and_says_so(tiny_model_dir):
+    engine = make_engine(tiny_model_dir)
+    params = SamplingParams(
+        max_tokens=4, temperature=0.0, structured_output=StructuredOutput(regex="a{20}")
+    )
+    result = run_to_completion(engine, {0: [("r", [5, 6, 7], params)]})["r"]
+    assert result["finish_reason"] == "length" and result["text"] == "aaaa"
+    assert "structured output incomplete" in result["detail"]
+
+
+def test_a_constraint_that_does_not_compile_is_refused_by_name_and_nothing_leaks(
+    tiny_model_dir,
+):
+    engine = make_engine(tiny_model_dir)
+    bad = [
+        (StructuredOutput(regex="(a"), "structured_output.regex: .*unclosed group"),
+        (StructuredOutput(json_schema={"type": "objekt"}), "json_schema: Invalid type"),
+        (StructuredOutput(grammar='start: "a'), "structured_output.grammar"),
+    ]
+    for constraint, message in bad:
+        with pytest.raises(ConstraintError, match=message):
+            engine.add_request("x", [5, 6], SamplingParams(structured_output=constraint))
+    assert not engine.has_unfinished_requests()
+    engine.add_request("x", [5, 6], _params(CONSTRAINTS["choice"]))  # the id is free again
+    run_to_completion(engine)
+    assert_all_blocks_released(engine)
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({}, "must set exactly one of json_schema, regex"),
+        ({"regex": "a", "choice": ["b"]}, "got regex, choice"),
+        ({"json_schema": "[1]"}, "json_schema must be a JSON object"),
+        ({"json_schema": "{"}, "json_schema is not JSON"),
+        ({"choice": []}, "choice must hold 1 to 256 strings"),
+        ({"choice": ["a", ""]}, "non-empty strings"),
+        ({"regex": "a" * 70000}, "regex must be at most 65536 characters"),
+    ],
+)
+def test_a_malformed_constraint_is_refused_naming_the_field(fields, message):
+    with pytest.raises(ValueError, match=message):
+        StructuredOutput(**fields)
+
+
+def test_constraints_compose_with_stop_strings_bias_and_penalties(tiny_model_dir):
+    """The documented order: bias and penalties, then the constraint's mask. A stop
+    string still ends the text where it appears."""
+    engine = make_engine(tiny_model_dir)
+    constraint = StructuredOutput(regex="[ab]{8}")
+    favour_b = engine.tokenizer.encode("b")[0]
+    biased = _params(constraint, logit_bias={favour_b: 100.0})
+    stopped = _params(constraint, stop=["b"], logit_bias={favour_b: 100.0})
+    penalized = _params(constraint, repetition_penalty=1.5, frequency_penalty=1.0)
+    results = run_to_completion(
+        engine,
+        {
+            0: [
+                ("biased", [5, 6], biased),
+                ("stopped", [5, 6], stopped),
+                ("penalized", [5, 6], penalized),
+            ]
+        },  # fmt: skip
+    )
+    assert results["biased"]["text"] == "b" * 8  # bias can only pick among what is allowed
+    assert results["stopped"]["text"] == "" and results["stopped"]["finish_reason"] == "stop"
+    assert re.fullmatch("[ab]{8}", results["penalized"]["text"])
+
+
+def test_a_model_draft_keeps_its_first_refused_token_and_an_ngram_draft_does_not(
+    tiny_model_dir,
+):
+    """Rejection sampling is exact only if a refused draft drawn from q is rejected by
+    verification (which then draws from the residual max(0, p - q)); cutting it would
+    draw from p. An n-gram draft is deterministic: there the residual is p, so it is cut.
+    The refused draft's own row gets a real mask; the row after it allows everything."""
+    import torch
+
+    from engine.core import structured
+    from scheduler.output import ScheduledRequest, SchedulerOutput
+
+    engine = make_engine(tiny_model_dir)
+    tok = engine.tokenizer
+    a, b, z = (tok.encode(c, add_special_tokens=False)[0] for c in "abz")
+    constraint = StructuredOutput(regex="[ab]{6}")
+    states, items = {}, []
+    for rid in ("model", "ngram"):
+        grammar = engine.grammars.grammar(constraint)
+        request = SimpleNamespace(request_id=rid, num_output_tokens=0)
+        states[rid] = SimpleNamespace(grammar=grammar, request=request)
+        items.append(
+            ScheduledRequest(rid, 3, 5, [0], True, 4, spec_token_ids=[a, b, z, a], spec_source=None)
+        )
+    sched = SchedulerOutput(items, num_batched_tokens=10)
+    q = torch.full((4, engine.vocab_size), 1.0 / engine.vocab_size)
+    draft_probs = {"model": q}
+    structured.constrain(sched, states, {}, draft_probs)
+    assert items[0].spec_token_ids == [a, b, z] and items[0].num_scheduled_tokens == 4
+    assert draft_probs["model"].shape[0] == 3
+    assert items[1].spec_token_ids == [a, b] and items[1].num_scheduled_tokens == 3
+    masks = states["model"].grammar.masks([a, b, z])
+    from engine.sample.grammar import allowed_tokens
+
+    allowed = allowed_tokens(masks, engine.vocab_size)
+    assert allowed.shape[0] == 4
+    assert not allowed[2, z] and allowed[2, a]  # z's own row refuses it
+    assert bool(allowed[3].all())  # never reached
+    # masks() rolled back: the matcher still starts from the beginning
+    assert states["model"].grammar.allowed_prefix([a] * 6) == 6
+
+
+def test_the_c_mask_equals_the_torch_mask_on_awkward_rows():
+    """The C kernel and the torch ops mask alike: vocab not a multiple of 32 or 16,
+    extra mask words, strided rows, inf and NaN logits (never allowed), a row that
+    allows nothing."""
+    import torch
+
+    from engine.kernels.cpu import cpu_kernels
+    from engine.sample.grammar import mask_logits
+
+    kernels = cpu_kernels()
+    if kernels is None:
+        pytest.skip("no C compiler here: the torch path is the only one")
+    gen = torch.Generator().manual_seed(0)
+    for vocab in (1, 31, 49, 259, 1000):
+        words = -(-vocab // 32) + 1  # llguidance may give a word more than needed
+        base = torch.randn(6, vocab + 7, generator=gen)
+        base[0, 0] = float("inf")
+        base[1, -8] = float("nan")
+        base[2, vocab // 2] = float("-inf")
+        masks = torch.randint(-(2**31), 2**31 - 1, (6, words), dtype=torch.int32, generator=gen)
+        masks[3] = 0  # nothing allowed: a dead row
+        masks[4] = -1  # everything allowed
+        a, b = base.clone(), base.clone()
+        dead_c = kernels.mask_logits(a[:, :vocab], masks)  # rows strided by vocab + 7
+        dead_t = mask_logits(b[:, :vocab], masks)
+        assert torch.equal(a.isneginf(), b.isneginf()), vocab
+        assert torch.equal(a[a.isfinite()], b[b.isfinite()]), vocab
+        assert torch.equal(a[:, vocab:], base[:, vocab:])  # past the row: untouched
+        assert dead_c == dead_t and 3 in dead_c, vocab
+    with pytest.raises(ValueError, match="words must be a contiguous int32"):
+        kernels.mask_logits(torch.zeros(2, 100), torch.zeros(2, 3, dtype=torch.int32))
