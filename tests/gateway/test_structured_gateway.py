@@ -109,6 +109,7 @@ def test_tool_calls_come_back_parsed_with_valid_arguments(gateway, tool_choice):
 
 
 def test_the_regex_and_ebnf_extensions_constrain_the_answer(gateway):
+    """A choice goes through smg as ebnf (or a regex): smg 1.13 forwards no choice list."""
     choice = _chat(gateway, ASK, regex="(yes|no), [a-z ]{3,20}\\.", temperature=0.0)
     assert re.fullmatch("(yes|no), [a-z ]{3,20}\\.", choice["message"]["content"])
     grammar = 'root ::= ("red" | "green" | "blue")'
