@@ -24,6 +24,15 @@ class ScheduledRequest:
     spec_token_ids: list[int] = field(default_factory=list)
     # Which of the request's acceptance histories chose k (None: its only one).
     spec_source: str | None = None
+    # Lookahead slots granted past num_spec_tokens (a constrained request's forced tail),
+    # and how many of spec_token_ids, at the end, are such forced tokens (not drafts).
+    num_tail_slots: int = 0
+    num_forced_tail: int = 0
+
+    @property
+    def num_proposed(self) -> int:
+        """The drafts a proposer made (what acceptance statistics count)."""
+        return len(self.spec_token_ids) - self.num_forced_tail
 
 
 @dataclass(slots=True)

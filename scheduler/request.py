@@ -56,6 +56,9 @@ class Request:
     # engine before each schedule: they get lookahead slots, speculation on or off, and
     # verification keeps them all (not counted as drafts).
     num_forced_tokens: int = 0
+    # Lookahead slots past k for a constrained request's speculating steps: room for the
+    # tokens its constraint forces right after the drafts (verified in the same pass).
+    forced_tail_slots: int = 0
     first_scheduled_time: float | None = None
 
     def __post_init__(self) -> None:

@@ -122,19 +122,21 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
+            tail = 0
             if request.num_forced_tokens:
                 num_spec, source = self._num_forced_tokens(request), FORCED
             elif speculate:
                 num_spec, source = self._num_spec_tokens(request, spec_cost)
+                tail = self._forced_tail_slots(request, num_spec)
             else:
                 num_spec, source = 0, None
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            if num_new + num_spec > budget:
-                num_spec = 0
-            if not self._allocate_or_preempt(request, num_new, num_spec, preempted):
+            if num_new + num_spec + tail > budget:
+                num_spec = tail = 0
+            if not self._allocate_or_preempt(request, num_new, num_spec + tail, preempted):
                 break  # the request itself was preempted; everyone after it is lower priority
-            scheduled.append(self._scheduled(request, num_new, num_spec, source))
-            budget -= num_new + num_spec
+            scheduled.append(self._scheduled(request, num_new, num_spec, source, tail))
+            budget -= num_new + num_spec + tail
             i += 1
         if not preempted:
             budget = self._admit_waiting(budget, scheduled)
@@ -183,6 +185,17 @@ class Scheduler:
         )
         return max(0, min(request.num_forced_tokens, remaining - 1))
 
+    def _forced_tail_slots(self, request: Request, num_spec: int) -> int:
+        """Slots past k for what a constraint forces after the drafts, within the length
+        limits (k drafts, the tail, one sampled token)."""
+        if not num_spec or not request.forced_tail_slots:
+            return 0
+        remaining = min(
+            request.max_tokens - request.num_output_tokens,
+            self.config.max_model_len - request.num_tokens,
+        )
+        return max(0, min(request.forced_tail_slots, remaining - 1 - num_spec))
+
     def _allocate_or_preempt(
         self, request: Request, num_new: int, num_spec: int, preempted: list[str]
     ) -> bool:
@@ -226,8 +239,9 @@ class Scheduler:
         return budget
 
     def _scheduled(
-        self, request: Request, num_new: int, num_spec: int, source: str | None = None
-    ) -> ScheduledRequest:
+        self, request: Request, num_new: int, num_spec: int, source: str | None = None,
+        tail: int = 0,
+    ) -> ScheduledRequest:  # fmt: skip
         return ScheduledRequest(
             request_id=request.request_id,
             num_computed_tokens=request.num_computed_tokens,
@@ -236,6 +250,7 @@ class Scheduler:
             needs_sample=request.num_computed_tokens + num_new == request.num_tokens,
             num_spec_tokens=num_spec,
             spec_source=source if num_spec else None,
+            num_tail_slots=tail,
         )
 
     # ---- update -----------------------------------------------------------------------
@@ -250,7 +265,6 @@ class Scheduler:
             request.num_computed_tokens = item.num_computed_tokens + item.num_scheduled_tokens
             if not item.needs_sample:
                 continue
-            num_drafts = len(item.spec_token_ids)
             num_accepted = runner_output.num_accepted.get(item.request_id, 0)
             if item.num_spec_tokens:
                 # KV is valid for the last token and the accepted drafts; the rest of
@@ -258,6 +272,9 @@ class Scheduler:
                 valid = item.num_computed_tokens + 1 + num_accepted
                 request.num_computed_tokens = self.kv.rollback(request, valid)
             if item.num_spec_tokens and item.spec_source != FORCED:
+                # A forced tail after the drafts is the constraint's, not the proposer's.
+                num_drafts = item.num_proposed
+                num_accepted = min(num_accepted, num_drafts)
                 request.history_for(item.spec_source).record(num_drafts, num_accepted)
                 request.num_draft_tokens += num_drafts
                 request.num_accepted_tokens += num_accepted

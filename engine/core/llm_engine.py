@@ -111,6 +111,9 @@ class LLMEngine:
         self.grammars = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids)
         self._masks = structured.MaskBuilder()
         self._num_constrained = 0
+        # Constrained requests' n-gram drafts get the tokens the constraint forces after
+        # them appended (deterministic drafts only: a draft model's have q rows).
+        self._forced_tail = method in ("ngram", "hybrid")
         self.scheduler = Scheduler(
             SchedulerConfig(
                 max_num_seqs=config.max_num_seqs,
@@ -191,6 +194,8 @@ class LLMEngine:
             client_request_id=request_id if client_request_id is None else client_request_id,
             grammar=grammar,
         )
+        if grammar is not None and self._forced_tail:
+            request.forced_tail_slots = structured.FORCED_TAIL_SLOTS
         self._num_constrained += grammar is not None
         self.scheduler.add_request(request)
 
@@ -373,13 +378,14 @@ class LLMEngine:
         stats = self.stats
         stats.num_steps += 1
         stats.num_preemptions = self.scheduler.num_preemptions
-        verified = [s for s in sched.scheduled if s.spec_token_ids and s.spec_source != FORCED]
-        for item in verified:
-            stats.num_draft_tokens += len(item.spec_token_ids)
-            stats.num_accepted_tokens += runner_output.num_accepted[item.request_id]
+        verified = [s for s in sched.scheduled if s.num_proposed and s.spec_source != FORCED]
+        for item in verified:  # a constraint's forced tokens are not drafts
+            stats.num_draft_tokens += item.num_proposed
+            accepted = runner_output.num_accepted[item.request_id]
+            stats.num_accepted_tokens += min(accepted, item.num_proposed)
         self.refresh_stats()
         stats.mean_speculative_length = (
-            sum(len(s.spec_token_ids) for s in verified) / len(verified) if verified else 0.0
+            sum(s.num_proposed for s in verified) / len(verified) if verified else 0.0
         )
         self.last_step = StepRecord(
             batch_size=len(sched.scheduled),
@@ -387,8 +393,10 @@ class LLMEngine:
             draft_time_s=timings.draft_s,
             forward_time_s=timings.forward_s,
             timings=timings,
-            drafts_per_verification=[len(s.spec_token_ids) for s in verified],
-            accepted_per_verification=[runner_output.num_accepted[s.request_id] for s in verified],
+            drafts_per_verification=[s.num_proposed for s in verified],
+            accepted_per_verification=[
+                min(runner_output.num_accepted[s.request_id], s.num_proposed) for s in verified
+            ],
         )
 
     def refresh_stats(self) -> None:

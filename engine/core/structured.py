@@ -21,6 +21,11 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from engine import envs
 from engine.io.sampling_params import MAX_NUM_SPECULATIVE_TOKENS
 
+# Lookahead slots a constrained request gets past its k when it speculates with n-gram
+# drafts: the tokens its constraint forces after the drafts (a value's closing quote,
+# then `, "next_key": "`) go into the same verification. Used when the drafts allow it.
+FORCED_TAIL_SLOTS = 8
+
 INCOMPLETE = (
     "structured output incomplete: max_tokens ended the output before the constraint was complete"
 )
@@ -65,7 +70,8 @@ def constrain(sched, states: dict, forced: dict[str, list[int]], draft_probs: di
             kept = forced[item.request_id][: item.num_spec_tokens]
             draft_probs.pop(item.request_id, None)
         else:
-            num_allowed = state.grammar.allowed_prefix(drafts)
+            grammar = state.grammar
+            num_allowed = grammar.allowed_prefix(drafts)
             if item.request_id in draft_probs:
                 # A draft drawn from q keeps its first refused token: verification then
                 # rejects it for certain (its masked p is 0) and draws from the residual
@@ -76,6 +82,11 @@ def constrain(sched, states: dict, forced: dict[str, list[int]], draft_probs: di
                 draft_probs[item.request_id] = draft_probs[item.request_id][: len(kept)]
             else:  # a deterministic draft (n-gram): refused means p(d) = 0, the residual is p
                 kept = drafts[:num_allowed]
+                room = item.num_spec_tokens + item.num_tail_slots - len(kept)
+                if kept and room > 0:  # what the constraint forces after them rides along
+                    tail = grammar.forced_after(kept)[:room]
+                    item.num_forced_tail = len(tail)
+                    kept = kept + tail
         item.num_scheduled_tokens += len(kept) - len(drafts)
         item.spec_token_ids = list(kept)
 

@@ -185,6 +185,14 @@ class Grammar:
         """Tokens the constraint allows one by one from here, whatever the model says."""
         return list(self._matcher.compute_ff_tokens())
 
+    def forced_after(self, tokens: list[int]) -> list[int]:
+        """The tokens the constraint forces after ``tokens`` (all of which it accepts)."""
+        if not self._matcher.consume_tokens(tokens):
+            raise RuntimeError(f"forced_after() was given tokens the constraint refuses: {tokens}")
+        forced = list(self._matcher.compute_ff_tokens())
+        self._matcher.rollback(len(tokens))
+        return forced
+
     def allowed_prefix(self, tokens: list[int]) -> int:
         """How many of ``tokens`` the constraint accepts in a row from here."""
         return int(self._matcher.validate_tokens(tokens)) if tokens else 0

@@ -330,3 +330,38 @@ def test_the_c_mask_equals_the_torch_mask_on_awkward_rows():
         assert dead_c == dead_t and 3 in dead_c, vocab
     with pytest.raises(ValueError, match="words must be a contiguous int32"):
         kernels.mask_logits(torch.zeros(2, 100), torch.zeros(2, 3, dtype=torch.int32))
+
+
+def test_what_the_constraint_forces_after_ngram_drafts_rides_in_their_verification(
+    tiny_model_dir, monkeypatch
+):
+    """A run of n-gram drafts ends where the constraint forces tokens (`=vvvvv;k`): they
+    are appended to the drafts (lookahead slots past k), so fewer steps; the output is
+    the plain constrained output, and the appended tokens are not counted as drafts."""
+    from engine.core import structured
+
+    constraint = StructuredOutput(regex="(k[a-c]{3}=vvvvv;)+")
+    params = SamplingParams(max_tokens=60, temperature=0.0, structured_output=constraint)
+    prompt = prompts_of_lengths([8], seed=3)[0]
+
+    def run(method, tail_slots):
+        monkeypatch.setattr(structured, "FORCED_TAIL_SLOTS", tail_slots)
+        engine = make_engine(tiny_model_dir, speculative_method=method)
+        engine.add_request("r", prompt, params)
+        tokens, steps = [], 0
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                tokens += out.token_ids
+            steps += 1
+        stats = engine.stats
+        assert stats.num_accepted_tokens <= stats.num_draft_tokens
+        assert_all_blocks_released(engine)
+        return tokens, steps
+
+    plain, _ = run("none", structured.FORCED_TAIL_SLOTS)
+    without, steps_without = run("ngram", 0)
+    with_tail, steps_with = run("ngram", 8)
+    assert plain == without == with_tail
+    text = make_engine(tiny_model_dir).tokenizer.decode(plain)
+    assert re.match("(k[a-c]{3}=vvvvv;){5}", text), text  # max_tokens ends it mid-way
+    assert steps_with < steps_without, (steps_with, steps_without)

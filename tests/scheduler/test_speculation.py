@@ -7,7 +7,7 @@ from scheduler.spec_length import (
     choose_num_spec_tokens,
     expected_tokens_per_step,
 )
-from tests.scheduler.helpers import make_request, make_scheduler, step
+from tests.scheduler.helpers import fake_run, make_request, make_scheduler, step
 
 
 def test_lookahead_slots_are_reserved_and_rolled_back_when_every_draft_is_rejected():
@@ -116,3 +116,31 @@ def test_each_proposer_a_request_uses_keeps_its_own_acceptance_history():
     assert good.scheduled[0].num_spec_tokens == 4
     assert bad.scheduled[0].num_spec_tokens <= 1
     assert r.spec_history.accepted == AcceptanceHistory().accepted  # the shared one unused
+
+
+def test_a_forced_tail_gets_slots_past_k_within_the_length_limits_and_is_not_a_draft():
+    """A constrained request's speculating step gets `forced_tail_slots` more lookahead
+    slots (for the tokens its constraint forces after the drafts), never past
+    max_tokens, and only when it speculates; accepted forced-tail tokens count as
+    output, not as accepted drafts."""
+    s = make_scheduler(num_blocks=32, num_spec_tokens=4, spec_enabled=True)
+    r = make_request("a", 14, max_tokens=12, max_spec_tokens=2, forced_tail_slots=8)
+    s.add_request(r)
+    step(s)  # prefill: one token out
+    sched = s.schedule()
+    (item,) = sched.scheduled
+    assert (item.num_spec_tokens, item.num_tail_slots) == (2, 8)  # 11 left: 2 + 8 + 1
+    # two drafts and a forced tail of three, all accepted
+    item.spec_token_ids, item.num_forced_tail = [7, 7, 7, 7, 7], 3
+    item.num_scheduled_tokens += 5
+    s.update(sched, fake_run(sched, num_accepted=5))
+    s.kv.check_integrity()
+    assert r.num_output_tokens == 7 and r.num_computed_tokens == r.num_tokens - 1
+    assert (r.num_draft_tokens, r.num_accepted_tokens) == (2, 2)
+    sched = s.schedule()  # 5 tokens left: 2 drafts + 2 tail + 1
+    assert (sched.scheduled[0].num_spec_tokens, sched.scheduled[0].num_tail_slots) == (2, 2)
+    plain = make_scheduler(num_blocks=32, num_spec_tokens=4, spec_enabled=False)
+    q = make_request("b", 14, max_tokens=12, forced_tail_slots=8)
+    plain.add_request(q)
+    step(plain)
+    assert plain.schedule().scheduled[0].num_tail_slots == 0  # no drafts, no tail
