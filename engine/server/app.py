@@ -131,7 +131,7 @@ class SpecserveServer:
         interceptors: list[grpc.aio.ServerInterceptor] = []
         if self.options.api_key:
             interceptors.append(ApiKeyInterceptor(self.options.api_key, self._report_error))
-        interceptors.append(DecodeGuardInterceptor(self._report_error))
+        interceptors.append(DecodeGuardInterceptor(self._report_error, self._max_prompt_ids))
         server = grpc.aio.server(interceptors=interceptors, options=self.options.grpc_options())
         guard = RpcGuard(self.lifecycle, self._report_error)
         pb_grpc.add_GenerationServicer_to_server(GenerationServicer(self.engine, guard), server)
@@ -205,6 +205,11 @@ class SpecserveServer:
 
     async def wait_stopped(self) -> None:
         await self._stopped.wait()
+
+    def _max_prompt_ids(self) -> int | None:
+        """Validation keeps at most max_model_len - 1 prompt ids; None while loading."""
+        max_model_len = self.engine.model_info.get("max_model_len")
+        return int(max_model_len) if max_model_len else None
 
     def _report_error(self, code: grpc.StatusCode, details: str, request_id: str | None) -> None:
         calls: list[tuple[Callable | None, tuple]] = [

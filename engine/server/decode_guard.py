@@ -8,19 +8,28 @@ wraps every handler instead: the deserializer returns an ``Undecodable`` marker 
 than raising, and the wrapped behaviour ends the call with INVALID_ARGUMENT, reported
 through the server's error hook like any other failed RPC. It sits inside the API-key
 interceptor, so a caller without a valid key hears UNAUTHENTICATED whatever its body.
+
+Generate bodies of 1 MiB or more are decoded by the handler in a worker thread, with only
+the prompt ids validation can keep (wire.py): protobuf parsing 15M ids held this event
+loop, health checks included, 0.1-0.2 s each.
 """
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import inspect
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import grpc
 
+from engine.server import wire
 from engine.server.handlers import same_shape_handler
 
 ReportError = Callable[[grpc.StatusCode, str, str | None], None]
+# The most prompt ids a request may keep (validation refuses more); None while unknown.
+MaxPromptIds = Callable[[], int | None]
 
 
 class Undecodable:
@@ -35,14 +44,19 @@ class Undecodable:
 class DecodeGuardInterceptor(grpc.aio.ServerInterceptor):
     """Turn request-decoding failures into INVALID_ARGUMENT for every async handler."""
 
-    def __init__(self, report_error: ReportError = lambda code, details, request_id: None):
+    def __init__(
+        self,
+        report_error: ReportError = lambda code, details, request_id: None,
+        max_prompt_ids: MaxPromptIds = lambda: None,
+    ):
         self._report_error = report_error
+        self._max_prompt_ids = max_prompt_ids
 
     async def intercept_service(self, continuation, handler_call_details):
         handler = await continuation(handler_call_details)
         if handler is None or handler.request_deserializer is None:
             return handler
-        return guard_handler(handler, self._refuse)
+        return guard_handler(handler, self._refuse, self._max_prompt_ids)
 
     async def _refuse(self, request: Undecodable, context: grpc.aio.ServicerContext) -> None:
         self._report_error(grpc.StatusCode.INVALID_ARGUMENT, request.details, None)
@@ -52,18 +66,23 @@ class DecodeGuardInterceptor(grpc.aio.ServerInterceptor):
 Refuse = Callable[[Undecodable, Any], Any]
 
 
-def guard_handler(handler: grpc.RpcMethodHandler, refuse: Refuse) -> grpc.RpcMethodHandler:
+def guard_handler(
+    handler: grpc.RpcMethodHandler, refuse: Refuse, max_prompt_ids: MaxPromptIds = lambda: None
+) -> grpc.RpcMethodHandler:
     """``handler`` with a deserializer that never raises and a behaviour that refuses
     ``Undecodable`` requests. Sync behaviours (none registered here) are left as they are:
     they would run in grpc's thread pool, where ``refuse`` cannot be awaited."""
     behaviour = _behaviour(handler)
     if not (inspect.iscoroutinefunction(behaviour) or inspect.isasyncgenfunction(behaviour)):
         return handler
+    deserialize = handler.request_deserializer
     if handler.request_streaming:
         guarded = _guard_request_stream(behaviour, refuse)
+        safe = _safe_deserializer(deserialize)
     else:
         guarded = _guard_unary_request(behaviour, refuse)
-    return same_shape_handler(handler, guarded, _safe_deserializer(handler.request_deserializer))
+        safe = _safe_deserializer(deserialize, max_prompt_ids)
+    return same_shape_handler(handler, guarded, safe)
 
 
 def _behaviour(handler: grpc.RpcMethodHandler) -> Callable:
@@ -72,18 +91,56 @@ def _behaviour(handler: grpc.RpcMethodHandler) -> Callable:
     return handler.unary_stream if handler.response_streaming else handler.unary_unary
 
 
-def _safe_deserializer(deserialize: Callable[[bytes], Any]) -> Callable[[bytes], Any]:
+def _safe_deserializer(
+    deserialize: Callable[[bytes], Any], max_prompt_ids: MaxPromptIds = lambda: None
+) -> Callable[[bytes], Any]:
+    """``deserialize`` returning ``Undecodable`` rather than raising; a large body of a
+    request type with prompt ids (unary requests only) comes back ``wire.Trimmed`` when it
+    carries more than ``max_prompt_ids()``."""
     type_name = _message_type_name(deserialize)
+    prompt = wire.PROMPT_FIELDS.get(type_name)
+
+    def decode(data: bytes) -> Any:
+        max_ids = None
+        if prompt is not None and len(data) >= wire.MIN_TRIM_BYTES:
+            max_ids = max_prompt_ids()
+        if max_ids is not None:
+            trimmed = wire.decode_trimmed(data, prompt, max_ids, deserialize)
+            if trimmed is not None:
+                return trimmed
+        return deserialize(data)
 
     def safe(data: bytes) -> Any:
         try:
-            return deserialize(data)
+            return decode(data)
         except Exception as exc:
             return Undecodable(
                 f"request body is not a valid {type_name}: {_short_reason(exc, type_name)}"
             )
 
-    return safe
+    if prompt is None:
+        return safe
+
+    def deferred(data: bytes) -> Any:
+        # grpc.aio deserializes on the event loop: a large body is decoded by the handler
+        # in a worker thread instead (numpy's passes over it release the GIL).
+        return Deferred(data, safe) if len(data) >= wire.MIN_TRIM_BYTES else safe(data)
+
+    return deferred
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Deferred:
+    """A large request body the handler decodes off the event loop (``_decoded``)."""
+
+    data: bytes
+    decode: Callable[[bytes], Any]
+
+
+async def _decoded(request: Any) -> Any:
+    if isinstance(request, Deferred):
+        return await asyncio.to_thread(request.decode, request.data)
+    return request
 
 
 def _message_type_name(deserialize: Callable) -> str:
@@ -110,18 +167,20 @@ def _guard_unary_request(behaviour: Callable, refuse: Refuse) -> Callable:
     if inspect.isasyncgenfunction(behaviour):
 
         async def guarded_stream(request, context):
+            request = await _decoded(request)
             if isinstance(request, Undecodable):
                 await refuse(request, context)
                 return
-            async for response in behaviour(request, context):
+            async for response in behaviour(wire.unwrap(request), context):
                 yield response
 
         return guarded_stream
 
     async def guarded(request, context):
+        request = await _decoded(request)
         if isinstance(request, Undecodable):
             return await refuse(request, context)
-        return await behaviour(request, context)
+        return await behaviour(wire.unwrap(request), context)
 
     return guarded
 

@@ -19,6 +19,7 @@ from engine.io.sampling_params import (
     StructuredOutput,
 )
 from engine.rpc import generation_pb2 as pb
+from engine.server.wire import num_prompt_ids
 
 MAX_REQUEST_ID_LEN = 128
 MAX_STOP_STRINGS = 16
@@ -236,19 +237,20 @@ def _prompt(
         check_text_length("text", len(request.text), limits)
         return request.text, None
     if kind == "token_ids":
-        ids = _kept_prompt_ids(request.token_ids.ids, request.sampling, limits)
+        ids = request.token_ids.ids
+        ids = _kept_prompt_ids(ids, num_prompt_ids(request, ids), request.sampling, limits)
         return _token_ids("token_ids.ids", ids, limits), None
     messages = to_chat_messages(request.chat)
     check_text_length("chat", sum(len(m["content"]) for m in messages), limits)
     return None, messages
 
 
-def _kept_prompt_ids(ids: Any, s: pb.SamplingOptions, limits: ModelLimits) -> Any:
+def _kept_prompt_ids(ids: Any, num_ids: int, s: pb.SamplingOptions, limits: ModelLimits) -> Any:
     """The ids the engine keeps: 1 to max_model_len - 1 of them, counted after
     sampling.truncate_prompt_tokens. Truncation keeps the last n ids, so only those are
     read (and range-checked): per-id work on a 15M-id list held this event loop, health
-    checks included, for over a second."""
-    num_ids = len(ids)
+    checks included, for over a second. ``num_ids`` counts the ids on the wire; ``ids``
+    may hold only the last of them (wire.py)."""
     truncate = s.truncate_prompt_tokens if s.HasField("truncate_prompt_tokens") else 0
     num_kept = min(num_ids, truncate) if truncate >= 1 else num_ids
     if not 1 <= num_kept < limits.max_model_len:
@@ -257,7 +259,7 @@ def _kept_prompt_ids(ids: Any, s: pb.SamplingOptions, limits: ModelLimits) -> An
             f"token_ids.ids must have between 1 and {limits.max_model_len - 1} ids "
             f"(max_model_len - 1){after}, got {num_kept}"
         )
-    return ids[-num_kept:] if num_kept < num_ids else ids
+    return ids[-num_kept:] if num_kept < len(ids) else ids
 
 
 def check_text_length(field: str, num_chars: int, limits: ModelLimits) -> None:

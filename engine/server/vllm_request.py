@@ -39,6 +39,7 @@ from engine.server.validation import (
     check_tokenize_length,
     stop_strings,
 )
+from engine.server.wire import num_prompt_ids
 
 # The most samples one request may ask for (each is a request of its own to the engine).
 MAX_CHOICES = 64
@@ -168,14 +169,16 @@ def _input(
 def _kept_input_ids(request: vpb.GenerateRequest, limits: ModelLimits) -> list[int]:
     """The ids the engine keeps: the last truncate_prompt_tokens of them, fewer than
     max_model_len. Only those are read (and range-checked): per-id work on a 15M-id
-    list held this event loop, health checks included, for over a second."""
+    list held this event loop, health checks included, for over a second. A large
+    request may arrive with only the last of its ids decoded (wire.py)."""
     ids = request.tokenized.input_ids
-    if not ids:
+    num_ids = num_prompt_ids(request, ids)
+    if not num_ids:
         raise InvalidArgument("tokenized.input_ids must have at least one id")
     truncate = _truncate_prompt_tokens(request.sampling_params, limits)
-    num_kept = len(ids) if truncate is None else min(len(ids), truncate)
+    num_kept = num_ids if truncate is None else min(num_ids, truncate)
     if num_kept >= limits.max_model_len:
-        after = f" after {P}truncate_prompt_tokens" if num_kept < len(ids) else ""
+        after = f" after {P}truncate_prompt_tokens" if num_kept < num_ids else ""
         raise InvalidArgument(
             f"tokenized.input_ids must have at most {limits.max_model_len - 1} ids "
             f"(max_model_len - 1){after}, got {num_kept}"

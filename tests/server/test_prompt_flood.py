@@ -4,21 +4,30 @@ that ask for truncation are cut before any per-id work."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
+import re
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import grpc
 import pytest
+from google.protobuf.message import Message
 from smg_grpc_proto.generated import vllm_engine_pb2 as vpb
 
 from engine.client import SpecserveClient
 from engine.config import EngineConfig
 from engine.rpc import generation_pb2 as pb
-from tests.server.helpers import InProcessServer, wait_until
+from engine.server import wire
+from engine.server.validation import InvalidArgument, ModelLimits, to_engine_request
+from engine.server.vllm_request import to_vllm_request
+from tests.server.helpers import REPO_ROOT, InProcessServer, wait_until
+from tests.server.raw_sender import send_raw
 
 MAX_MODEL_LEN = 32768
 NUM_TEXT_PROMPTS = 10
@@ -137,6 +146,11 @@ NUM_HUGE = 6
 HUGE_IDS = 15_000_000  # about 14 MiB on the wire, under the 16 MiB message cap
 KEPT = list(range(3, 19))  # the last ids of every huge prompt: what truncation keeps
 OUT_OF_VOCAB = 1000
+METHODS = {
+    "specserve.v1": "/specserve.v1.Generation/GenerateComplete",
+    "VllmEngine": "/vllm.grpc.engine.VllmEngine/Generate",
+}
+HEALTH_BOUND = 0.1
 
 
 @dataclasses.dataclass
@@ -168,7 +182,7 @@ def _specserve_huge() -> _Huge:
     # Serialized messages concatenate as a merge: repeated fields append.
     bad_tail = pb.GenerateRequest(token_ids=pb.TokenIds(ids=[OUT_OF_VOCAB]))
     return _Huge(
-        "/specserve.v1.Generation/GenerateComplete",
+        METHODS["specserve.v1"],
         request.SerializeToString(),
         bad_tail.SerializeToString(),
         "token_ids.ids",
@@ -189,7 +203,7 @@ def _vllm_huge() -> _Huge:
 
     bad_tail = vpb.GenerateRequest(tokenized=vpb.TokenizedInput(input_ids=[OUT_OF_VOCAB]))
     return _Huge(
-        "/vllm.grpc.engine.VllmEngine/Generate",
+        METHODS["VllmEngine"],
         request.SerializeToString(),
         bad_tail.SerializeToString(),
         "tokenized.input_ids",
@@ -200,46 +214,121 @@ def _vllm_huge() -> _Huge:
 HUGE_REQUESTS = {"specserve.v1": _specserve_huge, "VllmEngine": _vllm_huge}
 
 
-def _send_raw(channel: grpc.Channel, method: str, data: bytes) -> bytes:
-    """``data`` sent as it is, not serialized again; the last response, serialized."""
-    if method.endswith("VllmEngine/Generate"):
-        return list(channel.unary_stream(method)(data, timeout=60))[-1]
-    return channel.unary_unary(method)(data, timeout=60)
+@contextlib.contextmanager
+def _sender(target: str, huge: _Huge, tmp_path: Path) -> Iterator[subprocess.Popen]:
+    """A process ready to send ``huge`` NUM_HUGE times at once (raw_sender.py)."""
+    body = tmp_path / "body"
+    body.write_bytes(huge.data)
+    args = [target, huge.method, str(body), str(tmp_path), str(NUM_HUGE)]
+    with subprocess.Popen(
+        [sys.executable, "-m", "tests.server.raw_sender", *args],
+        cwd=REPO_ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    ) as sender:  # fmt: skip
+        try:
+            assert sender.stdout.readline() == "ready\n"
+            yield sender
+        finally:
+            if sender.poll() is None:
+                sender.kill()
 
 
 @pytest.mark.parametrize("service", sorted(HUGE_REQUESTS))
-def test_huge_truncated_id_prompts_stall_nothing(long_context_server, service):
-    """Six requests of 15M token ids with truncate_prompt_tokens 16 at once: each is
-    answered as its last 16 ids alone, and health keeps answering."""
+def test_huge_truncated_id_prompts_stall_nothing(long_context_server, service, tmp_path):
+    """Six requests of 15M token ids with truncate_prompt_tokens 16 at once, from another
+    process: each is answered as its last 16 ids alone, and health keeps answering."""
     srv = long_context_server
     huge = HUGE_REQUESTS[service]()
-    with SpecserveClient(srv.target) as client, grpc.insecure_channel(srv.target) as channel:
+    with (
+        SpecserveClient(srv.target) as client,
+        grpc.insecure_channel(srv.target) as channel,
+        _sender(srv.target, huge, tmp_path) as sender,
+    ):
         expected = client.generate_complete(KEPT, max_tokens=4, temperature=0.0, ignore_eos=True)
         probe = _HealthProbe(client)
         probe.start()
         wait_until(lambda: len(probe.latencies) >= 20, 30, "a health baseline")
         num_baseline = len(probe.latencies)
         t0 = time.monotonic()
-        with ThreadPoolExecutor(NUM_HUGE) as pool:
-            send = lambda _: _send_raw(channel, huge.method, huge.data)  # noqa: E731
-            replies = list(pool.map(send, range(NUM_HUGE)))
+        sender.communicate("go\n", timeout=120)
         flood_s = time.monotonic() - t0
         probe.stop.set()
         probe.join(10)
+        assert sender.returncode == 0
+        replies = [(tmp_path / f"reply-{i}").read_bytes() for i in range(NUM_HUGE)]
         assert [huge.answer(r) for r in replies] == [(len(KEPT), expected.token_ids)] * NUM_HUGE
         baseline_health = max(probe.latencies[:num_baseline])
         flood_health = max(probe.latencies[num_baseline:], default=flood_s)
         print(f"{service}: health {baseline_health:.3f} -> {flood_health:.3f} s; "
               f"flood {flood_s:.2f} s")  # fmt: skip
         # Measured on a shared 2-core machine: when every id was read on the event loop
-        # (1.2-1.5 s a request) the flood took 6.7-11 s and health waited 2.7-6.4 s;
-        # now 0.7-1.6 s and 0.25-1.0 s. What is left is grpc parsing each 14 MiB body
-        # on the loop (0.1-0.2 s, before any handler runs), the same as for untruncated
-        # lists, which are refused for their length.
-        assert flood_s < 4.0
-        assert flood_health < 2.0
+        # (1.2-1.5 s a request) the flood took 6.7-11 s and health waited 2.7-6.4 s; when
+        # only the kept ids were read but protobuf still parsed each 14 MiB body on the
+        # loop (0.1-0.2 s), 0.7-1.1 s and 0.3-0.6 s. Now that a large body is decoded in
+        # a worker thread with only the ids validation can keep (engine/server/wire.py,
+        # 3-6 ms a body), 0.12-0.18 s and 0.005-0.058 s (8 runs, median 0.03 s). What is
+        # left is grpc.aio copying each 14 MiB body into one bytes object on the loop.
+        assert flood_s < 2.0
+        assert flood_health < HEALTH_BOUND
         # The ids kept are still range-checked.
         with pytest.raises(grpc.RpcError) as info:
-            _send_raw(channel, huge.method, huge.data + huge.bad_tail)
+            send_raw(channel, huge.method, huge.data + huge.bad_tail)
         assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert info.value.details().startswith(f"{huge.field} must be in [0, ")
+
+
+def _id_request(service: str, ids: Iterator[int], truncate: int | None) -> Message:
+    if service == "specserve.v1":
+        request = pb.GenerateRequest(sampling=pb.SamplingOptions(max_tokens=1))
+        if truncate is not None:
+            request.sampling.truncate_prompt_tokens = truncate
+        request.token_ids.ids.extend(ids)
+        return request
+    request = vpb.GenerateRequest(sampling_params=vpb.SamplingParams(max_tokens=1))
+    if truncate is not None:
+        request.sampling_params.truncate_prompt_tokens = truncate
+    request.tokenized.input_ids.extend(ids)
+    return request
+
+
+def _refusal(service: str, request: Message, limits: ModelLimits) -> str:
+    """What validation says of the whole request, parsed in full."""
+    with pytest.raises(InvalidArgument) as info:
+        if service == "specserve.v1":
+            to_engine_request(request, limits)
+        else:
+            to_vllm_request(request, limits, 64)
+    return str(info.value)
+
+
+@pytest.mark.parametrize("service", sorted(METHODS))
+def test_huge_id_prompts_are_refused_as_for_the_whole_list(
+    long_context_server, service, monkeypatch
+):
+    """Bodies over 1 MiB reach validation with only the ids it can keep; its refusals
+    name the real count and check the kept ids as they do for the whole list."""
+    srv = long_context_server
+    limits = ModelLimits.from_model_info(srv.engine.model_info)
+    decoded: list[wire.Trimmed | None] = []
+    decode_trimmed = wire.decode_trimmed
+
+    def spy(*args) -> wire.Trimmed | None:
+        decoded.append(decode_trimmed(*args))
+        return decoded[-1]
+
+    monkeypatch.setattr(wire, "decode_trimmed", spy)
+    num_ids = 2_000_000  # about 2 MB on the wire
+    cases = {  # truncate_prompt_tokens, the last id -> what the refusal says
+        (None, KEPT[-1]): rf"\(max_model_len - 1\), got {num_ids}$",
+        (MAX_MODEL_LEN, KEPT[-1]): rf"after sampling\S*, got {MAX_MODEL_LEN}$",
+        (len(KEPT), OUT_OF_VOCAB): r"must be in \[0, \d+\] \(vocab_size - 1\), got 1000$",
+    }
+    with grpc.insecure_channel(srv.target) as channel:
+        for (truncate, last), says in cases.items():
+            ids = itertools.chain(itertools.repeat(5, num_ids - 1), [last])
+            request = _id_request(service, ids, truncate)
+            with pytest.raises(grpc.RpcError) as info:
+                send_raw(channel, METHODS[service], request.SerializeToString())
+            assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert info.value.details() == _refusal(service, request, limits)
+            assert re.search(says, info.value.details())
+            assert decoded[-1] is not None and decoded[-1].num_ids == num_ids
