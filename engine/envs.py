@@ -70,6 +70,13 @@ def forced_tokens() -> bool:
     return os.environ.get("SPECSERVE_FORCED_TOKENS", "1") != "0"
 
 
+def lazy_greedy_masks() -> bool:
+    """``SPECSERVE_LAZY_GREEDY_MASKS=0`` computes every greedy constrained row's mask
+    beside the forward instead of only the rows whose argmax the constraint refuses
+    (the same output; for measuring)."""
+    return os.environ.get("SPECSERVE_LAZY_GREEDY_MASKS", "1") != "0"
+
+
 def grammar_compile_timeout_s() -> float:
     """How long a structured_output constraint may take to compile before the request is
     refused (INVALID_ARGUMENT naming the limit): ``SPECSERVE_GRAMMAR_COMPILE_TIMEOUT_S``,

@@ -3,13 +3,15 @@
     .venv/bin/python scripts/bench_structured.py --rounds 5 --out bench-structured/
 
 Each round runs `specserve bench offline --workload json` (extraction: a JSON schema per
-request; each mode runs the prompts with their schemas, then free) three times: at
+request; each mode runs the prompts with their schemas, then free) five times: at
 batch 1 with no speculation, n-gram and hybrid; the same at batch 1 with no speculation
 and the constraints' forced tokens decoded one step each (SPECSERVE_FORCED_TOKENS=0,
 what forced-token drafts bring); and 32 requests at once with no speculation (all with
 their schemas, all free, then every other one with its schema: what constrained
-requests cost the free ones beside them). A
-finished run's JSON is kept in --out and not rerun, so an interrupted series resumes.
+requests cost the free ones beside them); and the batch-1 and 32-request runs again with
+every greedy row's mask computed beside the forward (SPECSERVE_LAZY_GREEDY_MASKS=0: what
+masking only the rows whose argmax the constraint refuses brings). A finished run's JSON
+is kept in --out and not rerun, so an interrupted series resumes.
 Prints one markdown table: the median (range) over rounds, each ratio within one
 invocation or, where it says "paired", between two invocations of the same round.
 """
@@ -31,6 +33,9 @@ RUNS = {
     "b1": ([*BATCH1, "--spec-modes", "none,ngram,hybrid"], {}),
     "b1-unforced": ([*BATCH1, "--spec-modes", "none"], {"SPECSERVE_FORCED_TOKENS": "0"}),
     "b32": ([*COMMON, "--num-prompts", "32", "--spec-modes", "none"], {}),
+    "b1-eager": ([*BATCH1, "--spec-modes", "none,ngram"], {"SPECSERVE_LAZY_GREEDY_MASKS": "0"}),
+    "b32-eager": ([*COMMON, "--num-prompts", "32", "--spec-modes", "none"],
+                  {"SPECSERVE_LAZY_GREEDY_MASKS": "0"}),
 }  # fmt: skip
 
 
@@ -101,6 +106,7 @@ def _table(rounds: list[dict]) -> str:
             f"{median_range(free_rate, '{:.1f}')} | {_ratio(json_rate, free_rate)} | {versus} |"
         )
     mixed = "specserve (spec: none, half json schema)"
+    json32 = "specserve (spec: none, json schema)"
     half = [r["b32"][mixed]["spec"]["free_tpot_ms"] for r in rounds]
     alone = [r["b32"]["specserve (spec: none)"]["tpot_ms"]["mean"] for r in rounds]
     lines.append(
@@ -113,6 +119,22 @@ def _table(rounds: list[dict]) -> str:
         f"\nforced-token drafts at batch 1, no speculation (paired): {_ratio(plain, unforced)}; "
         f"n-gram with them over no speculation without them (paired): "
         f"{_ratio(_col(rounds, 'b1', 'specserve (spec: ngram, json schema)'), unforced)}"
+    )
+    eager_tpot = [r["b32-eager"][mixed]["spec"]["free_tpot_ms"] for r in rounds]
+    eager_alone = [r["b32-eager"]["specserve (spec: none)"]["tpot_ms"]["mean"] for r in rounds]
+    lines.append(
+        "\ngreedy rows masked only where the argmax is refused, over every row's mask beside "
+        "the forward (paired): batch 1 json "
+        + ", ".join(
+            f"{mode} {_ratio(_col(rounds, 'b1', s), _col(rounds, 'b1-eager', s))}"
+            for mode in ("none", "ngram")
+            for s in [f"specserve (spec: {mode}, json schema)"]
+        )
+        + "; 32 at once json "
+        + _ratio(_col(rounds, "b32", json32), _col(rounds, "b32-eager", json32))
+        + f"; with every row's mask the free requests' TPOT beside constrained ones "
+        f"{median_range(eager_tpot, '{:.1f}')} ms against {median_range(eager_alone, '{:.1f}')} "
+        f"({_ratio(eager_tpot, eager_alone)})"
     )
     return "\n".join(lines)
 

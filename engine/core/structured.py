@@ -7,7 +7,9 @@
                                       the first token the constraint refuses
     beside forward    MaskBuilder     one mask per verified row (1 + drafts per request),
                                       computed on a worker thread while the model runs;
-                                      the verifier applies them (sample/grammar.py)
+                                      the verifier applies them (sample/grammar.py);
+                                      greedy rows are masked by the verifier, and only
+                                      where the constraint refuses their argmax
     after update      advance         each matcher consumes the tokens its request kept
 
 The order of logit processing is documented on SamplingParams: penalties, logit bias and
@@ -20,6 +22,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 from engine import envs
 from engine.io.sampling_params import MAX_NUM_SPECULATIVE_TOKENS
+from engine.sample.grammar import uses_lazy_masks
 
 # Lookahead slots a constrained request gets past its k when it speculates with n-gram
 # drafts: the tokens its constraint forces after the drafts (a value's closing quote,
@@ -99,8 +102,14 @@ class MaskBuilder:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-masks")
 
     def start(self, states: list, drafts: list[list[int]]) -> Future | None:
-        """Masks per constrained request id ([1 + drafts, words]), or None if none."""
-        work = [(s.request.request_id, s.grammar, d) for s, d in zip(states, drafts) if s.grammar]
+        """Masks per constrained request id ([1 + drafts, words]), or None if none.
+        Greedy requests' masks are left to the verifier (sample/grammar.py,
+        ``apply_greedy_masks``), which computes only those it needs."""
+        work = [
+            (s.request.request_id, s.grammar, d)
+            for s, d in zip(states, drafts)
+            if s.grammar is not None and not uses_lazy_masks(s.params)
+        ]
         if not work:
             return None
         return self._pool.submit(lambda: {rid: g.masks(d) for rid, g, d in work})

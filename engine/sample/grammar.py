@@ -27,6 +27,7 @@ from collections import OrderedDict
 
 import torch
 
+from engine import envs
 from engine.io.sampling_params import StructuredOutput
 from engine.kernels.cpu import cpu_kernels
 
@@ -216,6 +217,20 @@ class Grammar:
             self._matcher.rollback(num_allowed)
         return torch.stack(rows)
 
+    def allows_after(self, prefix: list[int], token: int) -> bool:
+        """Whether the constraint allows ``token`` after ``prefix`` (which it accepts)."""
+        return int(self._matcher.validate_tokens([*prefix, token])) == len(prefix) + 1
+
+    def mask_after(self, prefix: list[int]) -> torch.Tensor:  # [1, words] int32
+        """The mask of the position after ``prefix`` (all of which the constraint accepts)."""
+        if prefix and not self._matcher.consume_tokens(prefix):
+            raise RuntimeError(f"mask_after() was given tokens the constraint refuses: {prefix}")
+        try:
+            return self._mask().unsqueeze(0)
+        finally:
+            if prefix:
+                self._matcher.rollback(len(prefix))
+
     def _mask(self) -> torch.Tensor:
         words = self._matcher.compute_bitmask()
         return torch.frombuffer(bytearray(words), dtype=torch.int32)
@@ -264,6 +279,59 @@ def apply_masks(
                     block[row, eos_token_id] = 0.0
                     state.grammar.dead_rows.add(state.request.num_output_tokens + row)
             offset += rows
+
+
+def uses_lazy_masks(params) -> bool:
+    """Greedy rows are masked only where the constraint refuses their argmax
+    (``apply_greedy_masks``): masking cannot move an argmax the constraint allows."""
+    return params.is_greedy and envs.lazy_greedy_masks()
+
+
+def apply_greedy_masks(
+    logits: torch.Tensor,  # [sum(1 + drafts), vocab], adjusted, modified in place
+    states: list,
+    drafts: list[list[int]],
+    eos_token_id: int,
+) -> int:
+    """The masks of greedy constrained requests' rows, computed only where needed: a row
+    whose argmax the constraint allows keeps that argmax under the mask (the first
+    maximal index overall is the first among the allowed), so only rows whose argmax it
+    refuses (or is not finite) get their mask, and a request's rows stop at the first
+    token that is not its draft (greedy verification reads none after it). Returns the
+    number of masks computed."""
+    spans, offset = [], 0
+    for state, draft in zip(states, drafts):
+        if getattr(state, "grammar", None) is not None and uses_lazy_masks(state.params):
+            spans.append((state, draft, offset))
+        offset += 1 + len(draft)
+    if not spans:
+        return 0
+    rows = torch.tensor([o + j for _, d, o in spans for j in range(1 + len(d))])
+    with torch.inference_mode():
+        best, argmax = logits[rows].max(dim=-1)
+    best, argmax = torch.isfinite(best).tolist(), argmax.tolist()
+    kernels = cpu_kernels() if logits.is_cpu and logits.dtype is torch.float32 else None
+    num_masks = at = 0
+    for state, draft, offset in spans:
+        grammar = state.grammar
+        # Rows after a refused draft (a draft model's, kept for the residual) are never read.
+        reachable = min(len(draft), grammar.allowed_prefix(draft)) + 1
+        for j in range(reachable):
+            token = argmax[at + j]
+            if not (best[at + j] and grammar.allows_after(draft[:j], token)):
+                row = logits[offset + j : offset + j + 1]
+                mask = grammar.mask_after(draft[:j])
+                with torch.inference_mode():
+                    dead = kernels.mask_logits(row, mask) if kernels else mask_logits(row, mask)
+                    if dead:
+                        row[0, eos_token_id] = 0.0
+                        grammar.dead_rows.add(state.request.num_output_tokens + j)
+                    token = int(row.argmax())
+                num_masks += 1
+            if j == len(draft) or token != draft[j]:
+                break
+        at += 1 + len(draft)
+    return num_masks
 
 
 def mask_logits(logits: torch.Tensor, masks: torch.Tensor) -> list[int]:

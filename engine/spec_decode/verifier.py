@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 
 from engine.io.outputs import TokenLogprob
-from engine.sample.grammar import apply_masks
+from engine.sample.grammar import apply_greedy_masks, apply_masks, uses_lazy_masks
 from engine.sample.logits_processor import LogitsAdjustment
 from engine.sample.rejection_sampler import rejection_sample
 from engine.sample.sampler import (
@@ -58,10 +58,14 @@ class Verifier:
         if not items:
             return ModelRunnerOutput(sampled_token_ids={})
         adjusted = self._adjusted(logits, states, drafts)
-        if masks:
+        lazy = any(getattr(st, "grammar", None) and uses_lazy_masks(st.params) for st in states)
+        if masks or lazy:
             if adjusted is logits and any(st.params.logprobs is not None for st in states):
                 adjusted = logits.clone()  # logprobs stay the raw model's
-            apply_masks(adjusted, states, drafts, masks, self.eos_token_id)
+            if masks:
+                apply_masks(adjusted, states, drafts, masks, self.eos_token_id)
+            if lazy:
+                apply_greedy_masks(adjusted, states, drafts, self.eos_token_id)
         if all(st.params.is_greedy for st in states):
             out_tokens, num_accepted = _greedy_verify(adjusted, drafts)
         else:

@@ -70,7 +70,8 @@ def run_to_completion(
     engine: LLMEngine, arrivals: dict[int, list] | None = None, max_steps: int = 10_000
 ) -> dict[str, dict]:
     """Step until idle; `arrivals` maps step index -> [(request_id, prompt, params)].
-    Returns request_id -> {"token_ids", "text", "finish_reason", "metrics", "detail"}."""
+    Returns request_id -> {"token_ids", "text", "logprobs", "finish_reason", "metrics",
+    "detail"}."""
     arrivals = dict(arrivals or {})
     results: dict[str, dict] = {}
     for step in range(max_steps):
@@ -79,9 +80,10 @@ def run_to_completion(
         if not engine.has_unfinished_requests() and not arrivals:
             break
         for out in engine.step():
-            r = results.setdefault(out.request_id, {"token_ids": [], "text": ""})
+            r = results.setdefault(out.request_id, {"token_ids": [], "text": "", "logprobs": []})
             r["token_ids"] += out.token_ids
             r["text"] += out.text
+            r["logprobs"] += out.logprobs or []
             if out.finished:
                 r["finish_reason"] = out.finish_reason
                 r["metrics"] = out.metrics

@@ -365,3 +365,66 @@ def test_what_the_constraint_forces_after_ngram_drafts_rides_in_their_verificati
     text = make_engine(tiny_model_dir).tokenizer.decode(plain)
     assert re.match("(k[a-c]{3}=vvvvv;){5}", text), text  # max_tokens ends it mid-way
     assert steps_with < steps_without, (steps_with, steps_without)
+
+
+@pytest.mark.parametrize("method", ["none", "ngram", "draft", "hybrid"])
+def test_greedy_rows_masked_only_where_the_argmax_is_refused_change_nothing(
+    tiny_model_dir, spec_draft_dirs, method, monkeypatch
+):
+    """The verifier masks a greedy row only when the constraint refuses its argmax: the
+    tokens (and the logprobs, which stay the raw model's) are those of masking every
+    row beside the forward (SPECSERVE_LAZY_GREEDY_MASKS=0), with strict and permissive
+    constraints, penalties, a dead end, and both paths taken."""
+    from engine.sample import grammar
+
+    constraints = [
+        CONSTRAINTS["json_schema"],
+        CONSTRAINTS["lark"],
+        StructuredOutput(regex="[\\s\\S]{0,30}"),  # the tiny model's argmax is mostly allowed
+    ]
+    prompts = prompts_of_lengths([3, 16, 33], seed=8) + [prompts_of_lengths([5], seed=9)[0] * 6]
+    workload = {}
+    for i, prompt in enumerate(prompts):
+        for j, constraint in enumerate(constraints):
+            extra = {"logprobs": 2} if j == 0 else {"presence_penalty": 0.5} if i == 1 else {}
+            if i == 2 and j == 1:
+                extra = {"min_tokens": 6}  # "v" and two digits, then no token: a dead end
+            params = SamplingParams(
+                max_tokens=30, temperature=0.0, structured_output=constraint, **extra
+            )
+            workload.setdefault(i, []).append((f"r{i}-{j}", prompt, params))
+    counts = {"allowed": 0, "masked": 0}
+    allows_after, mask_after = grammar.Grammar.allows_after, grammar.Grammar.mask_after
+
+    def counting_allows(self, prefix, token):
+        allowed = allows_after(self, prefix, token)
+        counts["allowed"] += allowed
+        return allowed
+
+    def counting_mask(self, prefix):
+        counts["masked"] += 1
+        return mask_after(self, prefix)
+
+    monkeypatch.setattr(grammar.Grammar, "allows_after", counting_allows)
+    monkeypatch.setattr(grammar.Grammar, "mask_after", counting_mask)
+    results = {}
+    for lazy in ("0", "1"):
+        monkeypatch.setenv("SPECSERVE_LAZY_GREEDY_MASKS", lazy)
+        engine = make_engine(
+            tiny_model_dir,
+            speculative_method=method,
+            draft_model=spec_draft_dirs.get(method),
+            speculative_disable_batch_size=64,
+        )
+        results[lazy] = run_to_completion(engine, workload)
+        assert_all_blocks_released(engine)
+        if lazy == "0":
+            assert counts == {"allowed": 0, "masked": 0}
+    assert counts["allowed"] > 0 and counts["masked"] > 0, counts
+    for rid, eager in results["0"].items():
+        lazy = results["1"][rid]
+        assert lazy["token_ids"] == eager["token_ids"], rid
+        assert lazy["finish_reason"] == eager["finish_reason"], rid
+        assert lazy["logprobs"] == eager["logprobs"], rid
+    assert results["1"]["r0-0"]["logprobs"]  # asked for, and compared
+    assert any(r["detail"] for r in results["1"].values())  # the dead end
