@@ -24,8 +24,12 @@ def test_bounds_are_measured_and_plausible(tmp_path, capsys):
     assert 0.5 < b["read_gbps"] < 1000  # any machine this runs on
     if platform.machine() == "x86_64" and "fma" in cpu_flags():
         assert 1 < b["fp32_fma_gmacs"] < 1000
-    if "avx512_bf16" in cpu_flags():  # two multiply-adds per lane: above fp32 FMA
-        assert b["bf16_gmacs"] > 1.2 * b["fp32_fma_gmacs"]
+    # Measured, not assumed: how they compare with fp32 FMA depends on the core (Zen 4:
+    # vdpbf16ps ~2x FMA, vpdpbusd ~1.8x; a Xeon with AMX: vdpbf16ps 0.5x, vpdpbusd 2x).
+    if "avx512_bf16" in cpu_flags():
+        assert 1 < b["bf16_gmacs"] < 4 * b["fp32_fma_gmacs"]
+    if "avx512_vnni" in cpu_flags() or "avx_vnni" in cpu_flags():
+        assert 1 < b["int8_gmacs"] < 8 * b["fp32_fma_gmacs"]
     line = capsys.readouterr().out.strip()
     assert line.startswith("machine bounds (1 threads): read ") and "fp32 FMA" in line
 
