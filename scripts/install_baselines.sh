@@ -58,6 +58,9 @@ llamacpp_cmake_args() {
   on avx GGML_AVX; on avx2 GGML_AVX2; on fma GGML_FMA; on f16c GGML_F16C
   on avx512f GGML_AVX512; on avx512_vnni GGML_AVX512_VNNI; on avx512_bf16 GGML_AVX512_BF16
   on avx512vbmi GGML_AVX512_VBMI; on avx_vnni GGML_AVX_VNNI
+  # AMX stays off: on a Xeon VM of this project that runs AMX (oneDNN uses it), a build
+  # with GGML_AMX_* died with SIGILL at its first batch; batch-1 decode is read-bound.
+  args="$args -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF"
   echo "$args"
 }
 
