@@ -269,16 +269,21 @@ def apply_masks(
         for state, draft in zip(states, drafts):
             rows = 1 + len(draft)
             mask = masks.get(state.request.request_id)
-            if mask is not None:
-                block = logits[offset : offset + rows]  # a view: filled in place
-                if kernels is not None:  # one pass in C: ~20x the torch ops below
-                    dead = kernels.mask_logits(block, mask)
-                else:
-                    dead = mask_logits(block, mask)
-                for row in dead:
-                    block[row, eos_token_id] = 0.0
-                    state.grammar.dead_rows.add(state.request.num_output_tokens + row)
+            if mask is not None:  # a view: filled in place
+                _mask_rows(logits[offset : offset + rows], mask, state, 0, eos_token_id, kernels)
             offset += rows
+
+
+def _mask_rows(block, mask, state, first: int, eos_token_id: int, kernels) -> None:
+    """``block`` (rows of ``state``'s request from verified row ``first`` on) masked in
+    place; a row left with no token gets EOS alone, and the request records where."""
+    if kernels is not None:  # one pass in C: ~20x the torch ops of mask_logits
+        dead = kernels.mask_logits(block, mask)
+    else:
+        dead = mask_logits(block, mask)
+    for row in dead:
+        block[row, eos_token_id] = 0.0
+        state.grammar.dead_rows.add(state.request.num_output_tokens + first + row)
 
 
 def uses_lazy_masks(params) -> bool:
@@ -322,10 +327,7 @@ def apply_greedy_masks(
                 row = logits[offset + j : offset + j + 1]
                 mask = grammar.mask_after(draft[:j])
                 with torch.inference_mode():
-                    dead = kernels.mask_logits(row, mask) if kernels else mask_logits(row, mask)
-                    if dead:
-                        row[0, eos_token_id] = 0.0
-                        grammar.dead_rows.add(state.request.num_output_tokens + j)
+                    _mask_rows(row, mask, state, j, eos_token_id, kernels)
                     token = int(row.argmax())
                 num_masks += 1
             if j == len(draft) or token != draft[j]:
