@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import inspect
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -78,7 +79,7 @@ def guard_handler(
     deserialize = handler.request_deserializer
     if handler.request_streaming:
         guarded = _guard_request_stream(behaviour, refuse)
-        safe = _safe_deserializer(deserialize)
+        safe = _safe_deserializer(deserialize, None)  # a stream's messages are never deferred
     else:
         guarded = _guard_unary_request(behaviour, refuse)
         safe = _safe_deserializer(deserialize, max_prompt_ids)
@@ -92,27 +93,23 @@ def _behaviour(handler: grpc.RpcMethodHandler) -> Callable:
 
 
 def _safe_deserializer(
-    deserialize: Callable[[bytes], Any], max_prompt_ids: MaxPromptIds = lambda: None
+    deserialize: Callable[[bytes], Any], max_prompt_ids: MaxPromptIds | None = lambda: None
 ) -> Callable[[bytes], Any]:
-    """``deserialize`` returning ``Undecodable`` rather than raising; a large body of a
-    request type with prompt ids (unary requests only) comes back ``wire.Trimmed`` when it
-    carries more than ``max_prompt_ids()``."""
+    """``deserialize`` returning ``Undecodable`` rather than raising. With
+    ``max_prompt_ids`` (unary requests), a body of MIN_TRIM_BYTES or more of a request
+    type with prompt ids comes back ``Deferred``: the handler decodes it off the event
+    loop, as ``wire.Trimmed`` when it carries more than ``max_prompt_ids()``."""
     type_name = _message_type_name(deserialize)
-    prompt = wire.PROMPT_FIELDS.get(type_name)
+    prompt = wire.PROMPT_FIELDS.get(type_name) if max_prompt_ids is not None else None
 
-    def decode(data: bytes) -> Any:
-        max_ids = None
-        if prompt is not None and len(data) >= wire.MIN_TRIM_BYTES:
-            max_ids = max_prompt_ids()
-        if max_ids is not None:
-            trimmed = wire.decode_trimmed(data, prompt, max_ids, deserialize)
-            if trimmed is not None:
-                return trimmed
-        return deserialize(data)
-
-    def safe(data: bytes) -> Any:
+    def safe(data: bytes, trim: bool = False) -> Any:
         try:
-            return decode(data)
+            max_ids = max_prompt_ids() if trim else None
+            if max_ids is not None:
+                trimmed = wire.decode_trimmed(data, prompt, max_ids, deserialize)
+                if trimmed is not None:
+                    return trimmed
+            return deserialize(data)
         except Exception as exc:
             return Undecodable(
                 f"request body is not a valid {type_name}: {_short_reason(exc, type_name)}"
@@ -124,7 +121,9 @@ def _safe_deserializer(
     def deferred(data: bytes) -> Any:
         # grpc.aio deserializes on the event loop: a large body is decoded by the handler
         # in a worker thread instead (numpy's passes over it release the GIL).
-        return Deferred(data, safe) if len(data) >= wire.MIN_TRIM_BYTES else safe(data)
+        if len(data) < wire.MIN_TRIM_BYTES:
+            return safe(data)
+        return Deferred(data, functools.partial(safe, trim=True))
 
     return deferred
 
