@@ -6,10 +6,13 @@ from dataclasses import dataclass
 
 from engine.io.sampling_params import MAX_NUM_SPECULATIVE_TOKENS, check_int
 
-SPECULATIVE_METHODS = ("none", "draft", "ngram", "hybrid")
+SPECULATIVE_METHODS = ("none", "draft", "ngram", "hybrid", "eagle", "auto")
 ATTENTION_BACKENDS = ("auto", "cpu", "torch", "xformers")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 QUANTIZATIONS = ("auto", "none", "int8")
+
+# The methods that run a draft model (eagle: one made by train-draft --method eagle).
+DRAFTED_METHODS = ("draft", "hybrid", "eagle")
 
 GiB = 1 << 30
 
@@ -23,8 +26,10 @@ class EngineConfig:
     # None picks a default: "draft" when a draft model is given, else "ngram". "hybrid":
     # n-gram drafts where the context repeats, the draft model's elsewhere. "draft" and
     # "hybrid" without a draft model use the default model's shipped draft
-    # (engine/drafts/), which is not the default: it gains ~1% over n-gram lookup alone at
-    # batch 1 and loses at 4 (docs/benchmarks.md, "A trained draft for the default model").
+    # (engine/drafts/), "eagle" its shipped EAGLE draft; "auto" is hybrid with the draft
+    # there is (see resolved_speculative_method). None of them is the default: on this
+    # project's CPUs n-gram lookup alone is as fast or faster (docs/benchmarks.md, "A
+    # trained draft for the default model" and "EAGLE drafts").
     speculative_method: str | None = None
     num_speculative_tokens: int = 4
     # Above this many running requests nobody speculates. None: 4 on CPU (a few
@@ -83,31 +88,39 @@ class EngineConfig:
         check_int("seed", self.seed, 0, 2**63 - 1)
         if self.num_threads is not None:
             check_int("num_threads", self.num_threads, 1, 1024)
-        if self.speculative_method in ("draft", "hybrid") and not self.resolved_draft_model:
+        if self.speculative_method in DRAFTED_METHODS and not self.resolved_draft_model:
             raise ValueError(f"speculative_method={self.speculative_method!r} needs draft_model")
         if self.draft_model and self.speculative_method in ("none", "ngram"):
             raise ValueError(
                 f"draft_model is set but speculative_method is {self.speculative_method!r}; "
-                "use 'draft', 'hybrid' or leave it unset"
+                "use 'draft', 'hybrid', 'eagle' or leave it unset"
             )
 
     @property
     def resolved_speculative_method(self) -> str:
-        if self.speculative_method is not None:
-            return self.speculative_method
-        return "draft" if self.draft_model else "ngram"
+        """The proposer the engine builds. "auto": n-gram lookup and a draft together
+        (hybrid: each request gets the source with the better measured acceptance, and
+        adaptive k prices each at its measured cost, k = 0 where speculation does not
+        pay) when there is a draft (``draft_model``, or for the default model its
+        shipped EAGLE draft), else n-gram lookup alone."""
+        method = self.speculative_method
+        if method is None:
+            return "draft" if self.draft_model else "ngram"
+        if method == "auto":
+            return "hybrid" if self.resolved_draft_model else "ngram"
+        return method
 
     @property
     def resolved_draft_model(self) -> str | None:
         """draft_model, or the default model's shipped draft when the method asks for a
         draft model and none is given."""
-        if self.draft_model or self.speculative_method not in ("draft", "hybrid"):
+        if self.draft_model or self.speculative_method not in (*DRAFTED_METHODS, "auto"):
             return self.draft_model
         from engine.default_model import DEFAULT_MODEL_NAME, default_draft_path
 
         if self.model not in (None, DEFAULT_MODEL_NAME):
             return None
-        path = default_draft_path()
+        path = default_draft_path(eagle=self.speculative_method in ("eagle", "auto"))
         return None if path is None else str(path)
 
     @property

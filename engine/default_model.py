@@ -67,8 +67,9 @@ def _extract_member(wheel: Path, target: Path) -> None:
 DRAFTS_DIR = Path(__file__).parent / "drafts"
 
 
-def default_draft_path() -> Path | None:
+def default_draft_path(eagle: bool = False) -> Path | None:
     """The draft shipped for the default model (made by ``specserve train-draft``, the
-    command in its draft.json), or None when this install has none."""
-    path = DRAFTS_DIR / DEFAULT_MODEL_NAME
+    command in its draft.json; with ``eagle``, the one made with ``--method eagle``), or
+    None when this install has none."""
+    path = DRAFTS_DIR / (f"{DEFAULT_MODEL_NAME}-eagle" if eagle else DEFAULT_MODEL_NAME)
     return path if (path / "draft.json").is_file() else None

@@ -57,6 +57,9 @@ class Scheduler:
         # Set by the engine for a proposer that combines several: request -> (the
         # proposer it will use, that proposer's draft cost).
         self.spec_source: Callable[[Request], tuple[str, float]] | None = None
+        # One draft token's proposing cost in plain decode steps, set by the engine
+        # before each schedule from the proposer's measured bursts (the config's until then).
+        self.draft_cost = config.draft_cost
 
     # ---- queue management ----------------------------------------------------------
     @property
@@ -152,7 +155,7 @@ class Scheduler:
         verify = self.cost_model.verify_cost(len(self.running))
         if verify is None:
             verify = self.config.default_verify_cost
-        return self.config.draft_cost + verify
+        return self.draft_cost + verify
 
     def _num_spec_tokens(self, request: Request, spec_cost: float) -> tuple[int, str | None]:
         """(k, the acceptance history that chose it) for a decoding request: its own fixed
@@ -172,7 +175,7 @@ class Scheduler:
         source = None
         if self.spec_source is not None and max_k > 0:
             source, draft_cost = self.spec_source(request)
-            spec_cost += draft_cost - self.config.draft_cost
+            spec_cost += draft_cost - self.draft_cost
         return choose_num_spec_tokens(request.history_for(source), max_k, spec_cost), source
 
     def _num_forced_tokens(self, request: Request) -> int:

@@ -13,6 +13,10 @@ large GEMMs run at a better rate per token and, with their leverage, would flatt
 slope; measured on SmolLM2 at 16 requests the slope came out 1.34 instead of
 ~1.7 ms/token with them in). The time is proposing + batch building + forward +
 verification, everything a draft token adds to.
+
+A draft model's burst steps get a model of their own (``DraftCostMeter``): one draft
+token costs ``draft(B) / target(B)`` plain decode steps at B running requests, both
+measured, so the price follows the batch and the machine instead of a parameter ratio.
 """
 
 from __future__ import annotations
@@ -51,6 +55,11 @@ class StepCostModel:
         a = max(mean_t - b * mean_n, 0.05 * mean_t)  # a step never costs nothing
         return a, b
 
+    def predict(self, num_tokens: int) -> float | None:
+        """Seconds for a forward of ``num_tokens`` packed tokens; None until fitted."""
+        fitted = self.fit()
+        return None if fitted is None else fitted[0] + fitted[1] * num_tokens
+
     def verify_cost(self, batch_size: int) -> float | None:
         """One more token per request, for ``batch_size`` requests, as a fraction of a
         plain decode step of that batch; None until ``fit()`` has an answer."""
@@ -59,3 +68,31 @@ class StepCostModel:
             return None
         a, b = fitted
         return b * batch_size / (a + b * batch_size)
+
+
+class DraftCostMeter:
+    """A draft model's cost per draft token, in plain decode steps of the target: its
+    burst steps (one token per speculating request) timed and fitted like the target's
+    steps; ``prior`` (the parameter ratio) until both fits have enough steps."""
+
+    def __init__(self, prior: float) -> None:
+        self.prior = prior
+        self.burst = StepCostModel(min_steps=4)
+
+    def observe(self, num_rows: int, seconds: float) -> None:
+        self.burst.observe(num_rows, seconds)
+
+    def cost(self, batch_size: int, target: StepCostModel) -> float:
+        batch_size = max(batch_size, 1)
+        draft_s = self._burst_seconds(batch_size)
+        target_s = target.predict(batch_size)
+        if draft_s is None or target_s is None or target_s <= 0:
+            return self.prior
+        return draft_s / target_s
+
+    def _burst_seconds(self, batch_size: int) -> float | None:
+        seconds = self.burst.predict(batch_size)
+        if seconds is None and self.burst._steps >= self.burst.min_steps:
+            # every burst had the same width (batch 1): the mean is the answer there
+            seconds = self.burst._t / self.burst._w
+        return seconds

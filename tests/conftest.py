@@ -12,7 +12,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.tiny_models import make_tiny_model, make_truncated_draft, write_tiny_gguf
+from tests.tiny_models import (
+    make_exact_eagle_draft,
+    make_tiny_model,
+    make_truncated_draft,
+    write_tiny_gguf,
+)
 
 # One thread: tiny models gain nothing from more, and tests that start a server process
 # would otherwise have two processes spinning OpenMP threads on a 2-core machine.
@@ -78,10 +83,17 @@ def tiny_draft_model_dir(tiny_model_dir, tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="session")
-def spec_draft_dirs(tiny_draft_model_dir, tiny_trained_draft_dir) -> dict[str, str]:
+def spec_draft_dirs(
+    tiny_draft_model_dir, tiny_trained_draft_dir, tiny_eagle_draft_dir
+) -> dict[str, str]:
     """The draft each speculative method runs with in the lossless tests: "draft" the
-    truncated target, "hybrid" (n-gram where the context repeats) the trained draft."""
-    return {"draft": tiny_draft_model_dir, "hybrid": tiny_trained_draft_dir}
+    truncated target, "hybrid" (n-gram where the context repeats) the trained draft,
+    "eagle" the EAGLE draft (SPEC_CONFIGS rows may name it for hybrid too)."""
+    return {
+        "draft": tiny_draft_model_dir,
+        "hybrid": tiny_trained_draft_dir,
+        "eagle": tiny_eagle_draft_dir,
+    }
 
 
 @pytest.fixture(scope="session")
@@ -97,3 +109,40 @@ def tiny_trained_draft_dir(tiny_model_dir, tmp_path_factory) -> str:
     if main(argv) != 0:
         raise RuntimeError("train-draft failed for the tiny model")
     return str(out)
+
+
+@pytest.fixture(scope="session")
+def tiny_eagle_draft_dir(tiny_model_dir, tmp_path_factory) -> str:
+    """An EAGLE draft for tiny_model_dir made by `specserve train-draft --method eagle`
+    (a few seconds): one layer reading the target's layers 0 and 1 (its default aux
+    layers), trained with training-time test on the target's own answers."""
+    from engine.entrypoints.cli import main
+
+    out = tmp_path_factory.mktemp("tiny-eagle-draft")
+    argv = ["train-draft", "--method", "eagle", "--model", tiny_model_dir, "--out", str(out)]
+    argv += ["--num-prompts", "48", "--max-tokens", "48", "--epochs", "3"]
+    argv += ["--tokens-per-batch", "1024", "--train-dtype", "float32", "--draft-vocab", "200"]
+    argv += ["--lr", "0.01"]  # 21 steps, all in warmup: a higher peak gets drafts accepted
+    if main(argv) != 0:
+        raise RuntimeError("train-draft --method eagle failed for the tiny model")
+    return str(out)
+
+
+@pytest.fixture(scope="session")
+def close_eagle_targets(tiny_model_factory, tiny_gguf_factory, tmp_path_factory) -> dict:
+    """{"float": (target, draft), "gguf": (target, draft)}: a one-layer target with
+    unit-RMS embeddings (as a float model, and as a .gguf served quantized) and an EAGLE
+    draft that computes what the float target computes, its layer's weights jittered by
+    15%: most drafts accepted, many rejected (trained tiny drafts are rarely accepted on
+    the tests' prompts, which would leave the accept paths untested)."""
+    # seed 1: no near-tie at the top-2 boundary in bf16, where transformers (the
+    # statistical tests' reference) and the kernels round differently
+    overrides = dict(num_hidden_layers=1, unit_rms_embeddings=True, seed=1)
+    float_dir = tiny_model_factory(**overrides)
+    gguf_path = tiny_gguf_factory(**overrides)
+    return {
+        kind: (target, make_exact_eagle_draft(
+            float_dir, tmp_path_factory.mktemp(f"close-eagle-{kind}"), 0.15, served_as=target
+        ))
+        for kind, target in (("float", float_dir), ("gguf", gguf_path))
+    }  # fmt: skip

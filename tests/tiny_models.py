@@ -73,12 +73,18 @@ def make_tokenizer():
 
 
 def make_tiny_model(
-    path: str | Path, arch: str = "llama", seed: int = 0, **config_overrides
+    path: str | Path,
+    arch: str = "llama",
+    seed: int = 0,
+    unit_rms_embeddings: bool = False,
+    **config_overrides,
 ) -> str:
     """Save a random ``arch`` ("llama", "mistral", "qwen2") model + tokenizer at ``path``.
 
     ``config_overrides`` go to the transformers config (e.g. ``num_hidden_layers=4``,
-    ``tie_word_embeddings=True``, ``rope_scaling={...}``). Returns ``str(path)``.
+    ``tie_word_embeddings=True``, ``rope_scaling={...}``). ``unit_rms_embeddings``: every
+    embedding row scaled to RMS 1 (an RMSNorm with weight 1 leaves it as it is; see
+    make_exact_eagle_draft). Returns ``str(path)``.
     """
     from transformers import AutoModelForCausalLM, GenerationConfig
 
@@ -91,6 +97,9 @@ def make_tiny_model(
                 param.uniform_(0.5, 1.5)
             else:
                 param.normal_(0.0, 0.1)
+        if unit_rms_embeddings:
+            embed = model.get_input_embeddings().weight
+            embed /= embed.pow(2).mean(-1, keepdim=True).sqrt()
     model.generation_config = GenerationConfig(
         bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=0
     )
@@ -211,4 +220,124 @@ def make_truncated_draft(target_dir: str | Path, path: str | Path, num_layers: i
     for name in Path(target_dir).iterdir():
         if name.name.startswith(("tokenizer", "special_tokens", "chat_template")):
             shutil.copy(name, Path(path) / name.name)
+    return str(path)
+
+
+def make_random_eagle_draft(
+    target_dir: str | Path, path: str | Path, vocab: int | None = None, seed: int = 0
+) -> str:
+    """An EAGLE draft (engine/spec_decode/eagle.py's format) for the target with random
+    weights: loads and runs like a trained one, drafts badly. ``vocab``: score only the
+    first ``vocab`` token ids (default: all)."""
+    import json
+
+    from safetensors.torch import save_file
+
+    from engine.spec_decode.eagle import default_aux_layers
+    from engine.spec_decode.trained_draft import embed_probe_ids
+
+    config = json.loads((Path(target_dir) / "config.json").read_text())
+    hidden, inter = config["hidden_size"], config["intermediate_size"]
+    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+    head_dim = config.get("head_dim") or hidden // heads
+    aux = default_aux_layers(config["num_hidden_layers"])
+    gen = torch.Generator().manual_seed(seed)
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=gen) * 0.1
+
+    layer = "model.layers.0."
+    tensors = {
+        "eagle.fc.weight": rand(hidden, len(aux) * hidden),
+        "eagle.embed_norm.weight": torch.ones(hidden),
+        "eagle.hidden_norm.weight": torch.ones(hidden),
+        "eagle.in_proj.weight": rand(hidden, 2 * hidden),
+        layer + "self_attn.q_proj.weight": rand(heads * head_dim, hidden),
+        layer + "self_attn.k_proj.weight": rand(kv_heads * head_dim, hidden),
+        layer + "self_attn.v_proj.weight": rand(kv_heads * head_dim, hidden),
+        layer + "self_attn.o_proj.weight": rand(hidden, heads * head_dim),
+        layer + "mlp.gate_proj.weight": rand(inter, hidden),
+        layer + "mlp.up_proj.weight": rand(inter, hidden),
+        layer + "mlp.down_proj.weight": rand(hidden, inter),
+        layer + "input_layernorm.weight": torch.ones(hidden),
+        layer + "post_attention_layernorm.weight": torch.ones(hidden),
+        "model.norm.weight": torch.ones(hidden),
+    }
+    if config.get("attention_bias") or config.get("model_type") == "qwen2":
+        for name, size in (("q", heads), ("k", kv_heads), ("v", kv_heads)):
+            tensors[f"{layer}self_attn.{name}_proj.bias"] = rand(size * head_dim)
+    vocab_size = config["vocab_size"]
+    tensors["specserve.draft_vocab"] = torch.arange(vocab or vocab_size, dtype=torch.int64)
+    from safetensors.torch import load_file
+
+    weights = {}
+    for file in Path(target_dir).glob("*.safetensors"):
+        weights.update(load_file(str(file)))
+    embed = weights["model.embed_tokens.weight"].float()
+    tensors["specserve.embed_probe"] = embed[embed_probe_ids(vocab_size)].clone()
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(path / "model.safetensors"))
+    draft_config = {**config, "num_hidden_layers": 1, "tie_word_embeddings": False}
+    (path / "config.json").write_text(json.dumps(draft_config))
+    meta = {"format": "specserve-draft", "version": 1, "method": "eagle", "aux_layers": aux,
+            "target": str(target_dir), "draft_vocab_size": int(vocab or vocab_size)}  # fmt: skip
+    (path / "draft.json").write_text(json.dumps(meta))
+    return str(path)
+
+
+def make_exact_eagle_draft(
+    target_dir: str | Path, path: str | Path, noise: float = 0.0, served_as: str | None = None
+) -> str:
+    """An EAGLE draft that computes what its target computes, for a one-layer target with
+    unit-RMS embeddings (make_tiny_model(num_hidden_layers=1, unit_rms_embeddings=True)):
+    in_proj passes the normed embedding through (= the embedding) and ignores the hidden
+    input, the decoder layer, final norm and head are the target's. Its drafts are the
+    target's own tokens (every one accepted); ``noise`` (relative, on the layer's
+    weights) makes it a close draft that is sometimes rejected. ``served_as``: the
+    target as it will be served (its .gguf), whose embedding the draft is checked
+    against at load."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    from engine.spec_decode.trained_draft import embed_probe_ids
+
+    config = json.loads((Path(target_dir) / "config.json").read_text())
+    if config["num_hidden_layers"] != 1:
+        raise ValueError("make_exact_eagle_draft needs a one-layer target")
+    weights = {}
+    for file in Path(target_dir).glob("*.safetensors"):
+        weights.update(load_file(str(file)))
+    hidden, vocab_size = config["hidden_size"], config["vocab_size"]
+    gen = torch.Generator().manual_seed(7)
+    tensors = {
+        "eagle.fc.weight": torch.randn(hidden, hidden, generator=gen) * 0.1,
+        "eagle.embed_norm.weight": torch.ones(hidden),
+        "eagle.hidden_norm.weight": torch.ones(hidden),
+        "eagle.in_proj.weight": torch.cat([torch.eye(hidden), torch.zeros(hidden, hidden)], 1),
+        "model.norm.weight": weights["model.norm.weight"],
+    }
+    for name, tensor in weights.items():
+        if name.startswith("model.layers.0."):
+            jitter = torch.randn(tensor.shape, generator=gen) * noise * tensor.std()
+            tensors[name] = tensor + (jitter if "norm" not in name else 0)
+    tensors["specserve.draft_vocab"] = torch.arange(vocab_size, dtype=torch.int64)
+    probe_ids = embed_probe_ids(vocab_size)
+    if served_as is None:
+        probe = weights["model.embed_tokens.weight"].float()[probe_ids]
+    else:
+        from engine.loader import load_model
+
+        served = load_model(str(served_as), dtype="float32", device="cpu")
+        probe = served.model.embedding_rows(probe_ids).float()
+    tensors["specserve.embed_probe"] = probe.clone()
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(path / "model.safetensors"))
+    draft_config = {**config, "num_hidden_layers": 1, "tie_word_embeddings": False}
+    (path / "config.json").write_text(json.dumps(draft_config))
+    meta = {"format": "specserve-draft", "version": 1, "method": "eagle", "aux_layers": [0],
+            "target": str(target_dir), "draft_vocab_size": vocab_size}  # fmt: skip
+    (path / "draft.json").write_text(json.dumps(meta))
     return str(path)

@@ -40,6 +40,9 @@ def add_workload_args(parser: argparse.ArgumentParser, num_prompts: int) -> None
     )
 
 
+SPEC_MODES = ("none", "ngram", "draft", "hybrid", "eagle", "auto")
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_workload_args(parser, num_prompts=32)
     parser.add_argument(
@@ -51,9 +54,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--spec-modes",
         default=None,
-        help="comma list of none,ngram,draft,hybrid: one specserve run each "
+        help=f"comma list of {','.join(SPEC_MODES)}: one specserve run each "
         "(default: none plus the configured method, if any); draft and hybrid use "
-        "--draft-model, or the default model's shipped draft",
+        "--draft-model, or the default model's shipped draft; eagle and auto use "
+        "--eagle-draft, or the default model's shipped EAGLE draft",
+    )
+    parser.add_argument(
+        "--eagle-draft",
+        default=None,
+        help="the EAGLE draft (specserve train-draft --method eagle) of --spec-modes eagle "
+        "and auto",
     )
     parser.add_argument(
         "--temperature",
@@ -103,6 +113,13 @@ def run(args: argparse.Namespace) -> int:
         draft = None
         if mode in ("draft", "hybrid"):
             draft = replace(base_config, speculative_method=mode).resolved_draft_model
+        elif mode in ("eagle", "auto"):
+            draft = (
+                args.eagle_draft
+                or replace(
+                    base_config, speculative_method=mode, draft_model=None
+                ).resolved_draft_model
+            )
         config = replace(base_config, speculative_method=mode, draft_model=draft)
         engine = LLMEngine(config, loaded=loaded)
         # Warm-up: one full batch, so the timed runs find the KV cache's pages touched.
@@ -144,9 +161,9 @@ def run(args: argparse.Namespace) -> int:
 def _spec_modes(args, config) -> list[str]:
     if args.spec_modes:
         modes = [m.strip() for m in args.spec_modes.split(",") if m.strip()]
-        bad = [m for m in modes if m not in ("none", "ngram", "draft", "hybrid")]
+        bad = [m for m in modes if m not in SPEC_MODES]
         if bad:
-            raise ValueError(f"--spec-modes must be from none, ngram, draft, hybrid; got {bad}")
+            raise ValueError(f"--spec-modes must be from {', '.join(SPEC_MODES)}; got {bad}")
         return modes
     method = config.speculative_method or "none"
     return ["none"] if method == "none" else ["none", method]

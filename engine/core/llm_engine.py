@@ -84,7 +84,7 @@ class LLMEngine:
         self.tokenizer = self.loaded.tokenizer
         self.device = torch.device(self.loaded.device)
         method = config.resolved_speculative_method
-        if method in ("draft", "hybrid") and draft_loaded is None:
+        if method in ("draft", "hybrid", "eagle") and draft_loaded is None:
             draft_loaded = load_draft(
                 config.resolved_draft_model, self.loaded, config.attn_backend, config.quantization
             )
@@ -102,7 +102,12 @@ class LLMEngine:
             event_sink=self.kv_events,
         )
         self.runner = ModelRunner(self.loaded, plan.num_blocks, config.block_size)
+        # An EAGLE proposer turns the target's feature capture on; a target shared with
+        # an earlier engine (benchmarks run several on one loaded model) starts without.
+        self.loaded.model.model.capture_layers = ()
         self.proposer = build_proposer(method, config, self.loaded, draft_loaded, plan.num_blocks)
+        self._feature_sink = getattr(self.proposer, "on_target_forward", None)
+        self._update_cost = getattr(self.proposer, "update_cost", None)
         self.eos_token_ids = frozenset(self.loaded.eos_token_ids)
         self.verifier = Verifier(self.device, config.seed, min(self.eos_token_ids, default=0))
         self.vocab_size = self.loaded.arch.vocab_size
@@ -217,6 +222,9 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
         forced = structured.forced_counts(self._states.values()) if self._num_constrained else {}
+        if self._update_cost is not None:  # a draft model's cost at this batch, measured
+            scheduler = self.scheduler
+            scheduler.draft_cost = self._update_cost(len(scheduler.running), scheduler.cost_model)
         sched = self.scheduler.schedule()
         self._release_preempted(sched)
         if sched.is_empty:
@@ -231,6 +239,8 @@ class LLMEngine:
         t3 = time.perf_counter()
         pending = self._masks.start(sample_states, drafts) if self._num_constrained else None
         logits = self.runner.execute(prepared)  # [sum(1 + drafts) of sampling requests, vocab]
+        if self._feature_sink is not None:  # an EAGLE draft keeps the target's features
+            self._feature_sink(sched.scheduled, seqs)
         masks = pending.result() if pending is not None else None
         runner_output = self.verifier.verify(
             logits, sched, sample_states, drafts, draft_probs, masks

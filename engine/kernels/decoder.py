@@ -41,6 +41,7 @@ _ARGTYPES = [_P, _I64, _P, _P, _P, _P, _P, _P, _P, _I64]  # layers .. act, n
 _ARGTYPES += [_I64, _I64, _I64, _I64, _I64, _F32]  # hidden .. inter, eps
 _ARGTYPES += [_P, _P, _I64, _P, _I64, _I64]  # positions .. block_size
 _ARGTYPES += [_P, _I64, _I64, _P, _P, _I64, _P, _I64, _I64, _F32, _I32]  # attention
+_ARGTYPES += [_I32]  # continue_residual
 
 
 class FusedDecoderLayers:
@@ -110,7 +111,13 @@ class FusedDecoderLayers:
         metadata,  # AttentionMetadata of this step
         seq_ids: torch.Tensor,  # [num_selected] int32: every sequence (all on the kernel)
         max_query_len: int,
+        capture_layers: tuple[int, ...] = (),
+        captured: list[torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:  # (last MLP output, residual before it)
+        """With ``capture_layers``, appends to ``captured`` the residual stream entering
+        each of those layers [n, hidden_size] (an EAGLE draft's features): the layers
+        run in segments between them, continuing the residual, so the result is what
+        one call computes."""
         n = hidden.shape[0]
         if hidden.dtype is not torch.bfloat16 or not hidden.is_contiguous():
             raise ValueError("hidden must be dense bf16")
@@ -135,20 +142,42 @@ class FusedDecoderLayers:
         gate_up = hidden.new_empty(n, 2 * self.inter)
         act = hidden.new_empty(n, self.inter)
         group = self.num_heads // self.num_kv_heads
+        bounds = [layer for layer in capture_layers if 0 < layer < self.num_layers]
+        if 0 in capture_layers and captured is not None:
+            captured.append(hidden.clone())
+        start = 0
+        for end in [*bounds, self.num_layers]:
+            if end <= start:
+                continue
+            self._run_layers(
+                start, end, hidden, residual, normed, qkv, attn, gate_up, act, positions,
+                cos_sin, metadata, seq_ids, num_seqs, max(max_query_len * group, 1),
+            )  # fmt: skip
+            if end < self.num_layers and captured is not None:
+                captured.append(hidden + residual)
+            start = end
+        return hidden, residual
+
+    def _run_layers(
+        self, start, end, hidden, residual, normed, qkv, attn, gate_up, act, positions,
+        cos_sin, metadata, seq_ids, num_seqs, max_rows,
+    ) -> None:  # fmt: skip
+        n = hidden.shape[0]
+        tables = metadata.block_tables
         status = self._fn(
-            self.layers, self.num_layers, hidden.data_ptr(), residual.data_ptr(),
+            ctypes.addressof(self.layers) + start * ctypes.sizeof(_Layer), end - start,
+            hidden.data_ptr(), residual.data_ptr(),
             normed.data_ptr(), qkv.data_ptr(), attn.data_ptr(), gate_up.data_ptr(),
             act.data_ptr(), n, self.hidden_size, self.num_heads, self.num_kv_heads,
             self.head_dim, self.inter, self.eps, positions.data_ptr(), cos_sin.data_ptr(),
             cos_sin.shape[0], metadata.slot_mapping.data_ptr(), self.num_cache_blocks,
             self.block_size, tables.data_ptr(), tables.stride(0), tables.shape[1],
             metadata.seq_lens.data_ptr(), metadata.query_start_loc.data_ptr(), num_seqs,
-            seq_ids.data_ptr(), seq_ids.shape[0], max(max_query_len * group, 1), self.scale,
-            torch.get_num_threads(),
+            seq_ids.data_ptr(), seq_ids.shape[0], max_rows, self.scale,
+            torch.get_num_threads(), int(start > 0),
         )  # fmt: skip
         if status:
             raise _error(status, cos_sin.shape[0], self.num_cache_blocks * self.block_size)
-        return hidden, residual
 
 
 def _error(status: int, num_positions: int, num_slots: int) -> Exception:

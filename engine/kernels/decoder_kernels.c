@@ -42,7 +42,9 @@ INLINE int decoder_linear(bf16 *out, const bf16 *x, int64_t x_stride, const void
  * specserve_paged_attention's. Returns 0; 1 when a position is outside the rotary
  * table, 2 when a slot is past the cache, 3 when a quantized Linear runs out of memory,
  * 10 + paged attention's status otherwise
- * (the layers before the failing call have run). */
+ * (the layers before the failing call have run). With continue_residual, hidden and
+ * residual come in as a previous call left them (the layers before these ones): a model
+ * run in several calls computes exactly what one call does. */
 int specserve_decoder_layers_bf16(
     const struct specserve_layer_bf16 *layers, int64_t num_layers, bf16 *hidden,
     bf16 *residual, bf16 *normed, bf16 *qkv, bf16 *attn, bf16 *gate_up, bf16 *act, int64_t n,
@@ -52,13 +54,13 @@ int specserve_decoder_layers_bf16(
     const int32_t *block_tables, int64_t block_table_stride, int64_t table_width,
     const int32_t *seq_lens, const int32_t *query_start_loc, int64_t num_seqs,
     const int32_t *seq_ids, int64_t num_selected, int64_t max_rows, float scale,
-    int32_t num_threads) {
+    int32_t num_threads, int32_t continue_residual) {
     const int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
     const int64_t qkv_size = q_size + 2 * kv_size;
     const int64_t num_slots = num_cache_blocks * block_size;
     for (int64_t l = 0; l < num_layers; l++) {
         const struct specserve_layer_bf16 *w = &layers[l];
-        if (l == 0) {
+        if (l == 0 && !continue_residual) {
             memcpy(residual, hidden, sizeof(bf16) * (size_t)(n * hidden_size));
             specserve_rms_norm_bf16(normed, hidden, NULL, w->input_norm, n, hidden_size, eps,
                                     num_threads);

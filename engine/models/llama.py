@@ -100,20 +100,38 @@ class LlamaModel(nn.Module):
         )
         self.config = config
         self.fused: FusedDecoderLayers | None = None  # set by bind_kv_caches where it runs
+        # An EAGLE draft's features: the residual stream entering these layers, kept
+        # after each forward as ``captured`` [num_tokens, len(capture_layers) * hidden].
+        self.capture_layers: tuple[int, ...] = ()
+        self.captured: torch.Tensor | None = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         hidden_states = self.embed_tokens(input_ids)  # [num_tokens, hidden_size]
         rope = self.rotary.for_positions(positions, hidden_states.dtype)  # shared by all layers
-        fused = self._run_fused(hidden_states, rope)
+        captured: list[torch.Tensor] | None = [] if self.capture_layers else None
+        fused = self._run_fused(hidden_states, rope, captured)
         if fused is not None:
-            return self.norm(*fused)[0]
-        residual = None
-        for layer in self.layers:
-            hidden_states, residual = layer(hidden_states, residual, rope)
-        return self.norm(hidden_states, residual)[0]
+            out = self.norm(*fused)[0]
+        else:
+            residual = None
+            for i, layer in enumerate(self.layers):
+                if captured is not None and i in self.capture_layers:
+                    # a copy: the first layer's residual is the embedding, added to in place
+                    entering = (
+                        hidden_states.clone() if residual is None else hidden_states + residual
+                    )
+                    captured.append(entering)
+                hidden_states, residual = layer(hidden_states, residual, rope)
+            out = self.norm(hidden_states, residual)[0]
+        if captured is not None:
+            self.captured = torch.cat(captured, dim=-1)
+        return out
 
     def _run_fused(
-        self, hidden_states: torch.Tensor, rope: RopeBatch
+        self,
+        hidden_states: torch.Tensor,
+        rope: RopeBatch,
+        captured: list[torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Every layer in one kernel call (engine/kernels/decoder.py), when this step's
         attention runs on the kernel for every query and rotary on the kernel too."""
@@ -125,8 +143,9 @@ class LlamaModel(nn.Module):
             return None
         seq_ids, max_query_len = plan
         return self.fused(
-            hidden_states, rope.positions, rope.table, metadata, seq_ids, max_query_len
-        )
+            hidden_states, rope.positions, rope.table, metadata, seq_ids, max_query_len,
+            self.capture_layers if captured is not None else (), captured,
+        )  # fmt: skip
 
 
 class LlamaForCausalLM(nn.Module):

@@ -21,6 +21,7 @@ it and proposes no drafts this step.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -31,6 +32,7 @@ from engine.core.model_runner import ModelRunner, SeqInput
 from engine.observability.stats import PoolStats
 from engine.sample.logits_processor import LogitsAdjustment
 from engine.sample.sampler import SamplingBatch, processed_probs, sample_from_probs
+from scheduler.step_cost import DraftCostMeter, StepCostModel
 
 
 def _num_params(loaded) -> int:
@@ -86,6 +88,14 @@ class DraftModelProposer:
         # forward (both memory-bound at small batch); 0.02 covers the extra step
         # overhead. Verifying it is priced by the scheduler from measured steps.
         self.draft_cost = _num_params(draft_loaded) / _num_params(target_loaded) + 0.02
+        # The prior above until the bursts have been timed: then measured, per batch size.
+        self.cost_meter = DraftCostMeter(self.draft_cost)
+
+    def update_cost(self, batch_size: int, target_cost: StepCostModel) -> float:
+        """One draft token's cost in plain decode steps at ``batch_size`` requests, from
+        this proposer's timed burst steps and the target's (adaptive k prices with it)."""
+        self.draft_cost = self.cost_meter.cost(batch_size, target_cost)
+        return self.draft_cost
 
     # ---- the burst ------------------------------------------------------------------
     def propose(self, items, states):
@@ -109,6 +119,7 @@ class DraftModelProposer:
         if first:
             logits = self.runner.forward(first)  # [len(active), vocab_size]
         step = 0
+        started = time.perf_counter()  # a burst step: sampling, then the next forward
         while active:
             # d_{step+1} goes to position num_tokens + step: the noise the verifier
             # samples that position with, so seeded requests are verified by coupling
@@ -129,6 +140,9 @@ class DraftModelProposer:
             active = [(i, d, k) for i, d, k in active if len(drafts[i]) < k]
             if active:
                 logits = self.runner.forward([self._feed(d, drafts[i][-1]) for i, d, _ in active])
+                now = time.perf_counter()
+                self.cost_meter.observe(len(active), now - started)
+                started = now
         draft_probs = [torch.stack(p) if p else None for p in probs]
         return drafts, draft_probs
 

@@ -6,6 +6,9 @@ Interface (duck-typed; the engine calls nothing else):
     free(request_id)       -> the request finished, was aborted or preempted
     pool_stats()           -> PoolStats of its own KV pool, or None
     draft_cost             -> one draft token's cost in target steps (for adaptive k)
+Optional: update_cost(batch_size, target StepCostModel) -> draft_cost measured now
+(a draft model's timed bursts), on_target_forward(items, seqs) after each target
+forward (an EAGLE draft keeps the target's features).
 """
 
 from __future__ import annotations
@@ -151,6 +154,16 @@ class HybridProposer:
     def pool_stats(self):
         return self._draft.pool_stats()
 
+    def update_cost(self, batch_size: int, target_cost) -> float:
+        """The draft model's measured cost (n-gram lookup's is fixed and tiny)."""
+        self.draft_cost = self._draft.update_cost(batch_size, target_cost)
+        return self.draft_cost
+
+    def on_target_forward(self, items, seqs) -> None:
+        hook = getattr(self._draft, "on_target_forward", None)
+        if hook is not None:  # an EAGLE draft reads every target forward's features
+            hook(items, seqs)
+
 
 def build_proposer(method: str, config: EngineConfig, target_loaded, draft_loaded, num_blocks: int):
     if method == "none":
@@ -158,8 +171,18 @@ def build_proposer(method: str, config: EngineConfig, target_loaded, draft_loade
     if method == "ngram":
         return NgramSpecProposer(config.ngram_min, config.ngram_max)
     from engine.spec_decode.draft_model import DraftModelProposer
+    from engine.spec_decode.eagle import EagleDraftForCausalLM
+    from engine.spec_decode.eagle_proposer import EagleProposer
 
-    draft = DraftModelProposer(config, draft_loaded, target_loaded, num_blocks)
+    if isinstance(draft_loaded.model, EagleDraftForCausalLM):
+        draft = EagleProposer(config, draft_loaded, target_loaded, num_blocks)
+    elif method == "eagle":
+        raise ValueError(
+            f"speculative_method 'eagle' needs an EAGLE draft (specserve train-draft "
+            f"--method eagle); {draft_loaded.name} is a draft model"
+        )
+    else:
+        draft = DraftModelProposer(config, draft_loaded, target_loaded, num_blocks)
     if method == "hybrid":
         return HybridProposer(NgramProposer(config.ngram_min, config.ngram_max), draft)
     return draft

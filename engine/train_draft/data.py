@@ -207,14 +207,19 @@ def _write_shard(path: Path, sequences: list[list[int]], prompt_lens: list[int])
     tmp.replace(path)  # a shard is there whole or not at all
 
 
+def data_shards(data_dir: Path) -> list[Path]:
+    """The finished shards under ``data_dir``, in the order ``load_sequences`` reads them."""
+    return [p for p in sorted(data_dir.glob("shard-*.npz")) if not p.name.endswith(".tmp.npz")]
+
+
+def load_shard(path: Path) -> list[Sequence]:
+    with np.load(path) as f:
+        tokens, offsets, prompt_lens = f["tokens"], f["offsets"], f["prompt_lens"]
+    return [
+        Sequence(tokens[offsets[i] : offsets[i + 1]].astype(np.int64), int(prompt_len))
+        for i, prompt_len in enumerate(prompt_lens)
+    ]
+
+
 def load_sequences(data_dir: Path) -> list[Sequence]:
-    sequences = []
-    for path in sorted(data_dir.glob("shard-*.npz")):
-        if path.name.endswith(".tmp.npz"):
-            continue
-        with np.load(path) as f:
-            tokens, offsets, prompt_lens = f["tokens"], f["offsets"], f["prompt_lens"]
-        for i, prompt_len in enumerate(prompt_lens):
-            seq = tokens[offsets[i] : offsets[i + 1]].astype(np.int64)
-            sequences.append(Sequence(seq, int(prompt_len)))
-    return sequences
+    return [seq for path in data_shards(data_dir) for seq in load_shard(path)]

@@ -68,14 +68,17 @@ class TrainResult:
     steps: int
     seconds: float
     train_tokens: int
-    heldout_top1: float
+    heldout_top1: float  # at the last step
     heldout_top1_by_epoch: list[float]
+    total_steps: int = 0
+    stopped_by_time_budget: bool = False
 
 
 def checkpoint_record(settings: TrainSettings, made_with: dict | None = None) -> dict:
     """Flag -> value of what a checkpoint depends on: ``settings``, and ``made_with``
     (the target and the data: its manifest, see data.MANIFEST_FLAGS)."""
-    record = {flag: getattr(settings, name) for name, flag in SETTING_FLAGS.items()}
+    record = {"--method": "layers"}  # engine/train_draft/eagle.py records "eagle"
+    record.update({flag: getattr(settings, name) for name, flag in SETTING_FLAGS.items()})
     record["--train-dtype"] = "bfloat16" if settings.bf16 else "float32"
     return {**record, **(made_with or {})}
 
@@ -95,6 +98,7 @@ def check_checkpoint(out_dir: Path, record: dict, made: dict | None = None) -> N
             f"{path} does not record the settings it was made with (an older specserve); "
             "use another --out or --restart"
         )
+    made = {"--method": "layers", **made}  # checkpoints from before --method: layers
     changes = setting_changes(made, record)
     if changes:
         raise ValueError(
@@ -161,10 +165,13 @@ def train(
     settings: TrainSettings,
     progress=None,
     made_with: dict | None = None,
+    deadline: float | None = None,
+    on_epoch=None,
 ) -> TrainResult:
     """Train ``model`` in place; resumes from ``out_dir/checkpoint.pt`` when it was made
     with the same settings, target and ``made_with`` (see ``checkpoint_record``), and
-    refuses it otherwise."""
+    refuses it otherwise. ``deadline`` (a ``time.perf_counter()`` value): stop after the
+    step that passes it, checkpointed; ``on_epoch(epoch, heldout_top1)`` after each epoch."""
     record = checkpoint_record(settings, made_with)
     torch.manual_seed(settings.seed)
     train_seqs, heldout = split_heldout(sequences, settings.seed)
@@ -179,8 +186,10 @@ def train(
     step, by_epoch, seconds = _resume(model, optimizer, out_dir, record)
     start = time.perf_counter()
     train_tokens = 0
+    stopped = False
+    final = by_epoch[-1] if by_epoch else float("nan")
     model.train()
-    while step < total:
+    while step < total and not stopped:
         epoch, within = divmod(step, len(batches))
         order = list(range(len(batches)))
         random.Random(settings.seed * 7919 + epoch).shuffle(order)
@@ -202,9 +211,16 @@ def train(
             train_tokens += int((labels != -100).sum())
             if progress is not None:
                 progress(step, total, float(loss.detach()))
+            if deadline is not None and time.perf_counter() >= deadline and step < total:
+                stopped = True
+                break
             if step % settings.checkpoint_every == 0 and step < total:
                 _save_checkpoint(model, optimizer, out_dir, record, step, by_epoch, seconds, start)
-        by_epoch.append(evaluate(model, heldout, index_of, settings))
+        final = evaluate(model, heldout, index_of, settings)
+        if not stopped:
+            by_epoch.append(final)
+            if on_epoch is not None:
+                on_epoch(len(by_epoch), final)
         model.train()
         _save_checkpoint(model, optimizer, out_dir, record, step, by_epoch, seconds, start)
     model.eval()
@@ -212,8 +228,10 @@ def train(
         steps=step,
         seconds=seconds + time.perf_counter() - start,
         train_tokens=train_tokens,
-        heldout_top1=by_epoch[-1] if by_epoch else float("nan"),
+        heldout_top1=final,
         heldout_top1_by_epoch=by_epoch,
+        total_steps=total,
+        stopped_by_time_budget=stopped,
     )
 
 
@@ -264,10 +282,10 @@ def _resume(model, optimizer, out_dir: Path, record: dict):
         return 0, [], 0.0
     state = torch.load(path, map_location="cpu", weights_only=True)
     check_checkpoint(out_dir, record, made=state.get("made_with"))
-    own = dict(model.model.named_parameters())
+    own = dict(model.named_parameters())  # trained_state's names
     with torch.no_grad():
         for name, tensor in state["trained"].items():
-            own[name.removeprefix("model.")].copy_(tensor)
+            own[name].copy_(tensor)
     optimizer.load_state_dict(state["optimizer"])
     return int(state["step"]), list(state["by_epoch"]), float(state["seconds"])
 

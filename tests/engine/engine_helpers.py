@@ -35,7 +35,20 @@ SPEC_CONFIGS = [
     ("draft", {"max_num_batched_tokens": 24, "num_kv_blocks": 12}),
     ("hybrid", {}),  # n-gram where the context repeats, the trained draft elsewhere
     ("hybrid", {"max_num_batched_tokens": 24, "num_kv_blocks": 12}),
+    ("eagle", {}),  # the target's own hidden states drive a one-layer draft
+    ("eagle", {"max_num_batched_tokens": 24, "num_kv_blocks": 12}),
+    ("hybrid", {"draft": "eagle"}),  # n-gram and EAGLE rows in one verification
 ]
+
+
+def spec_kwargs(method: str, engine_kwargs: dict, draft_dirs: dict[str, str]) -> dict:
+    """Engine overrides for a SPEC_CONFIGS row: the method, its draft (``draft`` names
+    which of ``draft_dirs``; default: the method's own) and the row's settings."""
+    kwargs = dict(engine_kwargs)
+    draft = kwargs.pop("draft", method)
+    if draft in draft_dirs:
+        kwargs["draft_model"] = draft_dirs[draft]
+    return dict(speculative_method=method, **kwargs)
 
 
 def draft_proposer(engine: LLMEngine):
@@ -94,7 +107,7 @@ def run_to_completion(
 
 def assert_all_blocks_released(engine: LLMEngine) -> None:
     assert not engine.has_unfinished_requests()
-    for kv in (engine.kv_manager, getattr(engine.proposer, "kv", None)):
+    for kv in (engine.kv_manager, getattr(draft_proposer(engine), "kv", None)):
         if kv is not None:
             kv.check_integrity()
             assert kv.usage == 0.0

@@ -68,6 +68,25 @@ def test_ngram_speculation_equals_plain_decoding(tiny_model_dir, device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_eagle_speculation_equals_plain_decoding(close_eagle_targets, device):
+    """An EAGLE draft on the device (its features captured from the target's forward,
+    its paged cache on the device's attention backend), mostly accepted."""
+    target, draft = close_eagle_targets["float"]
+    prompts = prompts_of_lengths([12, 25, 40], seed=9)
+    work = {0: [(f"e{i}", p, greedy(24)) for i, p in enumerate(prompts)]}
+    plain = run_to_completion(make_engine(target, device=device, dtype="float32"), work)
+    engine = make_engine(
+        target, device=device, dtype="float32", speculative_method="eagle",
+        draft_model=draft, speculative_disable_batch_size=64,
+    )  # fmt: skip
+    spec = run_to_completion(engine, work)
+    for request_id, ref in plain.items():
+        assert spec[request_id]["token_ids"] == ref["token_ids"], request_id
+    assert engine.stats.num_accepted_tokens > 0
+    assert_all_blocks_released(engine)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_seeded_sampling_is_reproducible_on_the_device(tiny_model_dir, device):
     from engine.io.sampling_params import SamplingParams
 

@@ -17,6 +17,7 @@ request sees alone is the target it sees in any batch).
 
 from __future__ import annotations
 
+import functools
 import re
 
 import pytest
@@ -25,7 +26,7 @@ import torch
 from engine.io.sampling_params import SamplingParams, StructuredOutput
 from engine.loader import load_model
 from engine.spec_decode.verifier import Verifier
-from tests.engine.engine_helpers import _hf_model, make_engine, run_to_completion
+from tests.engine.engine_helpers import _hf_model, hf_greedy, make_engine, run_to_completion
 from tests.engine.penalty_reference import adjust, stop_ids_of
 from tests.engine.simple_runner import SimplePagedRunner
 from tests.tiny_models import EOS_ID
@@ -41,12 +42,15 @@ NUM_SAMPLES = 4000
 PROMPT = [20, 49, 20, 49, 20, 49]
 
 # name -> (speculative_method, which draft: the target cut to one layer, or made by
-# `specserve train-draft`). "hybrid" mixes n-gram and draft-model rows in one batch.
+# `specserve train-draft`, layers or EAGLE). "hybrid" mixes n-gram and draft-model rows in
+# one batch; "hybrid-eagle" n-gram and EAGLE rows.
 PROPOSERS = {
     "ngram": ("ngram", None),
     "draft": ("draft", "truncated"),
     "trained": ("draft", "trained"),
     "hybrid": ("hybrid", "trained"),
+    "eagle": ("eagle", "eagle"),
+    "hybrid-eagle": ("hybrid", "eagle"),
 }
 
 # 16 outcomes, 4000 samples: a correct sampler's TV distance is about 0.02-0.03; a
@@ -199,14 +203,39 @@ def sample_sequences(
 
 
 @pytest.fixture(scope="module")
-def draft_dirs(tiny_draft_model_dir, tiny_trained_draft_dir) -> dict[str, str]:
-    return {"truncated": tiny_draft_model_dir, "trained": tiny_trained_draft_dir}
+def draft_dirs(tiny_draft_model_dir, tiny_trained_draft_dir, close_eagle_targets) -> dict[str, str]:
+    return {
+        "truncated": tiny_draft_model_dir,
+        "trained": tiny_trained_draft_dir,
+        **{f"eagle:{kind}": draft for kind, (_, draft) in close_eagle_targets.items()},
+    }
 
 
 @pytest.fixture(scope="module")
-def targets(tiny_model_dir, tiny_gguf_path) -> dict[str, str]:
-    """The float model, and the same model as a .gguf served quantized."""
-    return {"float": tiny_model_dir, "gguf": tiny_gguf_path}
+def targets(tiny_model_dir, tiny_gguf_path, close_eagle_targets) -> dict[str, str]:
+    """The float model, and the same model as a .gguf served quantized; for the EAGLE
+    rows a one-layer model (float and .gguf) whose close EAGLE draft is accepted often
+    and rejected often (conftest.close_eagle_targets)."""
+    eagle = {f"eagle:{kind}": target for kind, (target, _) in close_eagle_targets.items()}
+    return {"float": tiny_model_dir, "gguf": tiny_gguf_path, **eagle}
+
+
+def _case(targets, draft_dirs, proposer: str, target: str):
+    """(the target, the drafts, the prompt) a test row runs. EAGLE rows run on the
+    one-layer target, with a prompt where n-gram lookup has a 3-token match exactly when
+    the first sampled token is the target's greedy choice (then the hybrid rows mix
+    n-gram and EAGLE rows in one verification)."""
+    if PROPOSERS.get(proposer, ("", None))[1] != "eagle":
+        return targets[target], draft_dirs, PROMPT
+    model = targets[f"eagle:{target}"]
+    dirs = {**draft_dirs, "eagle": draft_dirs[f"eagle:{target}"]}
+    return model, dirs, _eagle_prompt(targets["eagle:float"])
+
+
+@functools.lru_cache(maxsize=2)
+def _eagle_prompt(model_dir: str) -> list[int]:
+    continuation = hf_greedy(model_dir, PROMPT[:2], 3)
+    return [5, *PROMPT[:2], *continuation, 5, *PROMPT[:2]]
 
 
 @pytest.mark.parametrize("target", ["float", "gguf"])
@@ -219,9 +248,9 @@ def test_sampled_sequences_follow_the_target_distribution(
     the engine's bf16 kernels round where its ops round, so the two targets differ by
     far less than the bound. The trained draft's head scores 200 of the 259 tokens;
     the others can only come from the residual distribution."""
-    model = targets[target]
-    exact = exact_distribution(model, PROMPT, dtype=getattr(torch, dtype))
-    samples = sample_sequences(model, draft_dirs, proposer, dtype=dtype)
+    model, dirs, prompt = _case(targets, draft_dirs, proposer, target)
+    exact = exact_distribution(model, prompt, dtype=getattr(torch, dtype))
+    samples = sample_sequences(model, dirs, proposer, prompt, dtype=dtype)
     assert set(samples) <= set(exact)
     assert tv(samples, exact) < ENGINE_TV_BOUND
 
@@ -231,15 +260,23 @@ def test_sampled_sequences_follow_the_target_distribution(
 def test_seeded_samples_follow_the_target_distribution(targets, draft_dirs, proposer, target):
     """One seed per request: the outcomes over many seeds are exact target samples
     (coupled verification keeps the distribution, like rejection sampling does)."""
-    exact = exact_distribution(targets[target], PROMPT)
-    samples = sample_sequences(targets[target], draft_dirs, proposer, seeded=True)
+    model, dirs, prompt = _case(targets, draft_dirs, proposer, target)
+    exact = exact_distribution(model, prompt)
+    samples = sample_sequences(model, dirs, proposer, prompt, seeded=True)
     assert set(samples) <= set(exact)
     assert tv(samples, exact) < ENGINE_TV_BOUND
 
 
 @pytest.mark.parametrize(
     ("proposer", "target"),
-    [("ngram", "float"), ("draft", "float"), ("hybrid", "float"), ("hybrid", "gguf")],
+    [
+        ("ngram", "float"),
+        ("draft", "float"),
+        ("hybrid", "float"),
+        ("hybrid", "gguf"),
+        ("eagle", "float"),
+        ("hybrid-eagle", "gguf"),
+    ],  # fmt: skip
 )
 @pytest.mark.parametrize("seeded", [False, True], ids=["rejection", "coupling"])
 def test_penalized_sampled_sequences_follow_the_penalized_distribution(
@@ -247,12 +284,12 @@ def test_penalized_sampled_sequences_follow_the_penalized_distribution(
 ):
     """Exact samples of the target under penalties applied at each step, verified by
     rejection sampling (unseeded) or coupling (seeded)."""
-    model = targets[target]
-    exact = exact_distribution(model, PROMPT, PENALIZED)
+    model, dirs, prompt = _case(targets, draft_dirs, proposer, target)
+    exact = exact_distribution(model, prompt, PENALIZED)
     # Far from the plain distribution (0.36), so a verifier that dropped the features
     # would fail the bound below.
-    assert tv_exact(exact, exact_distribution(model, PROMPT)) > 5 * ENGINE_TV_BOUND
-    samples = sample_sequences(model, draft_dirs, proposer, features=PENALIZED, seeded=seeded)
+    assert tv_exact(exact, exact_distribution(model, prompt)) > 5 * ENGINE_TV_BOUND
+    samples = sample_sequences(model, dirs, proposer, prompt, PENALIZED, seeded=seeded)
     assert set(samples) <= set(exact)
     assert tv(samples, exact) < ENGINE_TV_BOUND
 
@@ -274,19 +311,18 @@ def _constraint_allows(tokenizer):
 @pytest.mark.parametrize("proposer", ["none", *PROPOSERS])
 @pytest.mark.parametrize("seeded", [False, True], ids=["rejection", "coupling"])
 def test_constrained_sampled_sequences_follow_the_masked_distribution(
-    tiny_model_dir, draft_dirs, proposer, seeded
+    targets, draft_dirs, proposer, seeded
 ):
     """Under a structured-output constraint the target is the model's distribution
     masked to what the constraint allows and renormalized: every proposer, mixed in one
     batch (hybrid), rejection sampling and coupling."""
     from tests.tiny_models import make_tokenizer
 
+    model, dirs, prompt = _case(targets, draft_dirs, proposer, "float")
     allows = _constraint_allows(make_tokenizer())
-    exact = exact_distribution(tiny_model_dir, PROMPT, allowed=allows)
-    assert tv_exact(exact, exact_distribution(tiny_model_dir, PROMPT)) > 5 * ENGINE_TV_BOUND
-    samples = sample_sequences(
-        tiny_model_dir, draft_dirs, proposer, seeded=seeded, constraint=CONSTRAINT
-    )
+    exact = exact_distribution(model, prompt, allowed=allows)
+    assert tv_exact(exact, exact_distribution(model, prompt)) > 5 * ENGINE_TV_BOUND
+    samples = sample_sequences(model, dirs, proposer, prompt, seeded=seeded, constraint=CONSTRAINT)
     assert set(samples) <= set(exact)
     assert tv(samples, exact) < ENGINE_TV_BOUND
 

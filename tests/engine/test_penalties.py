@@ -17,6 +17,7 @@ from tests.engine.engine_helpers import (
     make_engine,
     prompts_of_lengths,
     run_to_completion,
+    spec_kwargs,
 )
 from tests.engine.penalty_reference import reference_greedy
 from tests.engine.test_spec_decode import LENGTHS
@@ -79,9 +80,8 @@ def test_the_features_change_the_greedy_output(tiny_model_dir, plain_reference):
 def test_penalized_greedy_speculation_is_token_for_token_the_plain_output(
     tiny_model_dir, spec_draft_dirs, plain_reference, method, engine_kwargs
 ):
-    kwargs = dict(speculative_method=method, speculative_disable_batch_size=64, **engine_kwargs)
-    if method in spec_draft_dirs:
-        kwargs["draft_model"] = spec_draft_dirs[method]
+    kwargs = spec_kwargs(method, engine_kwargs, spec_draft_dirs)
+    kwargs["speculative_disable_batch_size"] = 64
     engine = make_engine(tiny_model_dir, num_speculative_tokens=4, **kwargs)
     for k in (1, 4, None):  # fixed k, then adaptive
         drafted, accepted = engine.stats.num_draft_tokens, engine.stats.num_accepted_tokens

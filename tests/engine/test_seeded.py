@@ -15,6 +15,7 @@ from tests.engine.engine_helpers import (
     make_engine,
     prompts_of_lengths,
     run_to_completion,
+    spec_kwargs,
 )
 
 
@@ -66,16 +67,17 @@ def _crowd(k: int | None) -> dict[int, list]:
         ("draft", {"max_num_batched_tokens": 24, "num_kv_blocks": 14}),
         ("hybrid", {}),
         ("hybrid", {"max_num_batched_tokens": 24, "num_kv_blocks": 14}),
+        ("eagle", {}),
+        ("eagle", {"max_num_batched_tokens": 24, "num_kv_blocks": 14}),
+        ("hybrid", {"draft": "eagle"}),
     ],
 )
 def test_a_seeded_request_is_the_same_alone_in_a_crowd_and_with_any_speculation(
     tiny_model_dir, spec_draft_dirs, method, engine_kwargs
 ):
     alone = _alone(tiny_model_dir)
-    kwargs = dict(speculative_method=method, speculative_disable_batch_size=64, seed=7)
-    if method in spec_draft_dirs:
-        kwargs["draft_model"] = spec_draft_dirs[method]
-    kwargs.update(engine_kwargs)
+    kwargs = spec_kwargs(method, engine_kwargs, spec_draft_dirs)
+    kwargs.update(speculative_disable_batch_size=64, seed=7)
     engine = make_engine(tiny_model_dir, **kwargs)
     accepted = 0
     for k in (None, 1, 3):

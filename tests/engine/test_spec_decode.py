@@ -13,6 +13,7 @@ from tests.engine.engine_helpers import (
     make_engine,
     prompts_of_lengths,
     run_to_completion,
+    spec_kwargs,
 )
 
 LENGTHS = [1, 15, 16, 17, 33, 50, 7, 24]
@@ -42,11 +43,8 @@ def test_greedy_speculation_is_token_for_token_the_targets_output(
     tiny_model_dir, spec_draft_dirs, method, engine_kwargs, dtype
 ):
     reference = _greedy_reference(tiny_model_dir, dtype)
-    kwargs = dict(
-        speculative_method=method, speculative_disable_batch_size=64, dtype=dtype, **engine_kwargs
-    )
-    if method in spec_draft_dirs:
-        kwargs["draft_model"] = spec_draft_dirs[method]
+    kwargs = spec_kwargs(method, engine_kwargs, spec_draft_dirs)
+    kwargs.update(speculative_disable_batch_size=64, dtype=dtype)
     engine = make_engine(tiny_model_dir, **kwargs)
     for k in (1, 4):
         results = run_to_completion(engine, _workload(k))

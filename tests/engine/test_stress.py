@@ -1,4 +1,4 @@
-"""Randomized engine stress: draft and n-gram speculation x preemption x chunked prefill x
+"""Randomized engine stress: draft, EAGLE and n-gram speculation x preemption x chunked prefill x
 prefix hits x stop strings x aborts x greedy, seeded and unseeded rows x per-request k x
 penalties, logit bias, min_tokens, include_stop_str_in_output, truncate_prompt_tokens x
 structured-output constraints x a float target or a quantized one (the tiny model as a
@@ -124,7 +124,7 @@ def _workload(rng: random.Random, max_k: int):
 
 
 def _engine_config(rng: random.Random, draft_dirs: dict[str, str]) -> dict:
-    method = rng.choice(["ngram", "draft", "hybrid"])
+    method = rng.choice(["ngram", "draft", "hybrid", "eagle"])
     config = dict(
         speculative_method=method,
         num_speculative_tokens=rng.randint(1, 5),
@@ -134,8 +134,11 @@ def _engine_config(rng: random.Random, draft_dirs: dict[str, str]) -> dict:
         max_num_seqs=rng.choice([3, 8, 256]),
         seed=rng.randrange(1000),
     )
-    if method in draft_dirs:
-        config["draft_model"] = draft_dirs[method]
+    draft = method
+    if method == "hybrid" and rng.random() < 0.5:
+        draft = "eagle"  # n-gram rows beside EAGLE rows
+    if draft in draft_dirs:
+        config["draft_model"] = draft_dirs[draft]
     return config
 
 
@@ -175,11 +178,16 @@ def _run(engine, arrivals, aborts) -> dict[str, dict]:
 
 
 def test_randomized_engine_stress(
-    tiny_model_dir, tiny_gguf_path, spec_draft_dirs, stress_seed, monkeypatch
+    tiny_model_dir, tiny_gguf_path, spec_draft_dirs, close_eagle_targets, stress_seed, monkeypatch
 ):
     rng = random.Random(stress_seed)
     config = _engine_config(rng, spec_draft_dirs)
     target = rng.choice([tiny_model_dir, tiny_gguf_path])
+    if config.get("draft_model") == spec_draft_dirs["eagle"] and rng.random() < 0.5:
+        # an EAGLE draft that is mostly accepted: full accepts, rollbacks of accepted
+        # drafts and their catch-up at every block boundary
+        kind = "float" if target == tiny_model_dir else "gguf"
+        target, config["draft_model"] = close_eagle_targets[kind]
     arrivals, aborts = _workload(rng, config["num_speculative_tokens"])
     # odd seeds in bfloat16: greedy and seeded output must not depend on the batch there
     # either (one attention kernel for every query row, batch-invariant GEMMs)

@@ -544,21 +544,22 @@ def test_a_draft_trains_for_qwen2_and_tied_targets_too(tiny_model_factory, tmp_p
 @pytest.mark.slow
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_the_shipped_draft_speculates_losslessly_for_the_default_model(dtype):
-    """The draft in engine/drafts loads for the default model (its embedding probe
-    matches), is what --speculative-method draft / hybrid use without --draft-model,
-    gets drafts accepted on held-out chat prompts, and changes no greedy token."""
+    """The drafts in engine/drafts load for the default model (their embedding probes
+    match), are what --speculative-method draft / hybrid / eagle / auto use without
+    --draft-model, get drafts accepted on held-out chat prompts, and change no greedy
+    token."""
     from engine.benchmarks.offline import tokenize_prompts
     from engine.benchmarks.workloads import CHAT_PROMPTS
     from engine.core.llm_engine import LLMEngine
     from engine.default_model import default_draft_path
 
-    assert default_draft_path() is not None
+    assert default_draft_path() is not None and default_draft_path(eagle=True) is not None
     plain = LLMEngine(EngineConfig(speculative_method="none", dtype=dtype, device="cpu"))
     prompts = tokenize_prompts(plain.tokenizer, CHAT_PROMPTS[:3], chat=True)
     params = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
     workload = {0: [(f"r{i}", p, params) for i, p in enumerate(prompts)]}
     reference = run_to_completion(plain, workload)
-    for method in ("draft", "hybrid"):
+    for method in ("draft", "hybrid", "eagle", "auto"):  # eagle, auto: the EAGLE draft
         config = EngineConfig(speculative_method=method, dtype=dtype, device="cpu")
         engine = LLMEngine(config, loaded=plain.loaded)
         results = run_to_completion(engine, workload)

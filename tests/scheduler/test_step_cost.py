@@ -7,7 +7,7 @@ import random
 import pytest
 
 from scheduler.spec_length import AcceptanceHistory, choose_num_spec_tokens
-from scheduler.step_cost import StepCostModel
+from scheduler.step_cost import DraftCostMeter, StepCostModel
 
 
 def test_recovers_intercept_and_slope_from_noisy_steps():
@@ -52,3 +52,31 @@ def test_measured_cost_turns_speculation_off_at_large_batch():
     cheap, dear = 0.01 + 0.04, 0.01 + 0.55
     assert choose_num_spec_tokens(history, 4, cheap) >= 1
     assert choose_num_spec_tokens(AcceptanceHistory(accepted=4.0, trials=10.0), 4, dear) == 0
+
+
+def test_a_draft_token_costs_the_measured_burst_step_over_the_targets_step():
+    target = StepCostModel()
+    for i in range(40):  # decode steps: 20 ms + 1 ms per token
+        n = 1 + i % 8
+        target.observe(n, 0.020 + 0.001 * n)
+    meter = DraftCostMeter(prior=0.3)
+    assert meter.cost(4, target) == 0.3  # no burst timed yet: the prior
+    for i in range(12):  # burst steps: 2 ms + 0.5 ms per row
+        rows = 1 + i % 4
+        meter.observe(rows, 0.002 + 0.0005 * rows)
+    assert meter.cost(1, target) == pytest.approx(0.0025 / 0.021, rel=1e-6)
+    assert meter.cost(4, target) == pytest.approx(0.004 / 0.024, rel=1e-6)
+    # the relative price follows the batch: a wider burst costs less per target step
+    # here, because the target's per-token slope is steeper than the draft's
+
+
+def test_bursts_of_one_width_are_priced_at_their_mean():
+    target = StepCostModel()
+    for i in range(40):
+        target.observe(1 + i % 5, 0.010 + 0.001 * (1 + i % 5))
+    meter = DraftCostMeter(prior=0.5)
+    for _ in range(3):
+        meter.observe(1, 0.003)
+    assert meter.cost(1, target) == 0.5  # fewer than min_steps bursts
+    meter.observe(1, 0.003)
+    assert meter.cost(1, target) == pytest.approx(0.003 / 0.011, rel=1e-6)
