@@ -36,6 +36,10 @@ class EngineConfig:
     # requests already make a CPU forward compute-bound, so verified drafts stop being
     # free; measured in docs/benchmarks.md), 16 on CUDA.
     speculative_disable_batch_size: int | None = None
+    # Adaptive k runs plain whole steps while the engine measures its speculating
+    # decode steps slower than its plain ones, per batch size (scheduler/spec_gate.py).
+    # A request's own fixed num_speculative_tokens is honoured either way.
+    speculation_gate: bool = True
     ngram_min: int = 1
     ngram_max: int = 4
     block_size: int = 16

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from block_manager import KVCacheManager
 from scheduler.output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from scheduler.request import Request, RequestStatus
+from scheduler.spec_gate import SpeculationGate
 from scheduler.spec_length import choose_num_spec_tokens
 from scheduler.step_cost import StepCostModel
 
@@ -60,6 +61,9 @@ class Scheduler:
         # One draft token's proposing cost in plain decode steps, set by the engine
         # before each schedule from the proposer's measured bursts (the config's until then).
         self.draft_cost = config.draft_cost
+        # Set by the engine (EngineConfig.speculation_gate): whether adaptive k may
+        # speculate this step at all, from measured step throughput.
+        self.gate: SpeculationGate | None = None
 
     # ---- queue management ----------------------------------------------------------
     @property
@@ -122,6 +126,7 @@ class Scheduler:
             self.config.spec_enabled and len(self.running) <= self.config.spec_disable_batch_size
         )
         spec_cost = self._spec_cost() if speculate else 0.0
+        adaptive = speculate and (self.gate is None or self.gate.allow(len(self.running)))
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
@@ -129,7 +134,7 @@ class Scheduler:
             if request.num_forced_tokens:
                 num_spec, source = self._num_forced_tokens(request), FORCED
             elif speculate:
-                num_spec, source = self._num_spec_tokens(request, spec_cost)
+                num_spec, source = self._num_spec_tokens(request, spec_cost, adaptive)
                 tail = self._forced_tail_slots(request, num_spec)
             else:
                 num_spec, source = 0, None
@@ -157,9 +162,12 @@ class Scheduler:
             verify = self.config.default_verify_cost
         return self.draft_cost + verify
 
-    def _num_spec_tokens(self, request: Request, spec_cost: float) -> tuple[int, str | None]:
+    def _num_spec_tokens(
+        self, request: Request, spec_cost: float, adaptive: bool = True
+    ) -> tuple[int, str | None]:
         """(k, the acceptance history that chose it) for a decoding request: its own fixed
-        k if it asked for one, else adaptive up to the engine's maximum; never past the
+        k if it asked for one, else adaptive up to the engine's maximum (0 while the gate
+        is closed, ``adaptive`` False); never past the
         length limits (k drafts + 1 bonus). With ``spec_source`` set (a proposer that
         combines several), the proposer names the one it will use and its draft cost,
         and k comes from that proposer's history for this request."""
@@ -172,6 +180,8 @@ class Scheduler:
         max_k = min(self.config.num_spec_tokens, remaining - 1)
         if request.max_spec_tokens is not None:  # fixed k, never above the engine's
             return max(0, min(request.max_spec_tokens, max_k)), None
+        if not adaptive:
+            return 0, None
         source = None
         if self.spec_source is not None and max_k > 0:
             source, draft_cost = self.spec_source(request)

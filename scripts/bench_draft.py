@@ -44,7 +44,8 @@ def main() -> int:
     parser.add_argument(
         "--modes",
         default="none,ngram,draft,hybrid",
-        help="spec modes side by side in each invocation, none first (also: eagle, auto)",
+        help="spec modes side by side in each invocation, none first (also: eagle, auto; "
+        "MODE-nogate: that mode without the speculation gate)",
     )
     parser.add_argument(
         "--acceptance-of",

@@ -41,6 +41,7 @@ def add_workload_args(parser: argparse.ArgumentParser, num_prompts: int) -> None
 
 
 SPEC_MODES = ("none", "ngram", "draft", "hybrid", "eagle", "auto")
+NO_GATE = "-nogate"  # a mode's run without the speculation gate (scheduler/spec_gate.py)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -55,7 +56,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--spec-modes",
         default=None,
         help=f"comma list of {','.join(SPEC_MODES)}: one specserve run each "
-        "(default: none plus the configured method, if any); draft and hybrid use "
+        "(default: none plus the configured method, if any); a mode with -nogate "
+        "(eagle-nogate) runs without the speculation gate; draft and hybrid use "
         "--draft-model, or the default model's shipped draft; eagle and auto use "
         "--eagle-draft, or the default model's shipped EAGLE draft",
     )
@@ -110,6 +112,8 @@ def run(args: argparse.Namespace) -> int:
     results: list[RunResult] = []
     schemas = json_schemas(len(prompts)) if args.workload == "json" else None
     for mode in _spec_modes(args, base_config):
+        mode, gate = mode.removesuffix(NO_GATE), not mode.endswith(NO_GATE)
+        label = mode if gate else mode + NO_GATE
         draft = None
         if mode in ("draft", "hybrid"):
             draft = replace(base_config, speculative_method=mode).resolved_draft_model
@@ -120,7 +124,12 @@ def run(args: argparse.Namespace) -> int:
                     base_config, speculative_method=mode, draft_model=None
                 ).resolved_draft_model
             )
-        config = replace(base_config, speculative_method=mode, draft_model=draft)
+        config = replace(
+            base_config,
+            speculative_method=mode,
+            draft_model=draft,
+            speculation_gate=gate and base_config.speculation_gate,
+        )
         engine = LLMEngine(config, loaded=loaded)
         # Warm-up: one full batch, so the timed runs find the KV cache's pages touched.
         warm = prompts[:concurrency]
@@ -132,15 +141,15 @@ def run(args: argparse.Namespace) -> int:
         # with concurrency, then half and half (what constrained requests cost the others).
         lengths = None
         for part in _json_parts(schemas, concurrency):
-            label = f"{mode}, {part}" if part != "free" else mode
-            bar = _bar(len(prompts), f"specserve spec={label}", args.no_progress)
+            name = f"{label}, {part}" if part != "free" else label
+            bar = _bar(len(prompts), f"specserve spec={name}", args.no_progress)
             result = _run_engine(
                 engine,
                 prompts,
                 args.output_len,
                 concurrency,
                 bar,
-                f"specserve (spec: {label})",
+                f"specserve (spec: {name})",
                 args.temperature,
                 _json_part(schemas, part),
                 lengths,
@@ -161,7 +170,7 @@ def run(args: argparse.Namespace) -> int:
 def _spec_modes(args, config) -> list[str]:
     if args.spec_modes:
         modes = [m.strip() for m in args.spec_modes.split(",") if m.strip()]
-        bad = [m for m in modes if m not in SPEC_MODES]
+        bad = [m for m in modes if m.removesuffix(NO_GATE) not in SPEC_MODES]
         if bad:
             raise ValueError(f"--spec-modes must be from {', '.join(SPEC_MODES)}; got {bad}")
         return modes

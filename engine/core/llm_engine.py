@@ -26,6 +26,7 @@ from engine.spec_decode.verifier import Verifier
 from scheduler.output import ModelRunnerOutput, SchedulerOutput
 from scheduler.request import Request
 from scheduler.scheduler import FORCED, Scheduler, SchedulerConfig
+from scheduler.spec_gate import SpeculationGate
 
 logger = logging.getLogger(__name__)
 
@@ -133,6 +134,8 @@ class LLMEngine:
             ),
             self.kv_manager,
         )
+        if self.proposer is not None and config.speculation_gate:
+            self.scheduler.gate = SpeculationGate()
         source_for = getattr(self.proposer, "source_for", None)
         if source_for is not None:  # hybrid: k from the history of the proposer it picks
             max_k = config.num_speculative_tokens
@@ -259,7 +262,8 @@ class LLMEngine:
             forward_s=t4 - t3,
             update_s=time.perf_counter() - t4,
         )
-        if prepared.metadata.max_query_len <= 1 + self.config.num_speculative_tokens:
+        decode_only = prepared.metadata.max_query_len <= 1 + self.config.num_speculative_tokens
+        if decode_only:
             # decode / verification steps only: prefill chunks run GEMMs at another
             # efficiency and would bend the per-token slope adaptive k depends on
             self.scheduler.cost_model.observe(
@@ -267,6 +271,18 @@ class LLMEngine:
                 timings.draft_s + timings.prepare_s + timings.forward_s,
             )
         self._record_step(sched, timings, runner_output)
+        gate = self.scheduler.gate
+        speculated = any(s.num_proposed for s in sched.scheduled)
+        # a draft's prefill (a new request's prompt) is left out like the target's
+        catchup = getattr(self.proposer, "max_catchup", 0)
+        draft_prefill = speculated and catchup > 1 + self.config.num_speculative_tokens
+        if gate is not None and decode_only and not forced and not draft_prefill:
+            gate.observe(
+                len(sched.scheduled),
+                speculated,
+                sum(len(t) for t in runner_output.sampled_token_ids.values()),
+                time.perf_counter() - t0,
+            )
         return [o for o in outputs if o is not None]
 
     def _release_preempted(self, sched: SchedulerOutput) -> None:
@@ -388,6 +404,8 @@ class LLMEngine:
         stats = self.stats
         stats.num_steps += 1
         stats.num_preemptions = self.scheduler.num_preemptions
+        if self.scheduler.gate is not None:
+            stats.num_gated_steps = self.scheduler.gate.num_closed_steps
         verified = [s for s in sched.scheduled if s.num_proposed and s.spec_source != FORCED]
         for item in verified:  # a constraint's forced tokens are not drafts
             stats.num_draft_tokens += item.num_proposed

@@ -3,8 +3,11 @@
 
     before schedule   forced_counts   how many tokens each constraint forces from here:
                                       the scheduler grants that many lookahead slots
+    in the burst      (proposer)      a draft model drafts under the mask after its drafts
+                                      so far (DraftModelProposer._masked), as verification
+                                      masks that position
     after propose     constrain       drafts: the forced tokens, else the proposer's cut at
-                                      the first token the constraint refuses
+                                      the first token the constraint refuses (n-gram)
     beside forward    MaskBuilder     one mask per verified row (1 + drafts per request),
                                       computed on a worker thread while the model runs;
                                       the verifier applies them (sample/grammar.py);
@@ -76,7 +79,8 @@ def constrain(sched, states: dict, forced: dict[str, list[int]], draft_probs: di
             grammar = state.grammar
             num_allowed = grammar.allowed_prefix(drafts)
             if item.request_id in draft_probs:
-                # A draft drawn from q keeps its first refused token: verification then
+                # A draft model draws under the mask, so none of its drafts is refused;
+                # were one, it keeps its first refused token: verification then
                 # rejects it for certain (its masked p is 0) and draws from the residual
                 # max(0, p - q), which is what keeps rejection sampling exact. Cutting it
                 # would draw from p instead, and p is not the residual: outputs would

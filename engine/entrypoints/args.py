@@ -67,6 +67,14 @@ def add_engine_args(parser: argparse.ArgumentParser, *, with_seed: bool = True) 
         "above this many running requests nobody speculates (default: 4 on CPU, 16 on CUDA)",
         type=int,
     )
+    flag(
+        "--no-speculation-gate",
+        "speculate wherever adaptive k's cost model says it pays, even where the engine "
+        "measures its speculating steps slower than plain ones",
+        nargs=0,
+        const=True,
+        default=False,
+    )
     flag("--block-size", "tokens per KV cache block: 8, 16, 32 or 64", type=int)
     flag(
         "--num-kv-blocks",
@@ -131,6 +139,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         speculative_method=args.speculative_method,
         num_speculative_tokens=args.num_speculative_tokens,
         speculative_disable_batch_size=args.speculative_disable_batch_size,
+        speculation_gate=not args.no_speculation_gate,
         block_size=args.block_size,
         num_kv_blocks=args.num_kv_blocks,
         kv_cache_memory_gib=args.kv_cache_memory_gib,

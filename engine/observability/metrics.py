@@ -138,6 +138,11 @@ class EngineMetrics:
         self.accepted_tokens = counter(
             "specserve_spec_decode_num_accepted_tokens", "Draft tokens accepted by verification"
         )
+        self.gated_steps = counter(
+            "specserve_spec_decode_num_gated_steps",
+            "Decode steps run without drafts because speculating steps measured slower "
+            "at that batch size",
+        )
         self.blocks_freed_by_rollback = counter(
             "specserve_kv_cache_blocks_freed_by_rollback",
             "KV blocks returned to the pool by rollback of rejected drafts",
@@ -284,6 +289,7 @@ class EngineMetrics:
         inc(self.prefix_hits, ("prefix_hits", ""), stats.num_prefix_hit_tokens)
         inc(self.accepted_tokens, ("accepted", ""), stats.num_accepted_tokens)
         self._last_num_drafts = inc(self.draft_tokens, ("draft", ""), stats.num_draft_tokens)
+        inc(self.gated_steps, ("gated", ""), stats.num_gated_steps)
         for reason, total in stats.num_requests_finished.items():
             inc(self.requests_finished.labels(reason), ("finished", reason), total)
         for pool_name, pool in self._pools(stats):

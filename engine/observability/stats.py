@@ -64,6 +64,9 @@ class EngineStats:
     num_prefix_hit_tokens: int = 0
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    # steps adaptive k ran plain because the speculation gate measured speculating
+    # steps slower at that batch size (scheduler/spec_gate.py)
+    num_gated_steps: int = 0
     num_requests_finished: Counter = field(default_factory=Counter)  # by finish reason
     mean_speculative_length: float = 0.0
 

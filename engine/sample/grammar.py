@@ -188,11 +188,11 @@ class Grammar:
 
     def forced_after(self, tokens: list[int]) -> list[int]:
         """The tokens the constraint forces after ``tokens`` (all of which it accepts)."""
-        if not self._matcher.consume_tokens(tokens):
-            raise RuntimeError(f"forced_after() was given tokens the constraint refuses: {tokens}")
-        forced = list(self._matcher.compute_ff_tokens())
-        self._matcher.rollback(len(tokens))
-        return forced
+        recorded = self._consume_all(tokens)
+        try:
+            return list(self._matcher.compute_ff_tokens())
+        finally:
+            self._matcher.rollback(recorded)
 
     def allowed_prefix(self, tokens: list[int]) -> int:
         """How many of ``tokens`` the constraint accepts in a row from here."""
@@ -207,15 +207,40 @@ class Grammar:
         if num_allowed < len(drafts) - 1:  # it leaves the matcher in its error state
             raise RuntimeError(f"a refused draft before the last reached masks(): {drafts}")
         rows = [self._mask()]
-        for token in drafts[:num_allowed]:
-            if not self._matcher.consume_token(token):
-                raise RuntimeError(f"the matcher refused a draft it validated: {token}")
-            rows.append(self._mask())
+        recorded = 0
+        try:
+            for token in drafts[:num_allowed]:
+                recorded += self._consume(token)
+                rows.append(self._mask())
+        finally:
+            self._matcher.rollback(recorded)
         if num_allowed < len(drafts):
             rows.append(torch.full_like(rows[0], -1))  # every bit set
-        if num_allowed:
-            self._matcher.rollback(num_allowed)
         return torch.stack(rows)
+
+    def _consume(self, token: int) -> int:
+        """Consume one token the constraint accepts; returns 1 if the matcher recorded it
+        (what rollback counts), 0 if it had stopped already: once a constraint is
+        complete and nothing may extend it, the matcher takes the EOS that ends the
+        output without a record, and a rollback counting that EOS would undo one token
+        too many."""
+        if self._matcher.is_stopped():
+            return 0
+        if not self._matcher.consume_token(token):
+            raise RuntimeError(f"the matcher refused a token it validated: {token}")
+        return 1
+
+    def _consume_all(self, tokens: list[int]) -> int:
+        """``_consume`` for each of ``tokens``; returns the count a rollback undoes (on a
+        refusal the ones before it are rolled back and the error raised)."""
+        recorded = 0
+        try:
+            for token in tokens:
+                recorded += self._consume(token)
+        except RuntimeError:
+            self._matcher.rollback(recorded)
+            raise RuntimeError(f"the constraint refuses these tokens: {tokens}") from None
+        return recorded
 
     def allows_after(self, prefix: list[int], token: int) -> bool:
         """Whether the constraint allows ``token`` after ``prefix`` (which it accepts)."""
@@ -223,13 +248,11 @@ class Grammar:
 
     def mask_after(self, prefix: list[int]) -> torch.Tensor:  # [1, words] int32
         """The mask of the position after ``prefix`` (all of which the constraint accepts)."""
-        if prefix and not self._matcher.consume_tokens(prefix):
-            raise RuntimeError(f"mask_after() was given tokens the constraint refuses: {prefix}")
+        recorded = self._consume_all(prefix)
         try:
             return self._mask().unsqueeze(0)
         finally:
-            if prefix:
-                self._matcher.rollback(len(prefix))
+            self._matcher.rollback(recorded)
 
     def _mask(self) -> torch.Tensor:
         words = self._matcher.compute_bitmask()
@@ -334,6 +357,31 @@ def apply_greedy_masks(
                 break
         at += 1 + len(draft)
     return num_masks
+
+
+def mask_draft_logits(logits: torch.Tensor, rows: list) -> list[int]:
+    """A draft burst's constrained rows under their constraint (in place): ``rows`` are
+    (row of ``logits``, Grammar, the request's drafts so far, greedy) and each row gets
+    the mask after those drafts, as the verifier masks that position. A greedy row whose
+    argmax the constraint allows keeps it, so it needs no mask (``apply_greedy_masks``).
+    Returns the rows the constraint allows nothing in (their request drafts no more)."""
+    kernels = cpu_kernels() if logits.is_cpu and logits.dtype is torch.float32 else None
+    dead = []
+    with torch.inference_mode():
+        for row, grammar, prefix, greedy in rows:
+            block = logits[row : row + 1]
+            if greedy:
+                best, token = block.max(dim=-1)
+                if bool(torch.isfinite(best)) and grammar.allows_after(prefix, int(token)):
+                    continue
+            mask = grammar.mask_after(prefix)
+            if kernels is not None:
+                refused = kernels.mask_logits(block, mask)
+            else:
+                refused = mask_logits(block, mask)
+            if refused:
+                dead.append(row)
+    return dead
 
 
 def mask_logits(logits: torch.Tensor, masks: torch.Tensor) -> list[int]:

@@ -30,6 +30,7 @@ from block_manager import KVCacheManager
 from engine.config import EngineConfig
 from engine.core.model_runner import ModelRunner, SeqInput
 from engine.observability.stats import PoolStats
+from engine.sample.grammar import mask_draft_logits
 from engine.sample.logits_processor import LogitsAdjustment
 from engine.sample.sampler import SamplingBatch, processed_probs, sample_from_probs
 from scheduler.step_cost import DraftCostMeter, StepCostModel
@@ -90,6 +91,10 @@ class DraftModelProposer:
         self.draft_cost = _num_params(draft_loaded) / _num_params(target_loaded) + 0.02
         # The prior above until the bursts have been timed: then measured, per batch size.
         self.cost_meter = DraftCostMeter(self.draft_cost)
+        # The most verified tokens one request's draft caught up on in the last burst:
+        # a whole prompt is the draft's prefill, which the speculation gate leaves out
+        # as it leaves the target's prefill steps out.
+        self.max_catchup = 0
 
     def update_cost(self, batch_size: int, target_cost: StepCostModel) -> float:
         """One draft token's cost in plain decode steps at ``batch_size`` requests, from
@@ -105,12 +110,14 @@ class DraftModelProposer:
         active: list[tuple[int, _DraftRequest, int]] = []  # (index, draft request, k)
         first: list[SeqInput] = []
         budget = self.max_num_batched_tokens
+        self.max_catchup = 0
         for i, (item, state) in enumerate(zip(items, states)):
             dreq = self._draft_request(state.request)
             num_fed = self._reserve(dreq, item.num_spec_tokens, budget)
             if not num_fed:
                 continue
             budget -= num_fed
+            self.max_catchup = max(self.max_catchup, num_fed)
             whole = dreq.fed_start + num_fed == dreq.num_tokens
             block_ids = self.kv.get_block_ids(dreq.request_id)
             first.append(SeqInput(list(dreq.fed), dreq.fed_start, block_ids, int(whole)))
@@ -118,9 +125,30 @@ class DraftModelProposer:
                 active.append((i, dreq, item.num_spec_tokens))
         if first:
             logits = self.runner.forward(first)  # [len(active), vocab_size]
+            self._burst(active, logits, states, drafts, probs)
+        draft_probs = [torch.stack(p) if p else None for p in probs]
+        return drafts, draft_probs
+
+    def _burst(self, active, logits, states, drafts, probs) -> None:
+        """The burst's sampling steps, shared by every draft that runs as a model:
+        ``logits`` are the first forward's rows of ``active`` ((item index, draft request,
+        k) each); a step samples one draft per active request, and the next forward
+        (``_next_logits``) feeds them to those that want more."""
         step = 0
+        rows = list(range(len(active)))  # each active request's row in the last forward
         started = time.perf_counter()  # a burst step: sampling, then the next forward
         while active:
+            # Processed as the verifier processes this position (penalties counting the
+            # drafts before it, then the constraint's mask), so a draft model that agrees
+            # with the target proposes what the target would sample
+            logits = self._adjusted(logits, active, states, drafts)
+            dead = self._masked(logits, active, states, drafts)
+            if dead:  # the constraint allows nothing there: those requests stop drafting
+                live = [r for r in range(len(active)) if r not in dead]
+                logits = logits[live]
+                active, rows = [active[r] for r in live], [rows[r] for r in live]
+                if not active:
+                    break
             # d_{step+1} goes to position num_tokens + step: the noise the verifier
             # samples that position with, so seeded requests are verified by coupling
             batch = SamplingBatch.build(
@@ -128,23 +156,42 @@ class DraftModelProposer:
                 [states[i].request.num_tokens + step for i, _, _ in active],
                 self.device,
             )
-            # Processed as the verifier processes this position (penalties counting
-            # the drafts before it), so a draft model that agrees with the target
-            # proposes what the target would sample
-            q = processed_probs(self._adjusted(logits, active, states, drafts), batch)
+            q = processed_probs(logits, batch)
             tokens = sample_from_probs(q, batch, self.generator).tolist()
             for row, ((i, _, _), token) in enumerate(zip(active, tokens)):
                 drafts[i].append(token)
                 probs[i].append(q[row])
             step += 1
-            active = [(i, d, k) for i, d, k in active if len(drafts[i]) < k]
+            # a request stops drafting at k, or at a stop token (nothing after it is kept)
+            keep = [
+                r
+                for r, (i, _, k) in enumerate(active)
+                if len(drafts[i]) < k and drafts[i][-1] not in states[i].request.stop_token_ids
+            ]
+            active = [active[r] for r in keep]
             if active:
-                logits = self.runner.forward([self._feed(d, drafts[i][-1]) for i, d, _ in active])
+                logits = self._next_logits(active, [rows[r] for r in keep], drafts)
+                rows = list(range(len(active)))
                 now = time.perf_counter()
                 self.cost_meter.observe(len(active), now - started)
                 started = now
-        draft_probs = [torch.stack(p) if p else None for p in probs]
-        return drafts, draft_probs
+
+    def _next_logits(self, active, rows, drafts) -> torch.Tensor:
+        """The next burst step: feed each active request its last draft (``rows``: its
+        row in the step before, for drafts that read the model's own outputs)."""
+        return self.runner.forward([self._feed(d, drafts[i][-1]) for i, d, _ in active])
+
+    def _masked(self, logits, active, states, drafts) -> list[int]:
+        """Constrained requests' rows under their constraint's mask after their drafts
+        so far (in place); returns the rows it allows nothing in. A draft drawn under the
+        mask is one verification can accept: unmasked, the first refused draft would end
+        the run (structured.constrain cuts there)."""
+        rows = [
+            (row, states[i].grammar, drafts[i], states[i].params.is_greedy)
+            for row, (i, _, _) in enumerate(active)
+            if getattr(states[i], "grammar", None) is not None
+        ]
+        return mask_draft_logits(logits, rows) if rows else []
 
     def _adjusted(self, logits, active, states, drafts) -> torch.Tensor:
         """logits [len(active), vocab_size] under each request's penalties, logit bias

@@ -19,7 +19,6 @@ get worse, verification keeps the output exact either way.
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 
 import torch
@@ -27,7 +26,6 @@ import torch
 from engine.attention.metadata import set_attention_metadata
 from engine.config import EngineConfig
 from engine.core.model_runner import SeqInput
-from engine.sample.sampler import SamplingBatch, processed_probs, sample_from_probs
 from engine.spec_decode.draft_model import DraftModelProposer, _num_params
 from engine.spec_decode.eagle import EagleDraftForCausalLM
 from scheduler.step_cost import DraftCostMeter
@@ -69,6 +67,7 @@ class EagleProposer(DraftModelProposer):
                              "`specserve train-draft --method eagle`)")  # fmt: skip
         super().__init__(config, draft_loaded, target_loaded, num_blocks)
         self._features: dict[str, _Features] = {}
+        self._out: torch.Tensor | None = None  # the draft's outputs o in a burst's last step
         self.model: EagleDraftForCausalLM = draft_loaded.model
         self.hidden_size = draft_loaded.arch.hidden_size
         # The target keeps the residual stream entering these layers after each forward.
@@ -149,6 +148,7 @@ class EagleProposer(DraftModelProposer):
         first: list[SeqInput] = []
         hidden: list[torch.Tensor] = []
         budget = self.max_num_batched_tokens
+        self.max_catchup = 0
         for i, (item, state) in enumerate(zip(items, states)):
             request = state.request
             ereq = self._draft_request(request)
@@ -160,6 +160,7 @@ class EagleProposer(DraftModelProposer):
             if not num_fed:
                 continue
             budget -= num_fed
+            self.max_catchup = max(self.max_catchup, num_fed)
             ereq.num_catchup = num_fed
             whole = ereq.fed_start + num_fed == ereq.num_tokens
             block_ids = self.kv.get_block_ids(ereq.request_id)
@@ -168,31 +169,18 @@ class EagleProposer(DraftModelProposer):
             if whole:
                 active.append((i, ereq, item.num_spec_tokens))
         if first:
-            logits, out = self._forward(first, hidden)
-        step = 0
-        started = time.perf_counter()  # a burst step: sampling, then the next forward
-        while active:
-            batch = SamplingBatch.build(
-                [states[i].params for i, _, _ in active],
-                [states[i].request.num_tokens + step for i, _, _ in active],
-                self.device,
-            )
-            q = processed_probs(self._adjusted(logits, active, states, drafts), batch)
-            tokens = sample_from_probs(q, batch, self.generator).tolist()
-            for row, ((i, _, _), token) in enumerate(zip(active, tokens)):
-                drafts[i].append(token)
-                probs[i].append(q[row])
-            step += 1
-            keep = [row for row, (i, _, k) in enumerate(active) if len(drafts[i]) < k]
-            active = [active[row] for row in keep]
-            if active:
-                feeds = [self._feed(e, drafts[i][-1]) for i, e, _ in active]
-                logits, out = self._forward(feeds, [out[row : row + 1] for row in keep])
-                now = time.perf_counter()
-                self.cost_meter.observe(len(active), now - started)
-                started = now
+            logits, self._out = self._forward(first, hidden)
+            self._burst(active, logits, states, drafts, probs)
+            self._out = None
         draft_probs = [torch.stack(p) if p else None for p in probs]
         return drafts, draft_probs
+
+    def _next_logits(self, active, rows, drafts) -> torch.Tensor:
+        """Each active request's last draft, with h = the draft's own output at the
+        position before (row ``rows[n]`` of the last forward)."""
+        feeds = [self._feed(e, drafts[i][-1]) for i, e, _ in active]
+        logits, self._out = self._forward(feeds, [self._out[row : row + 1] for row in rows])
+        return logits
 
     @torch.inference_mode()
     def _forward(self, seqs: list[SeqInput], hidden: list[torch.Tensor]):

@@ -8,7 +8,8 @@ Interface (duck-typed; the engine calls nothing else):
     draft_cost             -> one draft token's cost in target steps (for adaptive k)
 Optional: update_cost(batch_size, target StepCostModel) -> draft_cost measured now
 (a draft model's timed bursts), on_target_forward(items, seqs) after each target
-forward (an EAGLE draft keeps the target's features).
+forward (an EAGLE draft keeps the target's features), max_catchup (the most verified
+tokens a request's draft was fed in the last propose: a draft's prefill when large).
 """
 
 from __future__ import annotations
@@ -118,6 +119,7 @@ class HybridProposer:
                 request.num_accepted_tokens,
             )
         self._decided.clear()
+        self._draft.max_catchup = 0
         if to_model:
             model_drafts, model_probs = self._draft.propose(
                 [items[i] for i in to_model], [states[i] for i in to_model]
@@ -158,6 +160,10 @@ class HybridProposer:
         """The draft model's measured cost (n-gram lookup's is fixed and tiny)."""
         self.draft_cost = self._draft.update_cost(batch_size, target_cost)
         return self.draft_cost
+
+    @property
+    def max_catchup(self) -> int:
+        return self._draft.max_catchup
 
     def on_target_forward(self, items, seqs) -> None:
         hook = getattr(self._draft, "on_target_forward", None)

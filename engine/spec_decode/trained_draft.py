@@ -70,12 +70,13 @@ def load_draft(path: str, target, attn_backend: str = "auto", quantization: str 
 
 
 def load_trained_draft(path: str | Path, target, attn_backend: str = "auto"):
-    """LoadedModel of the draft in ``path`` for the loaded ``target``; ModelLoadError in one
-    line when it is not a draft for this target."""
+    """LoadedModel of the draft in ``path`` (either train-draft method) for the loaded
+    ``target``; ModelLoadError in one line when it is not a draft for this target."""
     from engine.attention import get_attention_backend
     from engine.loader import LoadedModel, read_json, resolve_attn_backend
     from engine.model_config import ModelArchConfig
     from engine.models.weights import load_hf_weights
+    from engine.spec_decode.eagle import is_eagle_meta
 
     directory = Path(path).expanduser()
     meta = read_json(directory / DRAFT_FILE)
@@ -83,26 +84,29 @@ def load_trained_draft(path: str | Path, target, attn_backend: str = "auto"):
         raise ModelLoadError(
             f"{directory}/{DRAFT_FILE}: not a specserve draft (format {meta.get('format')!r})"
         )
-    from engine.spec_decode.eagle import is_eagle_meta
-
-    if is_eagle_meta(meta):
-        return _load_eagle_draft(directory, meta, target, attn_backend)
     arch = ModelArchConfig.from_hf_config(read_json(directory / "config.json"))
     weights = _read_weights(directory)
     draft_vocab = weights.pop("specserve.draft_vocab").long()
     probe = weights.pop("specserve.embed_probe")
     _check_target(directory, meta, arch, target, probe)
+    if is_eagle_meta(meta):
+        make = _eagle_maker(directory, meta, arch, target, weights, draft_vocab)
+    else:
+        make = lambda backend: TrainedDraftForCausalLM(arch, backend, draft_vocab)  # noqa: E731
     device, dtype = torch.device(target.device), target.dtype
     backend = get_attention_backend(resolve_attn_backend(attn_backend, device, dtype), device)
     with torch.device("meta"):
-        model = TrainedDraftForCausalLM(arch, backend, draft_vocab)
+        model = make(backend)
     model = model.to(dtype).to_empty(device=device)
     model.draft_vocab = draft_vocab.to(device)
     model.model.embed_tokens = target.model.model.embed_tokens  # shared: no second copy
     head_rows = _target_head_rows(target, draft_vocab)
-    load_hf_weights(
-        model, [*weights.items(), ("lm_head.weight", head_rows)], ["model.embed_tokens.weight"]
-    )
+    try:
+        load_hf_weights(
+            model, [*weights.items(), ("lm_head.weight", head_rows)], ["model.embed_tokens.weight"]
+        )
+    except ValueError as e:
+        raise ModelLoadError(f"draft {directory}: {e}") from None
     return LoadedModel(
         model.eval(),
         target.tokenizer,
@@ -113,6 +117,22 @@ def load_trained_draft(path: str | Path, target, attn_backend: str = "auto"):
         set(target.eos_token_ids),
         directory,
     )
+
+
+def _eagle_maker(directory: Path, meta: dict, arch, target, weights: dict, draft_vocab):
+    """The constructor of an EAGLE draft (eagle.py) once its layers fit ``target``."""
+    from engine.spec_decode.eagle import EagleDraftForCausalLM, check_aux_layers
+
+    try:
+        aux = check_aux_layers(meta.get("aux_layers") or [], target.arch.num_layers)
+    except ValueError as e:
+        raise ModelLoadError(
+            f"draft {directory}: {e} (the target has {target.arch.num_layers} layers)"
+        ) from None
+    fc = weights.get("eagle.fc.weight")
+    if fc is None or fc.shape[1] != len(aux) * arch.hidden_size:
+        raise ModelLoadError(f"draft {directory}: eagle.fc.weight does not read {len(aux)} layers")
+    return lambda backend: EagleDraftForCausalLM(arch, backend, draft_vocab, aux)
 
 
 def _check_target(directory: Path, meta: dict, arch, target, probe: torch.Tensor) -> None:
@@ -165,51 +185,3 @@ def _read_weights(directory: Path) -> dict[str, torch.Tensor]:
     if missing:
         raise ModelLoadError(f"{path}: not a specserve draft (no {', '.join(missing)})")
     return weights
-
-
-def _load_eagle_draft(directory: Path, meta: dict, target, attn_backend: str = "auto"):
-    """LoadedModel of the EAGLE draft in ``directory`` for the loaded ``target``."""
-    from engine.attention import get_attention_backend
-    from engine.loader import LoadedModel, read_json, resolve_attn_backend
-    from engine.model_config import ModelArchConfig
-    from engine.models.weights import load_hf_weights
-    from engine.spec_decode.eagle import EagleDraftForCausalLM, check_aux_layers
-
-    arch = ModelArchConfig.from_hf_config(read_json(directory / "config.json"))
-    weights = _read_weights(directory)
-    draft_vocab = weights.pop("specserve.draft_vocab").long()
-    probe = weights.pop("specserve.embed_probe")
-    _check_target(directory, meta, arch, target, probe)
-    try:
-        aux = check_aux_layers(meta.get("aux_layers") or [], target.arch.num_layers)
-    except ValueError as e:
-        raise ModelLoadError(
-            f"draft {directory}: {e} (the target has {target.arch.num_layers} layers)"
-        ) from None
-    fc = weights.get("eagle.fc.weight")
-    if fc is None or fc.shape[1] != len(aux) * arch.hidden_size:
-        raise ModelLoadError(f"draft {directory}: eagle.fc.weight does not read {len(aux)} layers")
-    device, dtype = torch.device(target.device), target.dtype
-    backend = get_attention_backend(resolve_attn_backend(attn_backend, device, dtype), device)
-    with torch.device("meta"):
-        model = EagleDraftForCausalLM(arch, backend, draft_vocab, aux)
-    model = model.to(dtype).to_empty(device=device)
-    model.draft_vocab = draft_vocab.to(device)
-    model.model.embed_tokens = target.model.model.embed_tokens  # shared: no second copy
-    head_rows = _target_head_rows(target, draft_vocab)
-    try:
-        load_hf_weights(
-            model, [*weights.items(), ("lm_head.weight", head_rows)], ["model.embed_tokens.weight"]
-        )
-    except ValueError as e:
-        raise ModelLoadError(f"draft {directory}: {e}") from None
-    return LoadedModel(
-        model.eval(),
-        target.tokenizer,
-        arch,
-        str(directory.resolve()),
-        dtype,
-        device,
-        set(target.eos_token_ids),
-        directory,
-    )

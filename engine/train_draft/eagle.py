@@ -60,7 +60,6 @@ from engine.loader import iter_safetensors, read_json
 from engine.model_config import ModelArchConfig
 from engine.models.layers import rope_inv_freq
 from engine.spec_decode.eagle import METHOD, check_aux_layers
-from engine.spec_decode.trained_draft import DRAFT_FILE, FORMAT, FORMAT_VERSION, embed_probe_ids
 from engine.train_draft.data import Sequence, data_shards, load_shard, setting_changes
 from engine.train_draft.model import draft_hf_config
 from engine.train_draft.train import (
@@ -72,6 +71,7 @@ from engine.train_draft.train import (
     lr_at,
     make_batches,
     split_heldout,
+    write_draft,
 )
 
 FEATURES_DIR = "eagle-features"
@@ -701,26 +701,19 @@ def export_eagle(
     """draft.json ("method": "eagle"), config.json (the target's, one layer, untied) and
     model.safetensors (the trained tensors in ``save_dtype``, the draft vocabulary and
     the embedding probe), as engine/spec_decode/eagle.py loads them."""
-    from safetensors.torch import save_file
-
-    out_dir.mkdir(parents=True, exist_ok=True)
-    tensors = {name: t.to(save_dtype).contiguous() for name, t in model.trained_state().items()}
-    tensors["specserve.draft_vocab"] = model.draft_vocab.clone()
-    probe_ids = embed_probe_ids(model.arch.vocab_size)
-    tensors["specserve.embed_probe"] = model.embed[probe_ids].float().clone()
-    save_file(tensors, str(out_dir / "model.safetensors"))
-    (out_dir / "model.safetensors").chmod(0o644)  # safetensors writes 0600; servers run as others
-    (out_dir / "config.json").write_text(json.dumps(model.hf_config, indent=2) + "\n")
-    meta = {
-        "format": FORMAT,
-        "version": FORMAT_VERSION,
-        "method": METHOD,
-        "aux_layers": list(model.aux_layers),
-        "target": target_name,
-        "target_vocab_size": model.arch.vocab_size,
-        "draft_vocab_size": len(model.draft_vocab),
-        "num_layers": 1,
-        "settings": asdict(settings),
-        **summary,
-    }
-    (out_dir / DRAFT_FILE).write_text(json.dumps(meta, indent=2) + "\n")
+    write_draft(
+        out_dir,
+        model.trained_state(),
+        model.draft_vocab,
+        model.embed,
+        model.hf_config,
+        target_name,
+        {
+            "method": METHOD,
+            "aux_layers": list(model.aux_layers),
+            "num_layers": 1,
+            "settings": asdict(settings),
+            **summary,
+        },
+        save_dtype,
+    )

@@ -300,24 +300,53 @@ def export(
 ) -> None:
     """config.json + model.safetensors (layers and norm, HF names, plus the draft vocabulary
     and an embedding probe) + draft.json (what it drafts for, how it was made)."""
+    write_draft(
+        out_dir,
+        model.trained_state(),
+        model.draft_vocab,
+        model.model.embed_tokens.weight,
+        model.hf_config,
+        target_name,
+        {
+            "num_layers": model.hf_config["num_hidden_layers"],
+            "layers_from": model.layers_from,
+            "settings": asdict(settings),
+            **summary,
+        },
+        save_dtype,
+    )
+
+
+def write_draft(
+    out_dir: Path,
+    state: dict[str, torch.Tensor],
+    draft_vocab: torch.Tensor,
+    embed: torch.Tensor,
+    hf_config: dict,
+    target_name: str,
+    meta: dict,
+    save_dtype: torch.dtype = torch.bfloat16,
+) -> None:
+    """What every train-draft method writes: model.safetensors (the trained ``state`` in
+    ``save_dtype``, the draft vocabulary, 16 rows of the target's ``embed`` that tell
+    its target from another), config.json (``hf_config``) and draft.json (format, target
+    and vocabulary sizes, then the method's own ``meta``)."""
     from safetensors.torch import save_file
 
-    tensors = {name: t.to(save_dtype).contiguous() for name, t in model.trained_state().items()}
-    tensors["specserve.draft_vocab"] = model.draft_vocab.clone()
-    probe_ids = embed_probe_ids(model.hf_config["vocab_size"])
-    tensors["specserve.embed_probe"] = model.model.embed_tokens.weight[probe_ids].float().clone()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tensors = {name: t.to(save_dtype).contiguous() for name, t in state.items()}
+    tensors["specserve.draft_vocab"] = draft_vocab.clone()
+    probe_ids = embed_probe_ids(hf_config["vocab_size"])
+    tensors["specserve.embed_probe"] = embed[probe_ids].float().clone()
     save_file(tensors, str(out_dir / "model.safetensors"))
     (out_dir / "model.safetensors").chmod(0o644)  # safetensors writes 0600; servers run as others
-    (out_dir / "config.json").write_text(json.dumps(model.hf_config, indent=2) + "\n")
+    (out_dir / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
     meta = {
         "format": FORMAT,
         "version": FORMAT_VERSION,
         "target": target_name,
-        "target_vocab_size": model.hf_config["vocab_size"],
-        "draft_vocab_size": len(model.draft_vocab),
-        "num_layers": model.hf_config["num_hidden_layers"],
-        "layers_from": model.layers_from,
-        "settings": asdict(settings),
-        **summary,
+        "target_vocab_size": hf_config["vocab_size"],
+        "draft_vocab_size": len(draft_vocab),
+        **meta,
     }
     (out_dir / DRAFT_FILE).write_text(json.dumps(meta, indent=2) + "\n")

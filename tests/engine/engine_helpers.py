@@ -57,8 +57,15 @@ def draft_proposer(engine: LLMEngine):
 
 
 def make_engine(model_dir: str, **overrides) -> LLMEngine:
+    # The speculation gate off: tests that count drafts need them whatever a tiny model's
+    # step times say (tests/scheduler/test_spec_gate.py runs it on)
     config = dict(
-        model=model_dir, speculative_method="none", num_kv_blocks=128, device="cpu", dtype="float32"
+        model=model_dir,
+        speculative_method="none",
+        num_kv_blocks=128,
+        device="cpu",
+        dtype="float32",
+        speculation_gate=False,
     )
     config.update(overrides)
     return LLMEngine(EngineConfig(**config))

@@ -260,3 +260,54 @@ def test_the_draft_catch_up_shares_the_step_token_budget(tiny_model_dir, tiny_dr
         assert results[rid]["token_ids"] == ref["token_ids"]
     assert engine.stats.num_draft_tokens > 0
     assert_all_blocks_released(engine)
+
+
+@pytest.mark.parametrize("propose_s, most_steps_speculate", [(0.0, True), (0.08, False)])
+def test_the_gate_keeps_speculation_only_where_the_engine_measures_it_faster(
+    tiny_model_dir, monkeypatch, propose_s, most_steps_speculate
+):
+    """Drafts that are always accepted (the plain output itself) from a proposer that
+    costs nothing, or more than the four tokens it saves: adaptive k's models price an
+    n-gram draft at 1% of a step either way; the gate measures the steps and keeps
+    speculating in the first case, runs plain (but for its probes) in the second. The
+    output is the plain greedy output in both."""
+    import time
+
+    from engine.core.model_runner import ModelRunner
+    from engine.spec_decode.proposers import NgramSpecProposer
+
+    prompt = prompts_of_lengths([9], seed=5)[0]
+    params = SamplingParams(max_tokens=150, temperature=0.0, ignore_eos=True)
+    reference = run_to_completion(make_engine(tiny_model_dir), {0: [("r", prompt, params)]})
+    full = list(prompt) + reference["r"]["token_ids"]
+
+    def oracle(self, items, states):
+        time.sleep(propose_s)
+        return [
+            full[len(s.request.all_token_ids) : len(s.request.all_token_ids) + i.num_spec_tokens]
+            for i, s in zip(items, states)
+        ], None
+
+    execute = ModelRunner.execute
+
+    def steady_forward(self, prepared):  # a forward slow enough to time over the noise
+        time.sleep(0.01)
+        return execute(self, prepared)
+
+    monkeypatch.setattr(NgramSpecProposer, "propose", oracle)
+    monkeypatch.setattr(ModelRunner, "execute", steady_forward)
+    engine = make_engine(tiny_model_dir, speculative_method="ngram", speculation_gate=True)
+    engine.add_request("r", prompt, params)
+    tokens, steps, speculating = [], 0, 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            tokens += out.token_ids
+        steps += 1
+        speculating += bool(engine.last_step.drafts_per_verification)
+    assert tokens == reference["r"]["token_ids"]
+    share = speculating / steps
+    if most_steps_speculate:
+        assert share > 0.8 and engine.scheduler.gate.pays(1) is True, (share, steps)
+    else:
+        assert share < 0.45 and engine.scheduler.gate.pays(1) is False, (share, steps)
+        assert speculating >= 4  # it kept probing

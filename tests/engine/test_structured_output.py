@@ -97,7 +97,7 @@ def _workload(k, constraint=CONSTRAINTS["json_schema"], temperature=0.0, seeded=
 
 
 @pytest.mark.parametrize("kind", ["json_schema", "regex", "lark"])
-@pytest.mark.parametrize("method", ["ngram", "draft", "hybrid"])
+@pytest.mark.parametrize("method", ["ngram", "draft", "hybrid", "eagle"])
 def test_greedy_speculation_under_a_constraint_is_the_plain_constrained_output(
     tiny_model_dir, spec_draft_dirs, method, kind
 ):
@@ -117,7 +117,7 @@ def test_greedy_speculation_under_a_constraint_is_the_plain_constrained_output(
         assert_all_blocks_released(engine)
 
 
-@pytest.mark.parametrize("method", ["none", "ngram", "draft", "hybrid"])
+@pytest.mark.parametrize("method", ["none", "ngram", "draft", "hybrid", "eagle"])
 def test_a_seeded_constrained_request_is_the_same_alone_and_in_a_crowd(
     tiny_model_dir, spec_draft_dirs, method
 ):
@@ -257,6 +257,103 @@ def test_constraints_compose_with_stop_strings_bias_and_penalties(tiny_model_dir
     assert re.fullmatch("[ab]{8}", results["penalized"]["text"])
 
 
+@pytest.mark.parametrize("method", ["draft", "eagle"])
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_draft_model_drafts_under_the_constraint(
+    tiny_model_dir, spec_draft_dirs, method, temperature, monkeypatch
+):
+    """The burst masks each draft position as verification will (after the drafts
+    before it), so no model draft is one the constraint refuses (unmasked, the tiny
+    random drafts mostly are, and each ends its run); the output stays the plain
+    constrained output (greedy) or within the constraint (sampled), no block leaks."""
+    from engine.core import structured
+
+    seen = {"drafts": 0, "refused": 0, "constrained": 0}
+    constrain = structured.constrain
+
+    def checking(sched, states, forced, draft_probs):
+        for item in sched.scheduled:
+            state = states.get(item.request_id)
+            if state is None or state.grammar is None or item.request_id not in draft_probs:
+                continue
+            drafts = item.spec_token_ids
+            assert len(draft_probs[item.request_id]) == len(drafts)
+            seen["constrained"] += 1
+            seen["drafts"] += len(drafts)
+            # EOS where the constraint is complete is its only token, though a matcher
+            # that stopped there validates nothing more
+            body = drafts[:-1] if drafts and drafts[-1] in state.request.stop_token_ids else drafts
+            seen["refused"] += len(body) - state.grammar.allowed_prefix(body)
+        return constrain(sched, states, forced, draft_probs)
+
+    monkeypatch.setattr(structured, "constrain", checking)
+    # constraints with room to choose (forced tokens need no drafts)
+    letters = StructuredOutput(regex="[a-z ]{12,30}\\.")
+    name = StructuredOutput(
+        json_schema={
+            "type": "object",
+            "properties": {"name": {"type": "string", "pattern": "^[a-z]{8,16}$"}},
+            "required": ["name"],
+            "additionalProperties": False,
+        }
+    )
+    prompts = prompts_of_lengths([3, 16, 33, 9], seed=8)
+
+    def workload(**kw):
+        return {
+            0: [
+                (f"r{i}-{j}", p, _params(c, temperature, **kw))
+                for i, p in enumerate(prompts)
+                for j, c in enumerate((letters, name))
+            ]
+        }
+
+    engine = make_engine(
+        tiny_model_dir,
+        speculative_method=method,
+        draft_model=spec_draft_dirs[method],
+        speculative_disable_batch_size=64,
+    )
+    results = run_to_completion(engine, workload(num_speculative_tokens=4))
+    assert seen["drafts"] > 20 and seen["constrained"] > 10, seen
+    assert seen["refused"] == 0, seen
+    for rid, r in results.items():
+        if rid.endswith("-0"):
+            assert re.fullmatch("[a-z ]{12,30}\\.", r["text"]), r["text"]
+        else:
+            assert re.fullmatch("[a-z]{8,16}", json.loads(r["text"])["name"]), r["text"]
+    if temperature == 0.0:
+        reference = run_to_completion(make_engine(tiny_model_dir), workload())
+        for rid, ref in reference.items():
+            assert results[rid]["token_ids"] == ref["token_ids"], rid
+    assert_all_blocks_released(engine)
+
+
+def test_looking_past_the_end_of_a_constraint_leaves_its_matcher_where_it_was():
+    """Once `[a-z ]{3,8}\\.` has its `.` the matcher stops, and takes the EOS after it
+    without a record: masks() and mask_after() over drafts that end `.` EOS must roll
+    back what was recorded, not one token per draft (that undid a verified letter, and
+    the output ran past the 8 letters the constraint allows)."""
+    from engine.sample.grammar import GrammarCompiler
+    from tests.tiny_models import make_tokenizer
+
+    tokenizer = make_tokenizer()
+    eos = tokenizer.eos_token_id
+    compiler = GrammarCompiler(tokenizer, len(tokenizer), [eos])
+    grammar = compiler.grammar(StructuredOutput(regex="[a-z ]{3,8}\\."))
+    ids = tokenizer.encode("abcdefghij", add_special_tokens=False)
+    dot = tokenizer.encode(".", add_special_tokens=False)
+    grammar.advance(ids[:5])
+    assert grammar.allowed_prefix(ids) == 3
+    for drafts in ([ids[0], dot[0], eos], [dot[0], eos], [ids[0], ids[1], dot[0]]):
+        rows = grammar.masks(drafts)
+        assert rows.shape[0] == 1 + len(drafts)
+        grammar.mask_after(drafts)
+        grammar.forced_after(drafts)
+        assert grammar.allowed_prefix(ids) == 3, drafts  # not 4: nothing was undone twice
+    assert grammar.allowed_prefix([*ids[:3], dot[0], eos]) == 5
+
+
 def test_a_model_draft_keeps_its_first_refused_token_and_an_ngram_draft_does_not(
     tiny_model_dir,
 ):
@@ -367,7 +464,7 @@ def test_what_the_constraint_forces_after_ngram_drafts_rides_in_their_verificati
     assert steps_with < steps_without, (steps_with, steps_without)
 
 
-@pytest.mark.parametrize("method", ["none", "ngram", "draft", "hybrid"])
+@pytest.mark.parametrize("method", ["none", "ngram", "draft", "hybrid", "eagle"])
 def test_greedy_rows_masked_only_where_the_argmax_is_refused_change_nothing(
     tiny_model_dir, spec_draft_dirs, method, monkeypatch
 ):
@@ -376,6 +473,7 @@ def test_greedy_rows_masked_only_where_the_argmax_is_refused_change_nothing(
     row beside the forward (SPECSERVE_LAZY_GREEDY_MASKS=0), with strict and permissive
     constraints, penalties, a dead end, and both paths taken."""
     from engine.sample import grammar
+    from engine.spec_decode import draft_model
 
     constraints = [
         CONSTRAINTS["json_schema"],
@@ -395,18 +493,27 @@ def test_greedy_rows_masked_only_where_the_argmax_is_refused_change_nothing(
             workload.setdefault(i, []).append((f"r{i}-{j}", prompt, params))
     counts = {"allowed": 0, "masked": 0}
     allows_after, mask_after = grammar.Grammar.allows_after, grammar.Grammar.mask_after
+    drafting = []  # the draft burst masks its own rows: the verifier's are counted here
 
     def counting_allows(self, prefix, token):
         allowed = allows_after(self, prefix, token)
-        counts["allowed"] += allowed
+        counts["allowed"] += allowed and not drafting
         return allowed
 
     def counting_mask(self, prefix):
-        counts["masked"] += 1
+        counts["masked"] += not drafting
         return mask_after(self, prefix)
+
+    def draft_masks(logits, rows):
+        drafting.append(1)
+        try:
+            return grammar.mask_draft_logits(logits, rows)
+        finally:
+            drafting.pop()
 
     monkeypatch.setattr(grammar.Grammar, "allows_after", counting_allows)
     monkeypatch.setattr(grammar.Grammar, "mask_after", counting_mask)
+    monkeypatch.setattr(draft_model, "mask_draft_logits", draft_masks)
     results = {}
     for lazy in ("0", "1"):
         monkeypatch.setenv("SPECSERVE_LAZY_GREEDY_MASKS", lazy)

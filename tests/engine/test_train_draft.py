@@ -559,13 +559,18 @@ def test_the_shipped_draft_speculates_losslessly_for_the_default_model(dtype):
     params = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
     workload = {0: [(f"r{i}", p, params) for i, p in enumerate(prompts)]}
     reference = run_to_completion(plain, workload)
+    # a fixed k: drafts every step whatever adaptive k and the gate make of the timing
+    fixed = SamplingParams(
+        max_tokens=48, temperature=0.0, ignore_eos=True, num_speculative_tokens=3
+    )
+    workload = {0: [(f"r{i}", p, fixed) for i, p in enumerate(prompts)]}
     for method in ("draft", "hybrid", "eagle", "auto"):  # eagle, auto: the EAGLE draft
         config = EngineConfig(speculative_method=method, dtype=dtype, device="cpu")
         engine = LLMEngine(config, loaded=plain.loaded)
         results = run_to_completion(engine, workload)
         for rid, ref in reference.items():
             assert results[rid]["token_ids"] == ref["token_ids"], (method, rid)
-        # held-out per-token acceptance is ~0.4 for the draft
+        # held-out acceptance is ~0.4 at the first position, ~0.2 over three drafts
         assert engine.stats.num_accepted_tokens > 0.15 * engine.stats.num_draft_tokens
 
 

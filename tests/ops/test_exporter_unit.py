@@ -34,6 +34,7 @@ EXPECTED_FAMILIES = {
     "specserve_prompt_tokens", "specserve_generation_tokens", "specserve_requests_finished",
     "specserve_num_preemptions", "specserve_prefix_cache_queries", "specserve_prefix_cache_hits",
     "specserve_spec_decode_num_draft_tokens", "specserve_spec_decode_num_accepted_tokens",
+    "specserve_spec_decode_num_gated_steps",
     "specserve_kv_cache_blocks_freed_by_rollback", "specserve_requests_rejected",
     "specserve_grpc_errors",
     # histograms

@@ -1,0 +1,94 @@
+"""The speculation gate: adaptive k runs plain steps where the engine measures
+speculating steps slower, keeps both rates measured, and is honest per batch size."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from scheduler.spec_gate import SpeculationGate, bucket_of
+from tests.scheduler.helpers import make_request, make_scheduler, step
+
+
+def _run(gate: SpeculationGate, batch_size: int, steps: int, spec_rate: float, plain_rate: float,
+         rng: random.Random, catch_up_s: float = 0.0) -> list[bool]:  # fmt: skip
+    """``steps`` schedule decisions, each step's outcome fed back with 5% timing noise:
+    ``spec_rate`` / ``plain_rate`` output tokens per second; a speculating step after a
+    spell of plain ones (not a single probe) pays ``catch_up_s`` more."""
+    decisions, plain_spell = [], 0
+    for _ in range(steps):
+        allowed = gate.allow(batch_size)
+        rate = spec_rate if allowed else plain_rate
+        tokens = batch_size * (2 if allowed else 1)
+        seconds = tokens / rate * rng.uniform(0.95, 1.05)
+        if allowed and plain_spell > 1:
+            seconds += catch_up_s
+        gate.observe(batch_size, allowed, tokens, seconds)
+        decisions.append(allowed)
+        plain_spell = 0 if allowed else plain_spell + 1
+    return decisions
+
+
+def test_buckets_are_powers_of_two():
+    assert [bucket_of(b) for b in (1, 2, 3, 4, 5, 8, 9, 33)] == [1, 2, 4, 4, 8, 8, 16, 64]
+
+
+def test_open_with_no_evidence_and_while_speculation_is_faster():
+    gate = SpeculationGate()
+    assert gate.pays(4) is None and gate.allow(4) is True
+    decisions = _run(gate, 4, 400, spec_rate=120.0, plain_rate=100.0, rng=random.Random(0))
+    assert gate.pays(4) is True
+    late = decisions[100:]
+    # open but for its plain probes, one step in explore_every
+    assert sum(late) / len(late) == pytest.approx(1 - 1 / gate.explore_every, abs=0.02)
+
+
+def test_closes_where_speculation_is_measured_slower_and_keeps_probing():
+    gate = SpeculationGate()
+    decisions = _run(gate, 4, 400, spec_rate=85.0, plain_rate=100.0, rng=random.Random(1))
+    assert gate.pays(4) is False
+    late = decisions[100:]
+    share = sum(late) / len(late)
+    # closed but for its exploring runs: spec_run steps in every explore_every
+    assert share == pytest.approx(gate.spec_run / gate.explore_every, abs=0.03)
+    assert gate.num_closed_steps > 200
+
+
+def test_reopens_when_speculation_starts_to_pay_and_the_catch_up_is_not_held_against_it():
+    """The first speculating step after a closed spell pays the draft's catch-up; were
+    it counted, a 12% speculation win with a costly catch-up would never reopen."""
+    rng = random.Random(2)
+    gate = SpeculationGate()
+    _run(gate, 2, 200, spec_rate=80.0, plain_rate=100.0, rng=rng)
+    assert gate.pays(2) is False
+    decisions = _run(gate, 2, 300, spec_rate=112.0, plain_rate=100.0, rng=rng, catch_up_s=0.2)
+    assert gate.pays(2) is True
+    assert sum(decisions[150:]) / 150 > 0.9
+
+
+def test_batch_sizes_are_judged_apart():
+    rng = random.Random(3)
+    gate = SpeculationGate()
+    for _ in range(30):
+        _run(gate, 1, 10, spec_rate=150.0, plain_rate=100.0, rng=rng)
+        _run(gate, 8, 10, spec_rate=300.0, plain_rate=400.0, rng=rng)
+    assert gate.pays(1) is True and gate.pays(8) is False
+    assert gate.state()[1][0] > gate.state()[1][1] and gate.state()[8][0] < gate.state()[8][1]
+
+
+def test_a_closed_gate_zeroes_adaptive_k_but_not_a_fixed_k():
+    scheduler = make_scheduler(num_spec_tokens=4, spec_enabled=True)
+    gate = SpeculationGate(explore_every=10**6)
+    scheduler.gate = gate
+    adaptive = make_request("a", 8, max_tokens=50)
+    fixed = make_request("f", 8, max_tokens=50, max_spec_tokens=3)
+    for request in (adaptive, fixed):
+        scheduler.add_request(request)
+    step(scheduler)  # prefill
+    gate.pays = lambda batch_size: False  # measured slower
+    k = {s.request_id: s.num_spec_tokens for s in step(scheduler).scheduled}
+    assert k == {"a": 0, "f": 3}
+    gate.pays = lambda batch_size: True
+    k = {s.request_id: s.num_spec_tokens for s in step(scheduler).scheduled}
+    assert k["a"] > 0 and k["f"] == 3
