@@ -11,8 +11,10 @@ that verified drafts and once for steps that did not, and closes (adaptive k = 0
 the whole step) while the plain steps are measured faster.
 
 Both rates stay current by exploring: while open, every ``explore_every``-th step of a
-bucket runs plain; while closed, every ``explore_every``-th step starts a run of
-``spec_run`` speculating steps. The first step of such a run is not counted: it pays
+bucket runs plain; while closed, a run of ``spec_run`` speculating steps starts every
+``explore_every`` steps, or less often where speculation measured so much slower that
+the runs would cost more than ``explore_budget`` (2%) of the throughput (at half the
+plain rate: one run in 100 steps). The first step of such a run is not counted: it pays
 the catch-up of everything the draft missed while the gate was closed, which steady
 speculation does not. The gate opens with no evidence, so a new engine speculates
 from its first step, as adaptive k alone would.
@@ -50,6 +52,7 @@ class _Bucket:
     plain: _Rate
     steps: int = 0  # schedule decisions in this bucket
     run_left: int = 0  # speculating steps left in an exploring run (gate closed)
+    closed_for: int = 0  # steps since the last exploring run began (gate closed)
     skip_next_spec: bool = False  # the next speculating step ends a closed spell
 
 
@@ -61,9 +64,16 @@ class SpeculationGate:
         min_steps: int = 3,
         decay: float = 0.85,
         margin: float = 1.0,
+        explore_budget: float = 0.02,
+        max_explore_every: int = 128,
     ) -> None:
         self.explore_every = explore_every
         self.spec_run = spec_run
+        # While closed, exploring runs come at most often enough to cost explore_budget
+        # of the throughput at the measured loss: a run of spec_run steps at spec/plain
+        # = r costs spec_run * (1 - r) plain steps' worth of tokens.
+        self.explore_budget = explore_budget
+        self.max_explore_every = max_explore_every
         self.min_steps = min_steps
         self.decay = decay
         self.margin = margin  # open while spec rate >= margin * plain rate
@@ -90,7 +100,9 @@ class SpeculationGate:
         bucket.steps += 1
         explore = bucket.steps % self.explore_every == 0
         if self.pays(batch_size) is False:
-            if explore:
+            bucket.closed_for += 1
+            if bucket.closed_for >= self._closed_interval(bucket):
+                bucket.closed_for = 0
                 bucket.run_left = self.spec_run
             if bucket.run_left > 0:
                 bucket.run_left -= 1
@@ -102,6 +114,14 @@ class SpeculationGate:
             self.num_closed_steps += 1  # a plain step, to keep its rate measured
             return False
         return True
+
+    def _closed_interval(self, bucket: _Bucket) -> int:
+        """Steps between exploring runs while closed: explore_every, or more where
+        speculation is measured so much slower that a run would cost more than the
+        budget."""
+        loss = 1.0 - bucket.spec.per_second / max(bucket.plain.per_second, 1e-9)
+        wanted = round(self.spec_run * loss / self.explore_budget)
+        return min(max(self.explore_every, wanted), self.max_explore_every)
 
     def observe(self, batch_size: int, speculated: bool, num_tokens: int, seconds: float) -> None:
         """One decode step's outcome: its output tokens and wall time."""
