@@ -54,10 +54,23 @@ class _EagleRequest:
 
 @dataclass(slots=True, eq=False)
 class _Features:
-    """f_j of one request for positions start .. start + len(rows) - 1."""
+    """f_j of one request for positions start .. end - 1, kept as the chunks the target's
+    forwards made (a step appends its rows without copying the ones before: a request
+    that does not speculate for a while gathers them for as long) and joined when read."""
 
     start: int
-    rows: torch.Tensor  # [num, H]
+    chunks: list[torch.Tensor]  # [num, H] each
+    end: int
+
+    @property
+    def rows(self) -> torch.Tensor:  # [end - start, H]
+        if len(self.chunks) > 1:
+            self.chunks = [torch.cat(self.chunks)]
+        return self.chunks[0]
+
+    def append(self, rows: torch.Tensor) -> None:
+        self.chunks.append(rows)
+        self.end += len(rows)
 
 
 class EagleProposer(DraftModelProposer):
@@ -103,13 +116,21 @@ class EagleProposer(DraftModelProposer):
 
     def _append_features(self, request_id: str, start: int, rows: torch.Tensor) -> None:
         old = self._features.get(request_id)
-        if old is not None and old.start <= start <= old.start + len(old.rows):
+        if old is None or not old.start <= start <= old.end:
+            self._features[request_id] = _Features(start, [rows], start + len(rows))
+        elif start == old.end:  # the next positions: the usual step
+            old.append(rows)
+        else:
             # positions from ``start`` on were drafts the target rejected (or are
             # computed again): the new rows replace them
-            rows = torch.cat([old.rows[: start - old.start], rows])
-            start = old.start
-        drop = max(len(rows) - MAX_PENDING_FEATURES, 0)
-        self._features[request_id] = _Features(start + drop, rows[drop:])
+            kept = old.rows[: start - old.start]
+            self._features[request_id] = _Features(old.start, [kept, rows], start + len(rows))
+        feats = self._features[request_id]
+        if feats.end - feats.start > MAX_PENDING_FEATURES + 256:  # cut now and then, not each step
+            drop = feats.end - feats.start - MAX_PENDING_FEATURES
+            self._features[request_id] = _Features(
+                feats.start + drop, [feats.rows[drop:]], feats.end
+            )
 
     def _trim_features(self, ereq: _EagleRequest, valid_end: int) -> None:
         """Keep the features of positions [draft KV length - 1, valid_end)."""
@@ -120,7 +141,8 @@ class EagleProposer(DraftModelProposer):
         hi = max(valid_end - feats.start, lo)
         kept = feats.rows[lo:hi]
         if len(kept):
-            self._features[ereq.request_id] = _Features(feats.start + lo, kept)
+            start = feats.start + lo
+            self._features[ereq.request_id] = _Features(start, [kept], start + len(kept))
         else:
             del self._features[ereq.request_id]
 
@@ -131,7 +153,7 @@ class EagleProposer(DraftModelProposer):
         feats = self._features.get(ereq.request_id)
         if feats is not None:
             lo = max(first, feats.start)
-            hi = min(first + count, feats.start + len(feats.rows))
+            hi = min(first + count, feats.end)
             if hi > lo:
                 out[lo - first : hi - first] = feats.rows[lo - feats.start : hi - feats.start]
         return out

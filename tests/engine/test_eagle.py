@@ -375,3 +375,42 @@ def test_the_draft_cost_adaptive_k_uses_is_measured(tiny_model_dir, random_eagle
     assert engine.proposer.cost_meter.burst._steps >= 8
     assert engine.scheduler.draft_cost != prior
     assert engine.scheduler.draft_cost == engine.proposer.draft_cost > 0
+
+
+def test_features_gathered_while_not_speculating_are_read_back_and_cut_at_the_limit(
+    tiny_model_dir, random_eagle, monkeypatch
+):
+    """Each target forward appends its rows as one chunk (no copy of the ones before);
+    a rewrite from a rejected position replaces the rest; reads see position by
+    position what was written, zeros where nothing was; past the limit the oldest go."""
+    from engine.spec_decode import eagle_proposer
+
+    monkeypatch.setattr(eagle_proposer, "MAX_PENDING_FEATURES", 40)
+    engine = make_engine(
+        tiny_model_dir, speculative_method="eagle", draft_model=random_eagle(tiny_model_dir)
+    )
+    proposer = engine.proposer
+    hidden = proposer.hidden_size
+    ereq = eagle_proposer._EagleRequest("x", [])
+    expected = torch.zeros(400, hidden)
+
+    def write(start, n, value):
+        rows = torch.full((n, hidden), float(value)).to(proposer.model.dtype)
+        proposer._append_features("x", start, rows)
+        expected[start : start + n] = float(value)
+
+    write(10, 7, 1)
+    for step in range(20):  # one position a step
+        write(17 + step, 1, 2 + step)
+    assert len(proposer._features["x"].chunks) == 21  # appended, not joined
+    write(30, 3, 50)  # rejected drafts from 30 on: rewritten, the rest dropped
+    expected[33:37] = 0
+    got = proposer._hidden_for(ereq, 0, 40).float()
+    assert torch.equal(got, expected[:40])
+    for step in range(300):  # far past the limit of 40 (+256 slack before a cut)
+        write(33 + step, 1, 100 + step % 7)
+    feats = proposer._features["x"]
+    assert feats.end == 333 and 40 <= feats.end - feats.start <= 40 + 256
+    got = proposer._hidden_for(ereq, feats.start - 5, 10).float()
+    assert torch.equal(got[:5], torch.zeros(5, hidden))  # cut: read as zeros
+    assert torch.equal(got[5:], expected[feats.start : feats.start + 5])
