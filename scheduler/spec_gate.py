@@ -98,7 +98,6 @@ class SpeculationGate:
         """Whether this step may speculate (adaptive k); called once per schedule."""
         bucket = self._bucket(batch_size)
         bucket.steps += 1
-        explore = bucket.steps % self.explore_every == 0
         if self.pays(batch_size) is False:
             bucket.closed_for += 1
             if bucket.closed_for >= self._closed_interval(bucket):
@@ -110,6 +109,7 @@ class SpeculationGate:
             bucket.skip_next_spec = True
             self.num_closed_steps += 1
             return False
+        explore = bucket.steps % self.explore_every == 0
         if explore or bucket.plain.steps < self.min_steps and bucket.steps % 4 == 0:
             self.num_closed_steps += 1  # a plain step, to keep its rate measured
             return False

@@ -271,19 +271,23 @@ class LLMEngine:
                 timings.draft_s + timings.prepare_s + timings.forward_s,
             )
         self._record_step(sched, timings, runner_output)
-        gate = self.scheduler.gate
-        speculated = any(s.num_proposed for s in sched.scheduled)
-        # a draft's prefill (a new request's prompt) is left out like the target's
-        catchup = getattr(self.proposer, "max_catchup", 0)
-        draft_prefill = speculated and catchup > 1 + self.config.num_speculative_tokens
-        if gate is not None and decode_only and not forced and not draft_prefill:
-            gate.observe(
-                len(sched.scheduled),
-                speculated,
-                sum(len(t) for t in runner_output.sampled_token_ids.values()),
-                time.perf_counter() - t0,
-            )
+        if self.scheduler.gate is not None and decode_only and not forced:
+            self._observe_gate(sched, runner_output, time.perf_counter() - t0)
         return [o for o in outputs if o is not None]
+
+    def _observe_gate(self, sched: SchedulerOutput, runner_output, seconds: float) -> None:
+        """A decode step's outcome for the speculation gate; a draft's prefill (a new
+        request's prompt) is left out as the target's prefill steps are."""
+        speculated = any(s.num_proposed for s in sched.scheduled)
+        catchup = getattr(self.proposer, "max_catchup", 0)
+        if speculated and catchup > 1 + self.config.num_speculative_tokens:
+            return
+        self.scheduler.gate.observe(
+            len(sched.scheduled),
+            speculated,
+            sum(len(t) for t in runner_output.sampled_token_ids.values()),
+            seconds,
+        )
 
     def _release_preempted(self, sched: SchedulerOutput) -> None:
         if self.proposer is not None:
