@@ -64,6 +64,10 @@ class Scheduler:
         # Set by the engine (EngineConfig.speculation_gate): whether adaptive k may
         # speculate this step at all, from measured step throughput.
         self.gate: SpeculationGate | None = None
+        # Steps where the gate held at k = 0 a request that would have chosen k
+        # adaptively (not steps where every request had its own fixed k).
+        self.num_gated_steps = 0
+        self._held = False
 
     # ---- queue management ----------------------------------------------------------
     @property
@@ -127,6 +131,7 @@ class Scheduler:
         )
         spec_cost = self._spec_cost() if speculate else 0.0
         adaptive = speculate and (self.gate is None or self.gate.allow(len(self.running)))
+        self._held = False
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
@@ -148,6 +153,7 @@ class Scheduler:
             i += 1
         if not preempted:
             budget = self._admit_waiting(budget, scheduled)
+        self.num_gated_steps += self._held
         return SchedulerOutput(
             scheduled=scheduled,
             num_batched_tokens=self.config.max_num_batched_tokens - budget,
@@ -181,6 +187,7 @@ class Scheduler:
         if request.max_spec_tokens is not None:  # fixed k, never above the engine's
             return max(0, min(request.max_spec_tokens, max_k)), None
         if not adaptive:
+            self._held = self._held or max_k > 0
             return 0, None
         source = None
         if self.spec_source is not None and max_k > 0:

@@ -408,8 +408,7 @@ class LLMEngine:
         stats = self.stats
         stats.num_steps += 1
         stats.num_preemptions = self.scheduler.num_preemptions
-        if self.scheduler.gate is not None:
-            stats.num_gated_steps = self.scheduler.gate.num_closed_steps
+        stats.num_gated_steps = self.scheduler.num_gated_steps
         verified = [s for s in sched.scheduled if s.num_proposed and s.spec_source != FORCED]
         for item in verified:  # a constraint's forced tokens are not drafts
             stats.num_draft_tokens += item.num_proposed

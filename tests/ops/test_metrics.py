@@ -134,7 +134,7 @@ def test_counters_equal_the_workload(driven) -> None:
     assert value(s, "specserve_spec_decode_num_draft_tokens_total") == work.num_draft > 0
     assert value(s, "specserve_spec_decode_num_accepted_tokens_total") == work.num_accepted
     gated = value(s, "specserve_spec_decode_num_gated_steps_total")
-    assert gated == engine.stats.num_gated_steps == engine.scheduler.gate.num_closed_steps
+    assert gated == engine.stats.num_gated_steps == engine.scheduler.num_gated_steps
     assert work.num_accepted == work.sum_accepted_per_verification
     assert value(s, "specserve_prefix_cache_hits_total") >= 32  # "stopped" reused 2 blocks
     assert value(s, "specserve_prefix_cache_queries_total") == engine.stats.num_prefix_query_tokens

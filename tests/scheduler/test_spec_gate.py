@@ -97,3 +97,31 @@ def test_a_closed_gate_zeroes_adaptive_k_but_not_a_fixed_k():
     gate.pays = lambda batch_size: True
     k = {s.request_id: s.num_spec_tokens for s in step(scheduler).scheduled}
     assert k["a"] > 0 and k["f"] == 3
+
+
+def test_a_held_step_counts_only_when_it_held_back_an_adaptive_request():
+    """num_gated_steps (the gated-steps metric) counts steps where the closed gate set
+    k = 0 for a request that chooses k adaptively; a step of requests with their own
+    fixed k speculates anyway and is not counted."""
+
+    def closed_scheduler():
+        s = make_scheduler(num_spec_tokens=4, spec_enabled=True)
+        s.gate = SpeculationGate()
+        _run(s.gate, 1, 200, spec_rate=50.0, plain_rate=100.0, rng=random.Random(2))
+        assert s.gate.pays(1) is False
+        return s
+
+    fixed = closed_scheduler()
+    fixed.add_request(make_request("f", 5, max_tokens=30, max_spec_tokens=2))
+    step(fixed)  # prefill
+    closed0 = fixed.gate.num_closed_steps
+    ks = [step(fixed).scheduled[0].num_spec_tokens for _ in range(8)]
+    assert ks == [2] * 8 and fixed.gate.num_closed_steps > closed0
+    assert fixed.num_gated_steps == 0
+
+    adaptive = closed_scheduler()
+    adaptive.add_request(make_request("a", 5, max_tokens=30))
+    step(adaptive)
+    ks = [step(adaptive).scheduled[0].num_spec_tokens for _ in range(8)]
+    held = sum(k == 0 for k in ks)
+    assert held >= 4 and adaptive.num_gated_steps == held
