@@ -23,6 +23,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--modes", default="none,eagle,eagle-nogate")
     parser.add_argument("--concurrency", type=int, default=4)
+    parser.add_argument("--workload", default="chat", help="chat or grounded (workloads.py)")
     parser.add_argument("--num-prompts", type=int, default=None, help="default: 2 batches")
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--temperature", type=float, default=0.0)
@@ -39,7 +40,7 @@ def main() -> int:
     base = EngineConfig(speculative_method="none", dtype=args.dtype, device="cpu")
     plain = LLMEngine(base)
     num_prompts = args.num_prompts or 2 * args.concurrency
-    prompts = tokenize_prompts(plain.tokenizer, load_prompts("chat", num_prompts), True)
+    prompts = tokenize_prompts(plain.tokenizer, load_prompts(args.workload, num_prompts), True)
     params = SamplingParams(
         max_tokens=args.output_len, temperature=args.temperature, ignore_eos=True
     )

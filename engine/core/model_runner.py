@@ -48,6 +48,8 @@ class ModelRunner:
             self.device,
         )
         self.model.bind_kv_caches(self.kv_caches)
+        # hidden states -> logits; a draft with a reduced head sets its own
+        self.compute_logits = self.model.compute_logits
         self._pin = self.device.type == "cuda"
 
     def forward(self, seqs: list[SeqInput]) -> torch.Tensor:
@@ -62,7 +64,7 @@ class ModelRunner:
             hidden = self.model(input_ids, positions)  # [num_tokens, hidden_size]
         if logit_rows is not None:
             hidden = hidden[logit_rows]
-        return self.model.compute_logits(hidden)
+        return self.compute_logits(hidden)
 
     def prepare(self, seqs: list[SeqInput]) -> PreparedBatch:
         """Host-side batch building: the packed tensors and the attention metadata."""

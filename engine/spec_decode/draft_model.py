@@ -33,6 +33,7 @@ from engine.observability.stats import PoolStats
 from engine.sample.grammar import mask_draft_logits
 from engine.sample.logits_processor import LogitsAdjustment
 from engine.sample.sampler import SamplingBatch, processed_probs, sample_from_probs
+from engine.spec_decode.trained_draft import expand_logits
 from scheduler.step_cost import DraftCostMeter, StepCostModel
 
 
@@ -82,6 +83,12 @@ class DraftModelProposer:
             cache_key=f"draft:{draft_loaded.name}:{draft_loaded.dtype}",
         )
         self.runner = ModelRunner(draft_loaded, num_blocks, config.block_size)
+        # A trained draft scores only its draft vocabulary: its forwards return those
+        # logits, expanded over the whole vocabulary only for rows that need q.
+        self.vocab: torch.Tensor | None = getattr(draft_loaded.model, "draft_vocab", None)
+        self.vocab_size = draft_loaded.arch.vocab_size
+        if self.vocab is not None:
+            self.runner.compute_logits = draft_loaded.model.compute_reduced_logits
         self.generator = torch.Generator(self.device).manual_seed(config.seed + 1)
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self._requests: dict[str, _DraftRequest] = {}
@@ -137,30 +144,30 @@ class DraftModelProposer:
         step = 0
         rows = list(range(len(active)))  # each active request's row in the last forward
         started = time.perf_counter()  # a burst step: sampling, then the next forward
+        # Greedy rows with nothing to process take the argmax of the draft's own logits
+        # and keep no q: verification couples greedy rows (the target's argmax against
+        # the draft), so q would go unread. Fixed per request, so a request has q for
+        # all its drafts or none.
+        plain = [self._argmax_only(states[i]) for i, _, _ in active]
         while active:
-            # Processed as the verifier processes this position (penalties counting the
-            # drafts before it, then the constraint's mask), so a draft model that agrees
-            # with the target proposes what the target would sample
-            logits = self._adjusted(logits, active, states, drafts)
-            dead = self._masked(logits, active, states, drafts)
-            if dead:  # the constraint allows nothing there: those requests stop drafting
-                live = [r for r in range(len(active)) if r not in dead]
-                logits = logits[live]
-                active, rows = [active[r] for r in live], [rows[r] for r in live]
-                if not active:
-                    break
-            # d_{step+1} goes to position num_tokens + step: the noise the verifier
-            # samples that position with, so seeded requests are verified by coupling
-            batch = SamplingBatch.build(
-                [states[i].params for i, _, _ in active],
-                [states[i].request.num_tokens + step for i, _, _ in active],
-                self.device,
-            )
-            q = processed_probs(logits, batch)
-            tokens = sample_from_probs(q, batch, self.generator).tolist()
-            for row, ((i, _, _), token) in enumerate(zip(active, tokens)):
+            tokens: list[int | None] = [None] * len(active)
+            fast = [r for r in range(len(active)) if plain[r]]
+            if fast:
+                picked = logits[fast] if len(fast) < len(active) else logits
+                idx = picked.argmax(dim=-1)
+                ids = idx if self.vocab is None else self.vocab[idx]
+                for r, token in zip(fast, ids.tolist()):
+                    tokens[r] = token
+            if len(fast) < len(active):
+                dead = self._sample_rows(logits, active, plain, states, drafts, step, tokens, probs)
+                if dead:  # the constraint allows nothing there: those requests stop drafting
+                    live = [r for r in range(len(active)) if r not in dead]
+                    active, rows = [active[r] for r in live], [rows[r] for r in live]
+                    plain, tokens = [plain[r] for r in live], [tokens[r] for r in live]
+                    if not active:
+                        break
+            for (i, _, _), token in zip(active, tokens):
                 drafts[i].append(token)
-                probs[i].append(q[row])
             step += 1
             # a request stops drafting at k, or at a stop token (nothing after it is kept)
             keep = [
@@ -168,13 +175,52 @@ class DraftModelProposer:
                 for r, (i, _, k) in enumerate(active)
                 if len(drafts[i]) < k and drafts[i][-1] not in states[i].request.stop_token_ids
             ]
-            active = [active[r] for r in keep]
+            active, plain = [active[r] for r in keep], [plain[r] for r in keep]
             if active:
                 logits = self._next_logits(active, [rows[r] for r in keep], drafts)
                 rows = list(range(len(active)))
                 now = time.perf_counter()
                 self.cost_meter.observe(len(active), now - started)
                 started = now
+
+    @staticmethod
+    def _argmax_only(state) -> bool:
+        params = state.params
+        return (params.is_greedy and not params.processes_logits
+                and getattr(state, "grammar", None) is None)  # fmt: skip
+
+    def _sample_rows(self, logits, active, plain, states, drafts, step, tokens, probs):
+        """Draw the drafts of the rows that need q (sampled, or with penalties or a
+        constraint) into ``tokens`` and their q into ``probs``; returns the rows (of
+        ``active``) whose constraint allows nothing."""
+        slow = [r for r in range(len(active)) if not plain[r]]
+        sub = [active[r] for r in slow]
+        picked = logits[slow] if len(slow) < len(active) else logits
+        if self.vocab is not None:
+            picked = expand_logits(picked, self.vocab, self.vocab_size)
+        # Processed as the verifier processes this position (penalties counting the
+        # drafts before it, then the constraint's mask), so a draft model that agrees
+        # with the target proposes what the target would sample
+        picked = self._adjusted(picked, sub, states, drafts)
+        dead = set(self._masked(picked, sub, states, drafts))
+        live = [n for n in range(len(sub)) if n not in dead]
+        if live:
+            if dead:
+                picked = picked[live]
+            sub = [sub[n] for n in live]
+            # d_{step+1} goes to position num_tokens + step: the noise the verifier
+            # samples that position with, so seeded requests are verified by coupling
+            batch = SamplingBatch.build(
+                [states[i].params for i, _, _ in sub],
+                [states[i].request.num_tokens + step for i, _, _ in sub],
+                self.device,
+            )
+            q = processed_probs(picked, batch)
+            for n, token in enumerate(sample_from_probs(q, batch, self.generator).tolist()):
+                r = slow[live[n]]
+                tokens[r] = token
+                probs[active[r][0]].append(q[n])
+        return [slow[n] for n in sorted(dead)]
 
     def _next_logits(self, active, rows, drafts) -> torch.Tensor:
         """The next burst step: feed each active request its last draft (``rows``: its

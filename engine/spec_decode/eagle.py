@@ -128,9 +128,14 @@ class EagleDraftForCausalLM(nn.Module):
         return out + residual
 
     def compute_logits(self, o: torch.Tensor) -> torch.Tensor:
-        reduced = self.lm_head(self.model.norm(o.contiguous())).float()  # [n, draft vocab]
-        full = reduced.new_full((reduced.shape[0], self.config.vocab_size), float("-inf"))
-        return full.index_copy_(1, self.draft_vocab, reduced)
+        from engine.spec_decode.trained_draft import expand_logits
+
+        return expand_logits(self.compute_reduced_logits(o), self.draft_vocab,
+                             self.config.vocab_size)  # fmt: skip
+
+    def compute_reduced_logits(self, o: torch.Tensor) -> torch.Tensor:
+        """[n, draft vocab] in the model's dtype: column i scores token draft_vocab[i]."""
+        return self.lm_head(self.model.norm(o.contiguous()))
 
     def bind_kv_caches(self, kv_caches: list[torch.Tensor]) -> None:
         from engine.models.llama import fused_decoder_for

@@ -206,13 +206,14 @@ class EagleProposer(DraftModelProposer):
 
     @torch.inference_mode()
     def _forward(self, seqs: list[SeqInput], hidden: list[torch.Tensor]):
-        """(logits [rows, vocab] float32, o [rows, H]) for the rows each seq asks for."""
+        """(the reduced head's logits [rows, draft vocab], o [rows, H]) for the rows each
+        seq asks for."""
         input_ids, positions, metadata, logit_rows = self.runner.prepare(seqs)
         with set_attention_metadata(metadata):
             out = self.model(input_ids, positions, torch.cat(hidden))
         if logit_rows is not None:
             out = out[logit_rows]
-        return self.model.compute_logits(out), out
+        return self.model.compute_reduced_logits(out), out
 
     # ---- after verification ---------------------------------------------------------
     def _settle(self, ereq: _EagleRequest) -> None:

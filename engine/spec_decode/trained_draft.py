@@ -47,9 +47,19 @@ class TrainedDraftForCausalLM(LlamaForCausalLM):
         self.num_streamed_params = self.num_params - self.model.embed_tokens.weight.numel()
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        reduced = self.lm_head(hidden_states).float()  # [n, draft vocab]
-        full = reduced.new_full((reduced.shape[0], self.config.vocab_size), float("-inf"))
-        return full.index_copy_(1, self.draft_vocab, reduced)
+        return expand_logits(self.compute_reduced_logits(hidden_states), self.draft_vocab,
+                             self.config.vocab_size)  # fmt: skip
+
+    def compute_reduced_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """[n, draft vocab] in the model's dtype: column i scores token draft_vocab[i]."""
+        return self.lm_head(hidden_states)
+
+
+def expand_logits(reduced: torch.Tensor, draft_vocab: torch.Tensor, vocab_size: int):
+    """A reduced head's logits [n, draft vocab] as float32 logits over the target's whole
+    vocabulary, -inf outside the draft vocabulary (q is zero there)."""
+    full = reduced.new_full((reduced.shape[0], vocab_size), float("-inf"), dtype=torch.float32)
+    return full.index_copy_(1, draft_vocab, reduced.float())
 
 
 def load_draft(path: str, target, attn_backend: str = "auto", quantization: str = "auto"):

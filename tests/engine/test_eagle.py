@@ -235,6 +235,53 @@ def test_every_draft_distribution_is_the_contracts(
         assert q[:, 200:].sum() == 0  # zero outside the draft vocabulary
 
 
+def test_greedy_drafts_are_the_argmax_and_carry_no_q_beside_sampled_rows_that_do(
+    tiny_model_dir, random_eagle
+):
+    """In one batch: greedy requests (their drafts the argmax of the draft's reduced
+    logits; no q, which coupled verification never reads), a greedy request with a
+    repetition penalty and seeded ones at temperature 1 (both with the contract's q)."""
+    draft_dir = random_eagle(tiny_model_dir, vocab=200)
+    engine = make_engine(
+        tiny_model_dir, speculative_method="eagle", draft_model=draft_dir,
+        speculative_disable_batch_size=64,
+    )  # fmt: skip
+    reference = _ContractDraft(draft_dir, tiny_model_dir)
+    seen = []
+    propose = engine.proposer.propose
+
+    def recording(items, states):
+        verified = [list(s.request.all_token_ids) for s in states]
+        drafts, probs = propose(items, states)
+        seen.extend(zip([s.request.request_id for s in states], verified, drafts, probs))
+        return drafts, probs
+
+    engine.proposer.propose = recording
+    k4 = dict(max_tokens=20, ignore_eos=True, num_speculative_tokens=4)
+    kinds = {
+        "greedy": SamplingParams(temperature=0.0, **k4),
+        "penalised": SamplingParams(temperature=0.0, repetition_penalty=1.3, **k4),
+        "seeded": SamplingParams(temperature=1.0, seed=5, **k4),
+    }
+    prompts = prompts_of_lengths([6, 19, 30, 11], seed=4)
+    work = [(f"{kind}-{i}", p, kinds[kind]) for i, (kind, p) in
+            enumerate(zip(["greedy", "seeded", "greedy", "penalised"], prompts))]  # fmt: skip
+    run_to_completion(engine, {0: work})
+    assert_all_blocks_released(engine)
+    by_kind = {kind: [x for x in seen if x[0].startswith(kind)] for kind in kinds}
+    assert all(len(rows) >= 4 for rows in by_kind.values()), {k: len(v) for k, v in by_kind.items()}
+    for _, verified, drafts, q in by_kind["greedy"]:
+        assert q is None and drafts
+        assert reference.logits(verified, drafts[:-1]).argmax(-1).tolist() == drafts
+    for kind in ("penalised", "seeded"):
+        for _, _verified, drafts, q in by_kind[kind]:
+            assert q is not None and len(q) == len(drafts)
+            assert q[:, 200:].sum() == 0
+    for _, verified, drafts, q in by_kind["seeded"]:
+        want = reference.logits(verified, drafts[:-1]).softmax(-1)
+        torch.testing.assert_close(q[:, :200], want, rtol=2e-3, atol=2e-4)
+
+
 # ---- the draft cache ------------------------------------------------------------------
 def _check_draft_cache(engine) -> None:
     """After every step: the draft KV holds whole verified positions only (no drafted
