@@ -48,8 +48,9 @@ class ModelRunner:
             self.device,
         )
         self.model.bind_kv_caches(self.kv_caches)
-        # hidden states -> logits; a draft with a reduced head sets its own
-        self.compute_logits = self.model.compute_logits
+        # hidden states -> logits in place of the model's compute_logits (a draft with
+        # a reduced head keeps its reduced logits)
+        self.logits_fn = None
         self._pin = self.device.type == "cuda"
 
     def forward(self, seqs: list[SeqInput]) -> torch.Tensor:
@@ -64,7 +65,7 @@ class ModelRunner:
             hidden = self.model(input_ids, positions)  # [num_tokens, hidden_size]
         if logit_rows is not None:
             hidden = hidden[logit_rows]
-        return self.compute_logits(hidden)
+        return (self.logits_fn or self.model.compute_logits)(hidden)
 
     def prepare(self, seqs: list[SeqInput]) -> PreparedBatch:
         """Host-side batch building: the packed tensors and the attention metadata."""

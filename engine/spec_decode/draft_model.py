@@ -88,7 +88,7 @@ class DraftModelProposer:
         self.vocab: torch.Tensor | None = getattr(draft_loaded.model, "draft_vocab", None)
         self.vocab_size = draft_loaded.arch.vocab_size
         if self.vocab is not None:
-            self.runner.compute_logits = draft_loaded.model.compute_reduced_logits
+            self.runner.logits_fn = draft_loaded.model.compute_reduced_logits
         self.generator = torch.Generator(self.device).manual_seed(config.seed + 1)
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self._requests: dict[str, _DraftRequest] = {}
