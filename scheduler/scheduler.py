@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from block_manager import KVCacheManager
 from scheduler.output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from scheduler.request import Request, RequestStatus
-from scheduler.spec_gate import SpeculationGate
+from scheduler.spec_gate import SpeculationGate, lane_of
 from scheduler.spec_length import choose_num_spec_tokens
 from scheduler.step_cost import StepCostModel
 
@@ -130,8 +130,9 @@ class Scheduler:
             self.config.spec_enabled and len(self.running) <= self.config.spec_disable_batch_size
         )
         spec_cost = self._spec_cost() if speculate else 0.0
-        adaptive = speculate and (self.gate is None or self.gate.allow(len(self.running)))
+        adaptive = speculate and (self.gate is None or self.gate.begin_step(len(self.running)))
         self._held = False
+        self._lanes: dict[str | None, bool] = {}  # the gate's answer per lane, this step
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
@@ -193,7 +194,18 @@ class Scheduler:
         if self.spec_source is not None and max_k > 0:
             source, draft_cost = self.spec_source(request)
             spec_cost += draft_cost - self.draft_cost
+        if self.gate is not None and max_k > 0 and not self._lane_open(source):
+            self._held = True
+            return 0, None
         return choose_num_spec_tokens(request.history_for(source), max_k, spec_cost), source
+
+    def _lane_open(self, source: str | None) -> bool:
+        """The gate's answer for the lane of ``source``, asked once per lane per step."""
+        lane = lane_of(source)
+        allowed = self._lanes.get(lane)
+        if allowed is None:
+            allowed = self._lanes[lane] = self.gate.allow_lane(len(self.running), lane)
+        return allowed
 
     def _num_forced_tokens(self, request: Request) -> int:
         """The forced tokens that fit the length limits (and a last sampled token)."""

@@ -18,16 +18,30 @@ plain rate: one run in 100 steps). The first step of such a run is not counted: 
 the catch-up of everything the draft missed while the gate was closed, which steady
 speculation does not. The gate opens with no evidence, so a new engine speculates
 from its first step, as adaptive k alone would.
+
+A proposer that combines several sources (hybrid: n-gram lookup and a draft model) is
+gated per *lane* (``lane_of``): a step that ran the draft model is the draft's lane's,
+one whose drafts were all n-gram lookups the n-gram lane's, and each lane opens and
+closes on its own rate against the shared plain rate. A draft model that does not pay
+then no longer holds back the n-gram drafts of a request copying its prompt, which cost
+nothing to propose.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 def bucket_of(batch_size: int) -> int:
     """1, 2, 4, 8, ...: the smallest power of two not below ``batch_size``."""
     return 1 << max(batch_size - 1, 0).bit_length()
+
+
+def lane_of(source: str | None) -> str | None:
+    """The gate's lane of a step's draft source: the hybrid proposer's "model" (the draft
+    model's burst) or "ngram" (its long and short n-gram matches); None for a proposer
+    with one source."""
+    return "ngram" if source in ("ngram", "ngram-short") else source
 
 
 @dataclass(slots=True)
@@ -47,13 +61,24 @@ class _Rate:
 
 
 @dataclass(slots=True)
-class _Bucket:
-    spec: _Rate
-    plain: _Rate
-    steps: int = 0  # schedule decisions in this bucket
-    run_left: int = 0  # speculating steps left in an exploring run (gate closed)
-    closed_for: int = 0  # steps since the last exploring run began (gate closed)
+class _Lane:
+    spec: _Rate = field(default_factory=_Rate)
+    run_left: int = 0  # speculating steps left in an exploring run (lane closed)
+    closed_for: int = 0  # steps since the last exploring run began (lane closed)
     skip_next_spec: bool = False  # the next speculating step ends a closed spell
+
+
+@dataclass(slots=True)
+class _Bucket:
+    plain: _Rate = field(default_factory=_Rate)
+    lanes: dict[str | None, _Lane] = field(default_factory=dict)
+    steps: int = 0  # schedule decisions in this bucket
+
+    def lane(self, lane: str | None) -> _Lane:
+        state = self.lanes.get(lane)
+        if state is None:
+            state = self.lanes[lane] = _Lane()
+        return state
 
 
 class SpeculationGate:
@@ -84,60 +109,95 @@ class SpeculationGate:
         key = bucket_of(batch_size)
         bucket = self._buckets.get(key)
         if bucket is None:
-            bucket = self._buckets[key] = _Bucket(_Rate(), _Rate())
+            bucket = self._buckets[key] = _Bucket()
         return bucket
 
-    def pays(self, batch_size: int) -> bool | None:
-        """True or False once both rates of the bucket are measured, else None."""
+    def pays(self, batch_size: int, lane: str | None = None) -> bool | None:
+        """True or False once the lane's rate and the plain rate of the bucket are
+        measured, else None."""
         bucket = self._bucket(batch_size)
-        if min(bucket.spec.steps, bucket.plain.steps) < self.min_steps:
+        spec = bucket.lane(lane).spec
+        if min(spec.steps, bucket.plain.steps) < self.min_steps:
             return None
-        return bucket.spec.per_second >= self.margin * bucket.plain.per_second
+        return spec.per_second >= self.margin * bucket.plain.per_second
 
-    def allow(self, batch_size: int) -> bool:
-        """Whether this step may speculate (adaptive k); called once per schedule."""
+    def allow(self, batch_size: int, lane: str | None = None) -> bool:
+        """Whether this step may speculate (adaptive k), for a proposer with one lane:
+        ``begin_step`` and ``allow_lane`` together."""
+        return self.begin_step(batch_size) and self.allow_lane(batch_size, lane)
+
+    def begin_step(self, batch_size: int) -> bool:
+        """Called once per schedule; False for a plain step that keeps the plain rate
+        measured (while some lane is open: a closed lane's steps are plain anyway)."""
         bucket = self._bucket(batch_size)
         bucket.steps += 1
-        if self.pays(batch_size) is False:
-            bucket.closed_for += 1
-            if bucket.closed_for >= self._closed_interval(bucket):
-                bucket.closed_for = 0
-                bucket.run_left = self.spec_run
-            if bucket.run_left > 0:
-                bucket.run_left -= 1
-                return True
-            bucket.skip_next_spec = True
-            self.num_closed_steps += 1
-            return False
+        if bucket.lanes and all(self.pays(batch_size, lane) is False for lane in bucket.lanes):
+            return True
         explore = bucket.steps % self.explore_every == 0
         if explore or bucket.plain.steps < self.min_steps and bucket.steps % 4 == 0:
-            self.num_closed_steps += 1  # a plain step, to keep its rate measured
+            self.num_closed_steps += 1
             return False
         return True
 
-    def _closed_interval(self, bucket: _Bucket) -> int:
+    def allow_lane(self, batch_size: int, lane: str | None = None) -> bool:
+        """Whether requests drafting from ``lane`` may speculate this step; called at
+        most once per lane per schedule, after ``begin_step`` allowed the step."""
+        bucket = self._bucket(batch_size)
+        state = bucket.lane(lane)
+        if self.pays(batch_size, lane) is not False:
+            return True
+        state.closed_for += 1
+        if state.closed_for >= self._closed_interval(bucket, state):
+            state.closed_for = 0
+            state.run_left = self.spec_run
+        if state.run_left > 0:
+            state.run_left -= 1
+            return True
+        state.skip_next_spec = True
+        self.num_closed_steps += 1
+        return False
+
+    def _closed_interval(self, bucket: _Bucket, lane: _Lane) -> int:
         """Steps between exploring runs while closed: explore_every, or more where
         speculation is measured so much slower that a run would cost more than the
         budget."""
-        loss = 1.0 - bucket.spec.per_second / max(bucket.plain.per_second, 1e-9)
+        loss = 1.0 - lane.spec.per_second / max(bucket.plain.per_second, 1e-9)
         wanted = round(self.spec_run * loss / self.explore_budget)
         return min(max(self.explore_every, wanted), self.max_explore_every)
 
-    def observe(self, batch_size: int, speculated: bool, num_tokens: int, seconds: float) -> None:
-        """One decode step's outcome: its output tokens and wall time."""
+    def observe(
+        self,
+        batch_size: int,
+        speculated: bool,
+        num_tokens: int,
+        seconds: float,
+        lane: str | None = None,
+    ) -> None:
+        """One decode step's outcome: its output tokens and wall time, and the lane
+        whose drafts it verified (the draft model's, where a step had both)."""
         if num_tokens <= 0 or seconds <= 0:
             return
         bucket = self._bucket(batch_size)
         if speculated:
-            if bucket.skip_next_spec:  # the catch-up step after a closed spell
-                bucket.skip_next_spec = False
+            state = bucket.lane(lane)
+            if state.skip_next_spec:  # the catch-up step after a closed spell
+                state.skip_next_spec = False
                 return
-            bucket.spec.add(num_tokens, seconds, self.decay)
+            state.spec.add(num_tokens, seconds, self.decay)
         else:
             bucket.plain.add(num_tokens, seconds, self.decay)
 
-    def state(self) -> dict[int, tuple[float, float]]:
-        """bucket -> (speculating, plain) output tokens per second, as measured."""
+    def state(self, lane: str | None = None) -> dict[int, tuple[float, float]]:
+        """bucket -> (speculating in ``lane``, plain) output tokens per second, as
+        measured."""
         return {
-            key: (b.spec.per_second, b.plain.per_second) for key, b in sorted(self._buckets.items())
+            key: (b.lane(lane).spec.per_second, b.plain.per_second)
+            for key, b in sorted(self._buckets.items())
         }
+
+    def lanes(self) -> list[str | None]:
+        """The lanes measured so far, in any bucket."""
+        seen: dict[str | None, None] = {}
+        for bucket in self._buckets.values():
+            seen.update(dict.fromkeys(bucket.lanes))
+        return list(seen)

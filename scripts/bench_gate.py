@@ -63,12 +63,15 @@ def main() -> int:
             tokens = len(prompts) * args.output_len
             rates[mode].append(tokens / seconds)
             closed = (gate.num_closed_steps - closed0) if gate else 0
-            state = {b: f"{s:.0f}/{p:.0f}" for b, (s, p) in gate.state().items()} if gate else "-"
+            state = {
+                lane or "all": {b: f"{s:.0f}/{p:.0f}" for b, (s, p) in gate.state(lane).items()}
+                for lane in gate.lanes()
+            } if gate else "-"  # fmt: skip
             print(
                 f"round {r} {mode:>14}: {tokens / seconds:7.1f} tok/s; steps: "
                 f"{split['plain_n']} plain {split['plain']:.2f} s, {split['spec_n']} speculating "
                 f"{split['spec']:.2f} s, gate held {closed} plain; gate spec/plain tok/s by "
-                f"bucket {state}",
+                f"lane and bucket {state}",
                 file=sys.stderr,
                 flush=True,
             )

@@ -26,7 +26,7 @@ from engine.spec_decode.verifier import Verifier
 from scheduler.output import ModelRunnerOutput, SchedulerOutput
 from scheduler.request import Request
 from scheduler.scheduler import FORCED, Scheduler, SchedulerConfig
-from scheduler.spec_gate import SpeculationGate
+from scheduler.spec_gate import SpeculationGate, lane_of
 
 logger = logging.getLogger(__name__)
 
@@ -278,15 +278,17 @@ class LLMEngine:
     def _observe_gate(self, sched: SchedulerOutput, runner_output, seconds: float) -> None:
         """A decode step's outcome for the speculation gate; a draft's prefill (a new
         request's prompt) is left out as the target's prefill steps are."""
-        speculated = any(s.num_proposed for s in sched.scheduled)
+        lanes = {lane_of(s.spec_source) for s in sched.scheduled if s.num_proposed}
         catchup = getattr(self.proposer, "max_catchup", 0)
-        if speculated and catchup > 1 + self.config.num_speculative_tokens:
+        if lanes and catchup > 1 + self.config.num_speculative_tokens:
             return
         self.scheduler.gate.observe(
             len(sched.scheduled),
-            speculated,
+            bool(lanes),
             sum(len(t) for t in runner_output.sampled_token_ids.values()),
             seconds,
+            # a step that ran the draft model is its lane's: the burst is its cost
+            lane="model" if "model" in lanes else next(iter(lanes), None),
         )
 
     def _release_preempted(self, sched: SchedulerOutput) -> None:

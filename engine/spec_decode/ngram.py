@@ -1,16 +1,59 @@
 """Prompt lookup: propose what followed the most recent earlier occurrence of the last
-n tokens (n from ngram_max down to ngram_min). No weights at all."""
+n tokens (n from ngram_max down to ngram_min). No weights at all.
+
+Two equivalent ways to find it: ``propose_with_match`` scans the whole sequence (numpy,
+stateless: the reference), ``propose_for`` keeps per request an index of where every
+n-gram last started and extends it with the tokens verified since its last call, so a
+step's lookup costs a few dict reads instead of a scan of the context (~0.3 ms a
+request at a few hundred tokens, 3% of a decode step of the default model).
+"""
 
 from __future__ import annotations
 
+from collections import OrderedDict
+
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
+
+# Requests whose index is kept; the least recently used beyond this is rebuilt from
+# scratch if it proposes again (a dict build, ~1 ms per 2,000 tokens).
+MAX_INDEXED_REQUESTS = 64
+
+
+class _Index:
+    """For one growing token list: per n, n-gram -> the start of its latest occurrence
+    among the windows that end before the last token (a window must have a
+    continuation); windows starting below ``next_start[n]`` are in."""
+
+    __slots__ = ("tokens", "length", "last", "next_start")
+
+    def __init__(self, tokens: list[int], ngram_min: int, ngram_max: int) -> None:
+        self.tokens = tokens  # the request's own list: a different list is a new request
+        self.length = 0
+        self.last: dict[int, dict] = {n: {} for n in range(ngram_min, ngram_max + 1)}
+        self.next_start = dict.fromkeys(self.last, 0)
+
+    def extend(self) -> None:
+        tokens = self.tokens
+        end = len(tokens)
+        for n, table in self.last.items():
+            first, stop = self.next_start[n], end - n  # starts first .. stop - 1
+            if stop <= first:
+                continue
+            if n == 1:
+                keys = tokens[first:stop]
+            else:
+                keys = zip(*(tokens[first + i : stop + i] for i in range(n)))
+            table.update(zip(keys, range(first, stop)))  # later starts overwrite
+            self.next_start[n] = stop
+        self.length = end
 
 
 class NgramProposer:
     def __init__(self, ngram_min: int = 1, ngram_max: int = 4) -> None:
         self.ngram_min = ngram_min
         self.ngram_max = ngram_max
+        self._indexes: OrderedDict[str, _Index] = OrderedDict()
 
     def propose(self, token_ids: list[int], k: int) -> list[int]:
         """Up to k draft tokens continuing ``token_ids`` (empty when nothing matches)."""
@@ -29,3 +72,26 @@ class NgramProposer:
                 start = int(hits[-1]) + n  # the most recent occurrence
                 return token_ids[start : start + k], n
         return [], 0
+
+    def propose_for(self, request_id: str, token_ids: list[int], k: int) -> tuple[list[int], int]:
+        """``propose_with_match`` for a request whose ``token_ids`` (the same list from
+        call to call) only grow, from its kept index."""
+        if k <= 0 or len(token_ids) < self.ngram_min + 1:
+            return [], 0
+        index = self._indexes.get(request_id)
+        if index is None or index.tokens is not token_ids or len(token_ids) < index.length:
+            index = self._indexes[request_id] = _Index(token_ids, self.ngram_min, self.ngram_max)
+            if len(self._indexes) > MAX_INDEXED_REQUESTS:
+                self._indexes.popitem(last=False)
+        self._indexes.move_to_end(request_id)
+        index.extend()
+        length = len(token_ids)
+        for n in range(min(self.ngram_max, length - 1), self.ngram_min - 1, -1):
+            suffix = token_ids[-1] if n == 1 else tuple(token_ids[length - n :])
+            start = index.last[n].get(suffix)
+            if start is not None:
+                return token_ids[start + n : start + n + k], n
+        return [], 0
+
+    def forget(self, request_id: str) -> None:
+        self._indexes.pop(request_id, None)

@@ -30,7 +30,9 @@ class NgramSpecProposer:
 
     def propose(self, items, states):
         drafts = [
-            self._ngram.propose(state.request.all_token_ids, item.num_spec_tokens)
+            self._ngram.propose_for(
+                state.request.request_id, state.request.all_token_ids, item.num_spec_tokens
+            )[0]
             for item, state in zip(items, states)
         ]
         return drafts, None
@@ -39,7 +41,7 @@ class NgramSpecProposer:
         pass
 
     def free(self, request_id: str) -> None:
-        pass
+        self._ngram.forget(request_id)
 
     def pool_stats(self):
         return None
@@ -86,7 +88,7 @@ class HybridProposer:
 
     def source_for(self, request, max_k: int = MAX_NUM_SPECULATIVE_TOKENS) -> tuple[str, float]:
         """(which proposer drafts for ``request`` this step, its cost per draft)."""
-        tokens, matched = self._ngram.propose_with_match(request.all_token_ids, max_k)
+        tokens, matched = self._ngram.propose_for(request.request_id, request.all_token_ids, max_k)
         if tokens and matched >= self.min_match:
             source = "ngram"
         elif tokens and self._short_match_wins():
@@ -151,6 +153,7 @@ class HybridProposer:
     def free(self, request_id: str) -> None:
         self._pending.pop(request_id, None)
         self._decided.pop(request_id, None)
+        self._ngram.forget(request_id)
         self._draft.free(request_id)
 
     def pool_stats(self):
