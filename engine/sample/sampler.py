@@ -226,3 +226,10 @@ def compute_logprobs(
         )
     )
     return chosen, top_values, top_ids
+
+
+def expand_logits(reduced: torch.Tensor, draft_vocab: torch.Tensor, vocab_size: int):
+    """A reduced head's logits [n, draft vocab] as float32 logits over the target's whole
+    vocabulary, -inf outside the draft vocabulary (q is zero there)."""
+    full = reduced.new_full((reduced.shape[0], vocab_size), float("-inf"), dtype=torch.float32)
+    return full.index_copy_(1, draft_vocab, reduced.float())

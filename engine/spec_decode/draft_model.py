@@ -32,8 +32,12 @@ from engine.core.model_runner import ModelRunner, SeqInput
 from engine.observability.stats import PoolStats
 from engine.sample.grammar import mask_draft_logits
 from engine.sample.logits_processor import LogitsAdjustment
-from engine.sample.sampler import SamplingBatch, processed_probs, sample_from_probs
-from engine.spec_decode.trained_draft import expand_logits
+from engine.sample.sampler import (
+    SamplingBatch,
+    expand_logits,
+    processed_probs,
+    sample_from_probs,
+)
 from scheduler.step_cost import DraftCostMeter, StepCostModel
 
 

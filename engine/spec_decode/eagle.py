@@ -46,6 +46,7 @@ from torch import nn
 
 from engine.models.layers import RMSNorm
 from engine.models.llama import LlamaModel
+from engine.sample.sampler import expand_logits
 
 METHOD = "eagle"
 
@@ -128,8 +129,6 @@ class EagleDraftForCausalLM(nn.Module):
         return out + residual
 
     def compute_logits(self, o: torch.Tensor) -> torch.Tensor:
-        from engine.spec_decode.trained_draft import expand_logits
-
         return expand_logits(self.compute_reduced_logits(o), self.draft_vocab,
                              self.config.vocab_size)  # fmt: skip
 

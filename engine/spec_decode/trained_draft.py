@@ -19,6 +19,7 @@ from torch import nn
 
 from engine.default_model import ModelLoadError
 from engine.models.llama import LlamaForCausalLM
+from engine.sample.sampler import expand_logits
 
 DRAFT_FILE = "draft.json"
 FORMAT = "specserve-draft"
@@ -53,13 +54,6 @@ class TrainedDraftForCausalLM(LlamaForCausalLM):
     def compute_reduced_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """[n, draft vocab] in the model's dtype: column i scores token draft_vocab[i]."""
         return self.lm_head(hidden_states)
-
-
-def expand_logits(reduced: torch.Tensor, draft_vocab: torch.Tensor, vocab_size: int):
-    """A reduced head's logits [n, draft vocab] as float32 logits over the target's whole
-    vocabulary, -inf outside the draft vocabulary (q is zero there)."""
-    full = reduced.new_full((reduced.shape[0], vocab_size), float("-inf"), dtype=torch.float32)
-    return full.index_copy_(1, draft_vocab, reduced.float())
 
 
 def load_draft(path: str, target, attn_backend: str = "auto", quantization: str = "auto"):
