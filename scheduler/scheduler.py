@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from block_manager import KVCacheManager
 from scheduler.output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from scheduler.request import Request, RequestStatus
-from scheduler.spec_gate import SpeculationGate, lane_of
+from scheduler.spec_gate import SpeculationGate
 from scheduler.spec_length import choose_num_spec_tokens
 from scheduler.step_cost import StepCostModel
 
@@ -201,10 +201,9 @@ class Scheduler:
 
     def _lane_open(self, source: str | None) -> bool:
         """The gate's answer for the lane of ``source``, asked once per lane per step."""
-        lane = lane_of(source)
-        allowed = self._lanes.get(lane)
+        allowed = self._lanes.get(source)
         if allowed is None:
-            allowed = self._lanes[lane] = self.gate.allow_lane(len(self.running), lane)
+            allowed = self._lanes[source] = self.gate.allow_lane(len(self.running), source)
         return allowed
 
     def _num_forced_tokens(self, request: Request) -> int:

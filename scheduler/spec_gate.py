@@ -19,12 +19,13 @@ the catch-up of everything the draft missed while the gate was closed, which ste
 speculation does not. The gate opens with no evidence, so a new engine speculates
 from its first step, as adaptive k alone would.
 
-A proposer that combines several sources (hybrid: n-gram lookup and a draft model) is
-gated per *lane* (``lane_of``): a step that ran the draft model is the draft's lane's,
-one whose drafts were all n-gram lookups the n-gram lane's, and each lane opens and
-closes on its own rate against the shared plain rate. A draft model that does not pay
-then no longer holds back the n-gram drafts of a request copying its prompt, which cost
-nothing to propose.
+A proposer that names a source per request (``source_for``: n-gram lookup's "ngram"
+for a match of 3 or more tokens and "ngram-short" for a shorter one, hybrid's "model"
+for the draft model) is gated per source, its *lane*: a step counts for the costliest
+lane among its speculating rows (``step_lane``), and each lane opens and closes on its
+own rate against the shared plain rate. Drafts that do not pay (a draft model's burst,
+or one-token matches that are seldom right) then no longer hold back the n-gram drafts
+of a request copying its prompt, which cost nothing and are mostly accepted.
 """
 
 from __future__ import annotations
@@ -37,11 +38,18 @@ def bucket_of(batch_size: int) -> int:
     return 1 << max(batch_size - 1, 0).bit_length()
 
 
-def lane_of(source: str | None) -> str | None:
-    """The gate's lane of a step's draft source: the hybrid proposer's "model" (the draft
-    model's burst) or "ngram" (its long and short n-gram matches); None for a proposer
-    with one source."""
-    return "ngram" if source in ("ngram", "ngram-short") else source
+# Lanes by what a step of theirs costs beside plain decoding, the costliest first.
+_LANE_ORDER = ("model", "ngram-short", "ngram")
+
+
+def step_lane(sources: set[str | None]) -> str | None:
+    """The lane a speculating step counts for, from its rows' draft sources: the draft
+    model's where it ran (its burst is the step's extra cost), else the short matches'
+    (the drafts least often kept)."""
+    for lane in _LANE_ORDER:
+        if lane in sources:
+            return lane
+    return next(iter(sources), None)
 
 
 @dataclass(slots=True)

@@ -26,7 +26,7 @@ from engine.spec_decode.verifier import Verifier
 from scheduler.output import ModelRunnerOutput, SchedulerOutput
 from scheduler.request import Request
 from scheduler.scheduler import FORCED, Scheduler, SchedulerConfig
-from scheduler.spec_gate import SpeculationGate, lane_of
+from scheduler.spec_gate import SpeculationGate, step_lane
 
 logger = logging.getLogger(__name__)
 
@@ -137,7 +137,7 @@ class LLMEngine:
         if self.proposer is not None and config.speculation_gate:
             self.scheduler.gate = SpeculationGate()
         source_for = getattr(self.proposer, "source_for", None)
-        if source_for is not None:  # hybrid: k from the history of the proposer it picks
+        if source_for is not None:  # k from the history of the source it picks, gated per source
             max_k = config.num_speculative_tokens
             self.scheduler.spec_source = lambda request: source_for(request, max_k)
         max_spec_tokens = config.num_speculative_tokens if self.proposer is not None else 0
@@ -278,7 +278,7 @@ class LLMEngine:
     def _observe_gate(self, sched: SchedulerOutput, runner_output, seconds: float) -> None:
         """A decode step's outcome for the speculation gate; a draft's prefill (a new
         request's prompt) is left out as the target's prefill steps are."""
-        lanes = {lane_of(s.spec_source) for s in sched.scheduled if s.num_proposed}
+        lanes = {s.spec_source for s in sched.scheduled if s.num_proposed}
         catchup = getattr(self.proposer, "max_catchup", 0)
         if lanes and catchup > 1 + self.config.num_speculative_tokens:
             return
@@ -287,8 +287,7 @@ class LLMEngine:
             bool(lanes),
             sum(len(t) for t in runner_output.sampled_token_ids.values()),
             seconds,
-            # a step that ran the draft model is its lane's: the burst is its cost
-            lane="model" if "model" in lanes else next(iter(lanes), None),
+            lane=step_lane(lanes),
         )
 
     def _release_preempted(self, sched: SchedulerOutput) -> None:

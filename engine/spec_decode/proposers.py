@@ -19,14 +19,24 @@ from engine.io.sampling_params import MAX_NUM_SPECULATIVE_TOKENS
 from engine.spec_decode.ngram import NgramProposer
 from scheduler.spec_length import AcceptanceHistory
 
+# A match of this many tokens or more is a copied span ("ngram"); a shorter one
+# ("ngram-short") is right far less often. Each keeps its own acceptance history per
+# request and its own lane in the speculation gate.
+LONG_MATCH = 3
+
 
 class NgramSpecProposer:
     """Deterministic drafts: q is one-hot, so draft_probs is None."""
 
-    draft_cost = 0.01  # numpy matching on the host (verification is priced by the scheduler)
+    draft_cost = 0.01  # an index lookup on the host (verification is priced by the scheduler)
 
     def __init__(self, ngram_min: int, ngram_max: int) -> None:
         self._ngram = NgramProposer(ngram_min, ngram_max)
+
+    def source_for(self, request, max_k: int = MAX_NUM_SPECULATIVE_TOKENS) -> tuple[str, float]:
+        """("ngram" for a copied span, "ngram-short" otherwise; the cost per draft)."""
+        _, matched = self._ngram.propose_for(request.request_id, request.all_token_ids, max_k)
+        return ("ngram" if matched >= LONG_MATCH else "ngram-short"), self.draft_cost
 
     def propose(self, items, states):
         drafts = [
@@ -72,7 +82,9 @@ class HybridProposer:
     round. ``propose`` uses the choice ``source_for`` made for the request this step.
     """
 
-    def __init__(self, ngram: NgramProposer, draft, min_match: int = 3, explore_every: int = 8):
+    def __init__(
+        self, ngram: NgramProposer, draft, min_match: int = LONG_MATCH, explore_every: int = 8
+    ):
         self._ngram = ngram
         self._draft = draft
         self.min_match = min_match

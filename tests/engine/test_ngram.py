@@ -72,3 +72,23 @@ def test_indexes_beyond_the_cap_are_dropped_and_rebuilt(monkeypatch):
     assert proposer.propose_for("r0", lists["r0"], 3) == proposer.propose_with_match(lists["r0"], 3)
     proposer.forget("r0")
     assert "r0" not in proposer._indexes
+
+
+def test_the_ngram_proposer_names_copied_spans_and_short_matches_apart():
+    """Its sources are the speculation gate's lanes and the requests' acceptance
+    histories: a match of LONG_MATCH tokens or more is "ngram", anything shorter (or
+    nothing) "ngram-short"."""
+    from types import SimpleNamespace
+
+    from engine.spec_decode.proposers import LONG_MATCH, NgramSpecProposer
+
+    proposer = NgramSpecProposer(1, 4)
+
+    def source(tokens):
+        return proposer.source_for(SimpleNamespace(request_id="r", all_token_ids=tokens))[0]
+
+    span = list(range(10, 10 + LONG_MATCH))
+    assert source([1, *span, 2, 3, *span]) == "ngram"
+    assert source([1, *span[-2:], 2, 3, *span[-2:]]) == "ngram-short"
+    assert source([1, 2, 3]) == "ngram-short"
+    proposer.free("r")
