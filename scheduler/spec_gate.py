@@ -95,7 +95,7 @@ class SpeculationGate:
         explore_every: int = 16,
         spec_run: int = 4,
         min_steps: int = 3,
-        decay: float = 0.85,
+        decay: float = 0.93,
         margin: float = 1.0,
         explore_budget: float = 0.02,
         max_explore_every: int = 128,
