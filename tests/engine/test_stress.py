@@ -2,7 +2,7 @@
 prefix hits x stop strings x aborts x greedy, seeded and unseeded rows x per-request k x
 penalties, logit bias, min_tokens, include_stop_str_in_output, truncate_prompt_tokens x
 structured-output constraints x a float target or a quantized one (the tiny model as a
-.gguf served as stored).
+.gguf served as stored) x the speculation gate on or off (its lanes choosing k by timing).
 
 Every step: both pools pass check_integrity and no request holds a block beyond its KV
 length (check_pools); the draft cache never covers a request's last verified token.
@@ -139,6 +139,9 @@ def _engine_config(rng: random.Random, draft_dirs: dict[str, str]) -> dict:
         draft = "eagle"  # n-gram rows beside EAGLE rows
     if draft in draft_dirs:
         config["draft_model"] = draft_dirs[draft]
+    # half the seeds with the speculation gate and its lanes: k then depends on timing,
+    # and greedy and seeded output must not
+    config["speculation_gate"] = config["seed"] % 2 == 0
     return config
 
 
