@@ -152,10 +152,10 @@ class DraftModelProposer:
         # and keep no q: verification couples greedy rows (the target's argmax against
         # the draft), so q would go unread. Fixed per request, so a request has q for
         # all its drafts or none.
-        plain = [self._argmax_only(states[i]) for i, _, _ in active]
+        by_argmax = [self._argmax_only(states[i]) for i, _, _ in active]
         while active:
             tokens: list[int | None] = [None] * len(active)
-            fast = [r for r in range(len(active)) if plain[r]]
+            fast = [r for r in range(len(active)) if by_argmax[r]]
             if fast:
                 picked = logits[fast] if len(fast) < len(active) else logits
                 idx = picked.argmax(dim=-1)
@@ -163,11 +163,14 @@ class DraftModelProposer:
                 for r, token in zip(fast, ids.tolist()):
                     tokens[r] = token
             if len(fast) < len(active):
-                dead = self._sample_rows(logits, active, plain, states, drafts, step, tokens, probs)
+                dead = self._sample_rows(
+                    logits, active, by_argmax, states, drafts, step, tokens, probs
+                )
                 if dead:  # the constraint allows nothing there: those requests stop drafting
                     live = [r for r in range(len(active)) if r not in dead]
                     active, rows = [active[r] for r in live], [rows[r] for r in live]
-                    plain, tokens = [plain[r] for r in live], [tokens[r] for r in live]
+                    by_argmax = [by_argmax[r] for r in live]
+                    tokens = [tokens[r] for r in live]
                     if not active:
                         break
             for (i, _, _), token in zip(active, tokens):
@@ -179,7 +182,7 @@ class DraftModelProposer:
                 for r, (i, _, k) in enumerate(active)
                 if len(drafts[i]) < k and drafts[i][-1] not in states[i].request.stop_token_ids
             ]
-            active, plain = [active[r] for r in keep], [plain[r] for r in keep]
+            active, by_argmax = [active[r] for r in keep], [by_argmax[r] for r in keep]
             if active:
                 logits = self._next_logits(active, [rows[r] for r in keep], drafts)
                 rows = list(range(len(active)))
@@ -193,11 +196,11 @@ class DraftModelProposer:
         return (params.is_greedy and not params.processes_logits
                 and getattr(state, "grammar", None) is None)  # fmt: skip
 
-    def _sample_rows(self, logits, active, plain, states, drafts, step, tokens, probs):
+    def _sample_rows(self, logits, active, by_argmax, states, drafts, step, tokens, probs):
         """Draw the drafts of the rows that need q (sampled, or with penalties or a
         constraint) into ``tokens`` and their q into ``probs``; returns the rows (of
         ``active``) whose constraint allows nothing."""
-        slow = [r for r in range(len(active)) if not plain[r]]
+        slow = [r for r in range(len(active)) if not by_argmax[r]]
         sub = [active[r] for r in slow]
         picked = logits[slow] if len(slow) < len(active) else logits
         if self.vocab is not None:

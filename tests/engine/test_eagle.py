@@ -191,6 +191,26 @@ class _ContractDraft:
         return _rms(o, w["model.norm.weight"], eps) @ self.head.t()
 
 
+def _recording_eagle_engine(model_dir: str, draft_dir: str):
+    """(an EAGLE engine whose proposals are recorded in ``seen`` as (request id, verified
+    tokens, drafts, q), the contract's reference draft, seen)."""
+    engine = make_engine(
+        model_dir, speculative_method="eagle", draft_model=draft_dir,
+        speculative_disable_batch_size=64,
+    )  # fmt: skip
+    seen = []
+    propose = engine.proposer.propose
+
+    def recording(items, states):
+        verified = [list(s.request.all_token_ids) for s in states]
+        drafts, probs = propose(items, states)
+        seen.extend(zip([s.request.request_id for s in states], verified, drafts, probs))
+        return drafts, probs
+
+    engine.proposer.propose = recording
+    return engine, _ContractDraft(draft_dir, model_dir), seen
+
+
 @pytest.mark.parametrize("target", ["two_layers", "four_layers", "qwen2_tied", "mistral"])
 def test_every_draft_distribution_is_the_contracts(
     target, tiny_model_dir, four_layer_target, tiny_model_factory, random_eagle
@@ -205,30 +225,15 @@ def test_every_draft_distribution_is_the_contracts(
         "qwen2_tied": tiny_model_factory(arch="qwen2", tie_word_embeddings=True),
         "mistral": tiny_model_factory(arch="mistral"),
     }[target]
-    draft_dir = random_eagle(model_dir, vocab=200)
-    engine = make_engine(
-        model_dir, speculative_method="eagle", draft_model=draft_dir,
-        speculative_disable_batch_size=64,
-    )  # fmt: skip
-    reference = _ContractDraft(draft_dir, model_dir)
+    engine, reference, seen = _recording_eagle_engine(model_dir, random_eagle(model_dir, vocab=200))
     vocab = torch.tensor(json.loads(json.dumps(list(range(200)))))
-    seen = []
-    propose = engine.proposer.propose
-
-    def recording(items, states):
-        verified = [list(s.request.all_token_ids) for s in states]
-        drafts, probs = propose(items, states)
-        seen.extend(zip(verified, drafts, probs))
-        return drafts, probs
-
-    engine.proposer.propose = recording
     prompts = prompts_of_lengths([5, 17, 33], seed=3)
     params = SamplingParams(max_tokens=24, temperature=1.0, seed=11, ignore_eos=True,
                             num_speculative_tokens=4)  # fmt: skip
     run_to_completion(engine, {0: [(f"r{i}", p, params) for i, p in enumerate(prompts)]})
     assert_all_blocks_released(engine)
-    assert len(seen) >= 10 and sum(len(d) == 4 for _, d, _ in seen) >= 6
-    for verified, drafts, q in seen:
+    assert len(seen) >= 10 and sum(len(d) == 4 for _, _, d, _ in seen) >= 6
+    for _, verified, drafts, q in seen:
         assert q is not None and 1 <= len(drafts) == len(q) <= 4  # fewer near max_tokens
         want = reference.logits(verified, drafts[:-1]).softmax(-1)
         torch.testing.assert_close(q[:, vocab], want, rtol=2e-3, atol=2e-4)
@@ -242,21 +247,7 @@ def test_greedy_drafts_are_the_argmax_and_carry_no_q_beside_sampled_rows_that_do
     logits; no q, which coupled verification never reads), a greedy request with a
     repetition penalty and seeded ones at temperature 1 (both with the contract's q)."""
     draft_dir = random_eagle(tiny_model_dir, vocab=200)
-    engine = make_engine(
-        tiny_model_dir, speculative_method="eagle", draft_model=draft_dir,
-        speculative_disable_batch_size=64,
-    )  # fmt: skip
-    reference = _ContractDraft(draft_dir, tiny_model_dir)
-    seen = []
-    propose = engine.proposer.propose
-
-    def recording(items, states):
-        verified = [list(s.request.all_token_ids) for s in states]
-        drafts, probs = propose(items, states)
-        seen.extend(zip([s.request.request_id for s in states], verified, drafts, probs))
-        return drafts, probs
-
-    engine.proposer.propose = recording
+    engine, reference, seen = _recording_eagle_engine(tiny_model_dir, draft_dir)
     k4 = dict(max_tokens=20, ignore_eos=True, num_speculative_tokens=4)
     kinds = {
         "greedy": SamplingParams(temperature=0.0, **k4),
