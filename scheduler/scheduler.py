@@ -67,7 +67,8 @@ class Scheduler:
         # Steps where the gate held at k = 0 a request that would have chosen k
         # adaptively (not steps where every request had its own fixed k).
         self.num_gated_steps = 0
-        self._held = False
+        self._held = False  # this step held one back
+        self._lanes: dict[str | None, bool] = {}  # the gate's answer per lane, this step
 
     # ---- queue management ----------------------------------------------------------
     @property
@@ -132,7 +133,7 @@ class Scheduler:
         spec_cost = self._spec_cost() if speculate else 0.0
         adaptive = speculate and (self.gate is None or self.gate.begin_step(len(self.running)))
         self._held = False
-        self._lanes: dict[str | None, bool] = {}  # the gate's answer per lane, this step
+        self._lanes.clear()
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]

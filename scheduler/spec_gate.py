@@ -111,7 +111,9 @@ class SpeculationGate:
         self.decay = decay
         self.margin = margin  # open while spec rate >= margin * plain rate
         self._buckets: dict[int, _Bucket] = {}
-        self.num_closed_steps = 0  # steps the gate ran plain (metrics, tests)
+        # Refusals: plain probe steps and a closed lane's refused steps (one per lane;
+        # the scheduler's num_gated_steps counts held steps for the metric)
+        self.num_closed_steps = 0
 
     def _bucket(self, batch_size: int) -> _Bucket:
         key = bucket_of(batch_size)
@@ -182,7 +184,7 @@ class SpeculationGate:
         lane: str | None = None,
     ) -> None:
         """One decode step's outcome: its output tokens and wall time, and the lane
-        whose drafts it verified (the draft model's, where a step had both)."""
+        whose drafts it verified (``step_lane`` of its rows' sources)."""
         if num_tokens <= 0 or seconds <= 0:
             return
         bucket = self._bucket(batch_size)

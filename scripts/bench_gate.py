@@ -57,12 +57,12 @@ def main() -> int:
             _drive(engine, [(f"w{i}", p, warm) for i, p in enumerate(prompts[: args.concurrency])],
                    args.concurrency)  # fmt: skip
             gate = engine.scheduler.gate
-            closed0 = gate.num_closed_steps if gate else 0
+            held0 = engine.scheduler.num_gated_steps
             work = [(f"r{i}", p, params) for i, p in enumerate(prompts)]
             seconds, split = _drive(engine, work, args.concurrency)
             tokens = len(prompts) * args.output_len
             rates[mode].append(tokens / seconds)
-            closed = (gate.num_closed_steps - closed0) if gate else 0
+            held = engine.scheduler.num_gated_steps - held0
             state = {
                 lane or "all": {b: f"{s:.0f}/{p:.0f}" for b, (s, p) in gate.state(lane).items()}
                 for lane in gate.lanes()
@@ -70,7 +70,7 @@ def main() -> int:
             print(
                 f"round {r} {mode:>14}: {tokens / seconds:7.1f} tok/s; steps: "
                 f"{split['plain_n']} plain {split['plain']:.2f} s, {split['spec_n']} speculating "
-                f"{split['spec']:.2f} s, gate held {closed} plain; gate spec/plain tok/s by "
+                f"{split['spec']:.2f} s, gate held {held} steps; gate spec/plain tok/s by "
                 f"lane and bucket {state}",
                 file=sys.stderr,
                 flush=True,
