@@ -60,6 +60,11 @@ class EngineConfig:
     # made Q8_0 blocks at load. Applies to a --draft-model too.
     quantization: str = "auto"
     seed: int = 0
+    # What one request's constraint may cost an engine step: the CPU time of its matcher
+    # (a request over it ends with finish_reason "error"), and llguidance's cap on the
+    # Earley items of one mask (engine/sample/grammar.py, GrammarLimits).
+    structured_output_step_budget_ms: float = 20.0
+    structured_output_max_items: int = 50_000
     # CPU threads for torch (None: torch's default, one per core). Fewer threads win
     # when other busy processes share the cores: spinning OpenMP workers then stall.
     num_threads: int | None = None
@@ -90,6 +95,17 @@ class EngineConfig:
             check_int("max_model_len", self.max_model_len, 2, None)
         check_int("max_waiting_requests", self.max_waiting_requests, 1, None)
         check_int("seed", self.seed, 0, 2**63 - 1)
+        budget = self.structured_output_step_budget_ms
+        if (
+            isinstance(budget, bool)
+            or not isinstance(budget, (int, float))
+            or not 0 < budget <= 6e4
+        ):
+            raise ValueError(
+                "structured_output_step_budget_ms must be in (0, 60000], got "
+                f"{self.structured_output_step_budget_ms}"
+            )
+        check_int("structured_output_max_items", self.structured_output_max_items, 1000, 10**7)
         if self.num_threads is not None:
             check_int("num_threads", self.num_threads, 1, 1024)
         if self.speculative_method in DRAFTED_METHODS and not self.resolved_draft_model:

@@ -7,6 +7,12 @@ class EngineError(RuntimeError):
     """Base class for errors that end a request without being the caller's fault."""
 
 
+class RequestFailedError(ValueError):
+    """A request that the caller's own input ended mid-output: its structured_output
+    constraint failed (the parser's limits, the step budget). Nothing else is touched;
+    gRPC callers get INVALID_ARGUMENT with this one-line message."""
+
+
 class EngineOverloadedError(EngineError):
     """The bounded waiting queue is full; the caller should retry later."""
 

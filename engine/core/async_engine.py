@@ -31,6 +31,7 @@ from engine.errors import (
     EngineDeadError,
     EngineOverloadedError,
     EngineShutdownError,
+    RequestFailedError,
 )
 from engine.io.outputs import RequestOutput
 from engine.io.prompt_encoder import PromptEncoder
@@ -283,6 +284,9 @@ class AsyncEngine:
                 item = await stream.queue.get()
                 if isinstance(item, BaseException):
                     raise item
+                if item.finish_reason == "error":  # its constraint failed: the caller's input
+                    stream.finished = True
+                    raise RequestFailedError(item.finish_detail or "the request failed")
                 yield item
                 if item.finished:
                     stream.finished = True

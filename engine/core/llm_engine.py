@@ -19,7 +19,7 @@ from engine.io.input_processor import InputProcessor
 from engine.io.outputs import RequestMetrics, RequestOutput
 from engine.io.sampling_params import SamplingParams
 from engine.observability.stats import EngineStats, StepRecord, StepTimings
-from engine.sample.grammar import Grammar, GrammarCompiler
+from engine.sample.grammar import Grammar, GrammarCompiler, GrammarLimits
 from engine.spec_decode.proposers import build_proposer
 from engine.spec_decode.trained_draft import load_draft
 from engine.spec_decode.verifier import Verifier
@@ -114,7 +114,12 @@ class LLMEngine:
         self.vocab_size = self.loaded.arch.vocab_size
         # Structured output: constraints compiled once per tokenizer, masks beside the
         # forward (engine/core/structured.py).
-        self.grammars = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids)
+        limits = GrammarLimits(
+            config.structured_output_step_budget_ms, config.structured_output_max_items
+        )
+        self.grammars = GrammarCompiler(
+            self.tokenizer, self.vocab_size, self.eos_token_ids, limits=limits
+        )
         self._masks = structured.MaskBuilder()
         self._num_constrained = 0
         # Constrained requests' n-gram drafts get the tokens the constraint forces after
@@ -254,6 +259,8 @@ class LLMEngine:
             structured.advance(changed, self._states)
         if self.proposer is not None:
             self.proposer.on_verified(changed)
+        if self._num_constrained:
+            changed += self._end_failed_constraints(changed)
         outputs = [self._emit(self._states[r.request_id], runner_output) for r in changed]
         timings = StepTimings(
             schedule_s=t1 - t0,
@@ -274,6 +281,23 @@ class LLMEngine:
         if self.scheduler.gate is not None and decode_only and not forced:
             self._observe_gate(sched, runner_output, time.perf_counter() - t0)
         return [o for o in outputs if o is not None]
+
+    def _end_failed_constraints(self, changed: list[Request]) -> list[Request]:
+        """End every request whose constraint failed this step (finish_reason "error",
+        the failure as its finish_detail), its output cut back to the last token its
+        matcher took: what came after was not checked by the constraint. Its blocks go
+        back to the pool; no other request sees anything of it. Returns those of them
+        not in ``changed``, which must still emit their last output."""
+        seen = {r.request_id for r in changed}
+        extra = []
+        for state in structured.failed(self._states.values()):
+            request = state.request
+            del request.all_token_ids[request.num_prompt_tokens + state.grammar.num_consumed :]
+            request.finish_reason, request.stop_reason = "error", None
+            self.scheduler.finish(request, "error")
+            if request.request_id not in seen:
+                extra.append(request)
+        return extra
 
     def _observe_gate(self, sched: SchedulerOutput, runner_output, seconds: float) -> None:
         """A decode step's outcome for the speculation gate; a draft's prefill (a new

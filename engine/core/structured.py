@@ -14,6 +14,11 @@
                                       greedy rows are masked by the verifier, and only
                                       where the constraint refuses their argmax
     after update      advance         each matcher consumes the tokens its request kept
+                      failed          the requests whose constraint failed this step: the
+                                      engine ends them ("error"), nobody else
+
+A constraint's matcher is timed against its step budget from forced_counts on
+(Grammar.start_step).
 
 The order of logit processing is documented on SamplingParams: penalties, logit bias and
 min_tokens, then the constraint's mask, then temperature and the filters.
@@ -50,6 +55,7 @@ def forced_counts(states) -> dict[str, list[int]]:
         grammar, request = state.grammar, state.request
         if grammar is None:
             continue
+        grammar.start_step()
         decoding = request.num_computed_tokens == request.num_tokens - 1
         tokens = (
             grammar.forced_tokens()[:MAX_NUM_SPECULATIVE_TOKENS] if decoding and enabled else []
@@ -130,11 +136,18 @@ def advance(changed, states: dict) -> None:
             state.grammar.advance(request.output_token_ids)
 
 
+def failed(states) -> list:
+    """The constrained requests whose constraint failed (Grammar.failure says why)."""
+    return [s for s in states if s.grammar is not None and s.grammar.failure is not None]
+
+
 def finish_detail(state) -> str | None:
     """Why a constrained request's output may not satisfy its constraint, or None."""
     grammar = state.grammar
     if grammar is None:
         return None
+    if grammar.failure is not None:
+        return grammar.failure
     if grammar.dead_end_at is not None:
         return DEAD_END.format(grammar.dead_end_at)
     if state.request.finish_reason == "length" and not grammar.is_complete:

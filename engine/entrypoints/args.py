@@ -126,6 +126,19 @@ def add_engine_args(parser: argparse.ArgumentParser, *, with_seed: bool = True) 
         "Linear weight of any model quantized to 8 bits at load (CPU)",
         choices=QUANTIZATIONS,
     )
+    flag(
+        "--structured-output-step-budget-ms",
+        "the most CPU time one request's constraint (its grammar matcher) may take in one "
+        "engine step; a request over it ends with an error naming the constraint",
+        type=float,
+        metavar="MS",
+    )
+    flag(
+        "--structured-output-max-items",
+        "llguidance's cap on the parser items of one mask computation (step_max_items); a "
+        "constraint over it ends its request with an error",
+        type=int,
+    )
     flag("--num-threads", "torch CPU threads (default: one per core)", type=int)
     if with_seed:
         flag("--seed", "engine seed for unseeded requests", type=int)
@@ -153,5 +166,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         attn_backend=args.attn_backend,
         quantization=args.quantization,
         seed=getattr(args, "seed", _ENGINE_DEFAULTS["seed"]),
+        structured_output_step_budget_ms=args.structured_output_step_budget_ms,
+        structured_output_max_items=args.structured_output_max_items,
         num_threads=args.num_threads,
     )

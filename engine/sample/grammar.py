@@ -12,6 +12,13 @@ token (a JSON skeleton: ``{"name": "``), those tokens are forced: they go into t
 batch as drafts that verification cannot reject (their masked probability is 1), so
 a skeleton costs one forward, not one per token.
 
+A constraint can fail mid-output: llguidance's matcher enters an error state it never
+leaves (an ambiguous grammar past the parser's limits, a refusal of a token its own mask
+allowed), or the matcher takes longer than the step budget. A failed ``Grammar`` turns
+inert (it allows everything and consumes nothing) and records why; the engine ends that
+request after the step (finish_reason "error"), its output cut at the last token the
+matcher took. Nothing a constraint does raises into the engine's step.
+
 llguidance (PyPI, a Rust library with no dependencies) is the backend: it compiles
 JSON schemas, regexes, Lark and GBNF grammars and structural tags lazily (a matcher
 costs milliseconds to make), computes a mask in tens of microseconds, and rolls back.
@@ -21,9 +28,12 @@ CPU server never uses).
 
 from __future__ import annotations
 
+import functools
 import json
 import threading
+import time
 from collections import OrderedDict
+from dataclasses import dataclass
 
 import torch
 
@@ -45,6 +55,31 @@ JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separa
 
 class ConstraintError(ValueError):
     """A constraint that cannot be compiled: the compiler's message, shortened."""
+
+
+class _Failed(Exception):
+    """A matcher call failed (raised inside Grammar only; the message is why)."""
+
+
+@dataclass(frozen=True)
+class GrammarLimits:
+    """What one request's constraint may cost the engine.
+
+    ``step_budget_ms``: the CPU time its matcher may take in one engine step (forced
+    tokens, draft checks, masks, advancing; on whichever thread computes them); a
+    request over it ends with an error. ``max_items``: llguidance's cap on the Earley
+    items of one mask computation (``step_max_items``), which bounds a single call the
+    budget can only check after it returns."""
+
+    step_budget_ms: float = 20.0  # (both checked by EngineConfig)
+    max_items: int = 50_000
+
+    def parser_limits(self):
+        from llguidance import LLParserLimits
+
+        # verbose_errors off: an error names the limit, not the parser's state (which
+        # quotes the output and the grammar into logs).
+        return LLParserLimits(step_max_items=self.max_items, verbose_errors=False)
 
 
 def to_grammar(constraint: StructuredOutput) -> str:
@@ -109,9 +144,17 @@ class GrammarCompiler:
     a bounded LRU cache; each request gets a copy. Thread-safe: the async engine compiles
     on worker threads (llguidance drops the GIL while it builds a matcher)."""
 
-    def __init__(self, tokenizer, vocab_size: int, eos_token_ids, cache_size: int = 128) -> None:
+    def __init__(
+        self,
+        tokenizer,
+        vocab_size: int,
+        eos_token_ids,
+        cache_size: int = 128,
+        limits: GrammarLimits | None = None,
+    ) -> None:
         self._hf_tokenizer = tokenizer
         self.vocab_size = vocab_size
+        self.limits = limits or GrammarLimits()
         self._eos = sorted(eos_token_ids)
         self._ll_tokenizer = None
         self._cache: OrderedDict[StructuredOutput, object] = OrderedDict()
@@ -121,7 +164,8 @@ class GrammarCompiler:
     def grammar(self, constraint: StructuredOutput) -> Grammar:
         """A new request's matcher for ``constraint``; ConstraintError when it does not
         compile."""
-        return Grammar(self._template(constraint).deep_copy(), self.vocab_size)
+        matcher = self._template(constraint).deep_copy()
+        return Grammar(matcher, self.vocab_size, constraint.kind, self.limits)
 
     def _template(self, constraint: StructuredOutput):
         with self._lock:
@@ -144,7 +188,9 @@ class GrammarCompiler:
             raise
         except (ValueError, AssertionError) as exc:
             raise ConstraintError(f"structured_output.{constraint.kind}: {_short(exc)}") from None
-        matcher = LLMatcher(self._tokenizer(), grammar, log_level=0)
+        matcher = LLMatcher(
+            self._tokenizer(), grammar, log_level=0, limits=self.limits.parser_limits()
+        )
         if matcher.is_error():
             raise ConstraintError(
                 f"structured_output.{constraint.kind}: {_short(matcher.get_error())}"
@@ -168,36 +214,119 @@ class GrammarCompiler:
             return self._ll_tokenizer
 
 
+def _inert(answer):
+    """A Grammar method that never raises: once the constraint has failed (in this call
+    or before), it returns ``answer(self, *args)`` instead. The engine ends a failed
+    request after the step, so what its constraint answers until then must only be
+    harmless: it allows everything, forces and consumes nothing."""
+
+    def wrap(method):
+        @functools.wraps(method)
+        def guarded(self, *args):
+            if self.failure is None:
+                try:
+                    return method(self, *args)
+                except Exception as exc:  # noqa: BLE001 - a failure ends the request, not the engine
+                    self._fail(exc)
+            return answer(self, *args)
+
+        return guarded
+
+    return wrap
+
+
+def _allow_all(self, *args) -> torch.Tensor:
+    return torch.full((1, self.num_words), -1, dtype=torch.int32)
+
+
+def _allow_all_rows(self, drafts) -> torch.Tensor:
+    return torch.full((1 + len(drafts), self.num_words), -1, dtype=torch.int32)
+
+
 class Grammar:
     """One constrained request's matcher, at the end of its verified tokens."""
 
-    __slots__ = ("_matcher", "_vocab_size", "num_consumed", "dead_rows", "dead_end_at")
+    __slots__ = (
+        "_matcher",
+        "_vocab_size",
+        "_kind",
+        "_budget_s",
+        "num_consumed",
+        "dead_rows",
+        "dead_end_at",
+        "failure",
+        "step_seconds",
+    )
 
-    def __init__(self, matcher, vocab_size: int) -> None:
+    def __init__(
+        self, matcher, vocab_size: int, kind: str = "grammar", limits: GrammarLimits | None = None
+    ) -> None:
         self._matcher = matcher
         self._vocab_size = vocab_size
+        self._kind = kind
+        self._budget_s = (limits or GrammarLimits()).step_budget_ms / 1e3
         self.num_consumed = 0  # output tokens the matcher has consumed
         # Output positions of this step's rows that allowed nothing (EOS was put there),
         # and the one the request's output reached: a dead end.
         self.dead_rows: set[int] = set()
         self.dead_end_at: int | None = None
+        # Why the constraint failed (one line naming it), or None; the matcher's CPU
+        # time in the current engine step.
+        self.failure: str | None = None
+        self.step_seconds = 0.0
 
+    @property
+    def num_words(self) -> int:
+        return -(-self._vocab_size // 32)
+
+    def start_step(self) -> None:
+        """A new engine step: the budget starts again."""
+        self.step_seconds = 0.0
+
+    def _call(self, fn, *args):
+        """``fn(*args)`` on the matcher, timed against the step budget; raises _Failed
+        when the matcher is in its error state after it or the budget is spent."""
+        start = time.thread_time()
+        try:
+            return fn(*args)
+        finally:
+            self.step_seconds += time.thread_time() - start
+            if self._matcher.is_error():
+                raise _Failed(self._matcher.get_error())
+            if self.step_seconds > self._budget_s:
+                raise _Failed(
+                    f"its matcher took {1e3 * self.step_seconds:.0f} ms of CPU time in one "
+                    f"engine step (limit {1e3 * self._budget_s:g} ms, "
+                    "--structured-output-step-budget-ms)"
+                )
+
+    def _fail(self, exc: Exception) -> None:
+        reason = str(exc).split("<state>")[0].replace("<non-verbose/>", "").strip()
+        self.failure = _short(
+            f"structured_output.{self._kind} failed at output token {self.num_consumed}: "
+            f"{reason or type(exc).__name__}"
+        )
+
+    @_inert(lambda self: [])
     def forced_tokens(self) -> list[int]:
         """Tokens the constraint allows one by one from here, whatever the model says."""
-        return list(self._matcher.compute_ff_tokens())
+        return list(self._call(self._matcher.compute_ff_tokens))
 
+    @_inert(lambda self, tokens: [])
     def forced_after(self, tokens: list[int]) -> list[int]:
         """The tokens the constraint forces after ``tokens`` (all of which it accepts)."""
         recorded = self._consume_all(tokens)
         try:
-            return list(self._matcher.compute_ff_tokens())
+            return list(self._call(self._matcher.compute_ff_tokens))
         finally:
-            self._matcher.rollback(recorded)
+            self._call(self._matcher.rollback, recorded)
 
+    @_inert(lambda self, tokens: 0)
     def allowed_prefix(self, tokens: list[int]) -> int:
         """How many of ``tokens`` the constraint accepts in a row from here."""
-        return int(self._matcher.validate_tokens(tokens)) if tokens else 0
+        return int(self._call(self._matcher.validate_tokens, tokens)) if tokens else 0
 
+    @_inert(_allow_all_rows)
     def masks(self, drafts: list[int]) -> torch.Tensor:  # [1 + len(drafts), words] int32
         """The mask of each verified position: here, and after each draft. The drafts
         are ``allowed_prefix`` of them, perhaps with the first refused one last: the row
@@ -213,7 +342,7 @@ class Grammar:
                 recorded += self._consume(token)
                 rows.append(self._mask())
         finally:
-            self._matcher.rollback(recorded)
+            self._call(self._matcher.rollback, recorded)
         if num_allowed < len(drafts):
             rows.append(torch.full_like(rows[0], -1))  # every bit set
         return torch.stack(rows)
@@ -226,38 +355,36 @@ class Grammar:
         too many."""
         if self._matcher.is_stopped():
             return 0
-        if not self._matcher.consume_token(token):
-            raise RuntimeError(f"the matcher refused a token it validated: {token}")
+        if not self._call(self._matcher.consume_token, token):
+            raise _Failed(f"the matcher refused a token it validated: {token}")
         return 1
 
     def _consume_all(self, tokens: list[int]) -> int:
-        """``_consume`` for each of ``tokens``; returns the count a rollback undoes (on a
-        refusal the ones before it are rolled back and the error raised)."""
+        """``_consume`` for each of ``tokens``; returns the count a rollback undoes."""
         recorded = 0
-        try:
-            for token in tokens:
-                recorded += self._consume(token)
-        except RuntimeError:
-            self._matcher.rollback(recorded)
-            raise RuntimeError(f"the constraint refuses these tokens: {tokens}") from None
+        for token in tokens:
+            recorded += self._consume(token)
         return recorded
 
+    @_inert(lambda self, prefix, token: True)
     def allows_after(self, prefix: list[int], token: int) -> bool:
         """Whether the constraint allows ``token`` after ``prefix`` (which it accepts)."""
-        return int(self._matcher.validate_tokens([*prefix, token])) == len(prefix) + 1
+        return int(self._call(self._matcher.validate_tokens, [*prefix, token])) == len(prefix) + 1
 
+    @_inert(_allow_all)
     def mask_after(self, prefix: list[int]) -> torch.Tensor:  # [1, words] int32
         """The mask of the position after ``prefix`` (all of which the constraint accepts)."""
         recorded = self._consume_all(prefix)
         try:
             return self._mask().unsqueeze(0)
         finally:
-            self._matcher.rollback(recorded)
+            self._call(self._matcher.rollback, recorded)
 
     def _mask(self) -> torch.Tensor:
-        words = self._matcher.compute_bitmask()
+        words = self._call(self._matcher.compute_bitmask)
         return torch.frombuffer(bytearray(words), dtype=torch.int32)
 
+    @_inert(lambda self, output_token_ids: None)
     def advance(self, output_token_ids: list[int]) -> None:
         """Consume the output tokens not yet consumed (the verified ones)."""
         new = output_token_ids[self.num_consumed :]
@@ -265,15 +392,18 @@ class Grammar:
         if self.dead_rows and last in self.dead_rows and self.dead_end_at is None:
             self.dead_end_at = last  # its token is the EOS a dead row allowed alone
             new = new[:-1]
-        if new:
-            self._matcher.consume_tokens(new)
+        # A stopped matcher (complete, nothing may extend it) takes no more tokens: its
+        # mask allowed the EOS that ends the output alone.
+        stopped = self._matcher.is_stopped()
+        if new and not stopped and not self._call(self._matcher.consume_tokens, new):
+            raise _Failed(f"the matcher refused verified tokens: {new}")
         self.num_consumed = len(output_token_ids)
         self.dead_rows.clear()
 
     @property
     def is_complete(self) -> bool:
         """Whether the output so far satisfies the constraint (it may end here)."""
-        return bool(self._matcher.is_accepting())
+        return self.failure is None and bool(self._matcher.is_accepting())
 
 
 def apply_masks(

@@ -1,15 +1,18 @@
 """Randomized engine stress: draft, EAGLE and n-gram speculation x preemption x chunked prefill x
 prefix hits x stop strings x aborts x greedy, seeded and unseeded rows x per-request k x
 penalties, logit bias, min_tokens, include_stop_str_in_output, truncate_prompt_tokens x
-structured-output constraints x a float target or a quantized one (the tiny model as a
-.gguf served as stored) x the speculation gate on or off (its lanes choosing k by timing).
+structured-output constraints (one that fails mid-output among them) x a float target or
+a quantized one (the tiny model as a .gguf served as stored) x the speculation gate on or
+off (its lanes choosing k by timing).
 
 Every step: both pools pass check_integrity and no request holds a block beyond its KV
 length (check_pools); the draft cache never covers a request's last verified token.
 At the end: every pool is empty, every request ended exactly once, and every greedy or
 seeded request that was not aborted reported exactly what it reports alone in a plain
 engine (no speculation, no preemption, no chunking, every constrained row masked): token
-ids, text, finish reason.
+ids, text, finish reason. A request whose constraint fails ends with "error" and a
+prefix of the plain engine's output (speculation may meet the failure in a draft,
+before the output reaches it).
 
 A few seeds run in CI; ``pytest tests/engine/test_stress.py --stress-seeds 300`` runs
 many more.
@@ -61,6 +64,9 @@ def _params(rng: random.Random, max_k: int) -> tuple[str, SamplingParams]:
         kw.update(_logit_features(rng, kw["max_tokens"]))
     if rng.random() < 0.3:
         kw["structured_output"] = rng.choice(CONSTRAINTS)
+    elif rng.random() < 0.05:  # the parser gives up at output token 15, if it gets there
+        kw["structured_output"] = FAILING
+        kw["max_tokens"] = kw["min_tokens"] = rng.randint(12, 24)
     return kind, SamplingParams(**kw)
 
 
@@ -72,6 +78,16 @@ CONSTRAINTS = [
     StructuredOutput(json_schema={"type": "object", "properties": {"ok": {"type": "boolean"}}}),
     StructuredOutput(grammar='start: "id-" /[0-9]{2,6}/'),
 ]
+
+
+# Forty alternatives that each match every string of a-l: llguidance's parser passes
+# its limit of 2000 items a row at output token 15, whatever the letters.
+FAILING = StructuredOutput(
+    grammar="start: s\ns: "
+    + " | ".join(f"s{i}" for i in range(40))
+    + "\n"
+    + "".join(f"s{i}: s s | /[a-l]/\n" for i in range(40))
+)
 
 
 def _logit_features(rng: random.Random, max_tokens: int) -> dict:
@@ -133,6 +149,9 @@ def _engine_config(rng: random.Random, draft_dirs: dict[str, str]) -> dict:
         max_num_batched_tokens=rng.choice([16, 24, 64, 2048]),  # small budgets chunk
         max_num_seqs=rng.choice([3, 8, 256]),
         seed=rng.randrange(1000),
+        # the parser's own limit ends FAILING at a fixed position; a budget would at a
+        # position that depends on the machine's speed
+        structured_output_step_budget_ms=6e4,
     )
     draft = method
     if method == "hybrid" and rng.random() < 0.5:
@@ -173,6 +192,7 @@ def _run(engine, arrivals, aborts) -> dict[str, dict]:
             if out.finished:
                 r["ends"] += 1
                 r["finish_reason"] = out.finish_reason
+                r["detail"] = out.finish_detail
         check_pools(engine)
         _check_draft_cache(engine)
         if not pending and not engine.has_unfinished_requests():
@@ -206,16 +226,27 @@ def test_randomized_engine_stress(
         assert r["ends"] == 1, request_id
         if r["finish_reason"] == "length":
             assert len(r["token_ids"]) == params.max_tokens, request_id
-        assert r["finish_reason"] in ("stop", "length", "abort"), request_id
+        assert r["finish_reason"] in ("stop", "length", "abort", "error"), request_id
+        failing = params.structured_output == FAILING
+        if r["finish_reason"] == "error":
+            assert failing and len(r["token_ids"]) <= 15, (request_id, r["detail"], params)
+        elif failing and request_id not in aborted and params.max_tokens > 16:
+            raise AssertionError(f"{request_id}: its constraint outlived the parser's limit")
     exact = [(rid, p, params) for rid, p, params, kind in requests
              if kind != "unseeded" and rid not in aborted]  # fmt: skip
     # The reference masks every constrained greedy row; the stressed engine only the rows
     # whose argmax the constraint refuses.
     monkeypatch.setenv("SPECSERVE_LAZY_GREEDY_MASKS", "0")
-    reference = make_engine(target, num_kv_blocks=256, dtype=config["dtype"])
+    reference = make_engine(
+        target, num_kv_blocks=256, dtype=config["dtype"], structured_output_step_budget_ms=6e4
+    )
     plain = [(rid, p, replace(params, num_speculative_tokens=None), "") for rid, p, params in exact]
     expected = _run(reference, {0: plain}, {})
     for request_id, _, _ in exact:
         got, want = results[request_id], expected[request_id]
+        if got["finish_reason"] == "error":  # met in a draft perhaps: no later than plain
+            assert want["finish_reason"] == "error", (stress_seed, request_id)
+            assert want["token_ids"][: len(got["token_ids"])] == got["token_ids"]
+            continue
         assert got["token_ids"] == want["token_ids"], (stress_seed, request_id, target, config)
         assert (got["text"], got["finish_reason"]) == (want["text"], want["finish_reason"])

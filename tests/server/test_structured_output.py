@@ -187,3 +187,62 @@ def test_a_structural_tag_constrains_only_inside_its_structure(model_dir):
     assert grammar.allowed_prefix(body) == len(body)
     assert grammar.allowed_prefix(ids('"n": 8}')) < len(ids('"n": 8}'))
     assert grammar.allowed_prefix(ids('"m": 7}')) < len(ids('"m": 7}'))
+
+
+# Forty alternatives that each match every string of a-l: llguidance's parser passes its
+# limit of 2000 items a row at output token 15 (tests/engine/test_constraint_failures.py).
+FAILING_GRAMMAR = (
+    "start: s\ns: "
+    + " | ".join(f"s{i}" for i in range(40))
+    + "\n"
+    + "".join(f"s{i}: s s | /[a-l]/\n" for i in range(40))
+)
+
+
+def test_a_failing_constraint_ends_only_its_stream_with_invalid_argument(spec_server, model_dir):
+    """A grammar that drives the parser past its limit, at temperature 1 with fixed
+    speculation (the issue's reproduction): its stream gets the tokens checked before
+    the failure, then INVALID_ARGUMENT naming the constraint; a free stream beside it
+    gets what the plain engine gives; no block stays in use and the server serves on
+    (GenerateComplete and the gateway's protocol too)."""
+    free = {"max_tokens": 48, "temperature": 0.0, "ignore_eos": True}
+    expected = _plain(model_dir, None, **free)
+    hostile = {
+        "max_tokens": 40,
+        "min_tokens": 40,
+        "temperature": 1.0,
+        "num_speculative_tokens": 4,
+        "structured_output": {"grammar": FAILING_GRAMMAR},
+    }
+    with SpecserveClient(spec_server.target) as client:
+        neighbour = client.generate(PROMPT, **free)
+        first = next(iter(neighbour))  # running before the hostile request arrives
+        got, error = [], None
+        try:
+            for delta in client.generate(PROMPT, **hostile):
+                got += delta.token_ids
+        except grpc.RpcError as exc:
+            error = exc
+        assert error is not None and error.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert error.details().startswith("structured_output.grammar failed at output token ")
+        # the parser's limit, or on a slow machine the step budget before it
+        reasons = ("Current row has", "of CPU time in one engine step")
+        assert any(r in error.details() for r in reasons) and "\n" not in error.details()
+        assert len(got) <= 15
+        rest = [t for d in neighbour for t in d.token_ids]
+        assert first.token_ids + rest == expected
+        with pytest.raises(grpc.RpcError) as info:
+            client.generate_complete(PROMPT, **hostile)
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert client.generate_complete(PROMPT, **free).token_ids == expected
+        wait_no_blocks_in_use(client)
+
+    sampling = vpb.SamplingParams(
+        temperature=1.0, max_tokens=40, min_tokens=40, grammar=FAILING_GRAMMAR
+    )
+    request = vpb.GenerateRequest(sampling_params=sampling, stream=True)
+    request.tokenized.input_ids.extend(PROMPT)
+    with grpc.insecure_channel(spec_server.target) as channel, pytest.raises(grpc.RpcError) as info:
+        list(vpb_grpc.VllmEngineStub(channel).Generate(request, timeout=60))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "structured_output.grammar failed" in info.value.details()
