@@ -19,7 +19,11 @@
  *
  * -ffast-math is safe here because no kernel relies on inf or NaN: attention never
  * scores a masked key (loop bounds stop at each query's causal limit) and the running
- * maximum starts at a large finite negative number.
+ * maximum starts at a large finite negative number. A NaN or Inf in the inputs still
+ * reaches every output float math sends it to, and no other (a model that makes NaN
+ * must not make plausible tokens from it; tests/engine/test_kernel_nonfinite.py): the
+ * arithmetic propagates it, and where fast-math could lose it (max, isnan, a masked
+ * key weighted 0) the kernels test bits or skip the key instead.
  *
  * Paged KV layout per layer: K and V each [num_blocks, block_size, num_kv_heads, head_dim].
  */
@@ -57,6 +61,10 @@ union f32_bits {
  * NaN 0xffc00000 (which stays a NaN); a NaN from torch stays a NaN. */
 #define BITS_TO_F32(bits) (((union f32_bits){.u = (bits)}).f)
 #define F32_TO_BITS(x) (((union f32_bits){.f = (x)}).u)
+/* +Inf, and a quiet NaN. |x|'s bits (x & 0x7fffffff) are >= F32_INF_BITS
+ * exactly when x is Inf or NaN: -ffast-math may fold isnan() and isinf() away. */
+#define F32_INF_BITS 0x7f800000u
+#define F32_NAN_BITS 0x7fc00000u
 #define BF16_ROUNDED_BITS(bits) ((bits) + 0x7fffu + (((bits) >> 16) & 1u))
 #define BF16_TO_F32(h) BITS_TO_F32((uint32_t)(h) << 16)
 #define F32_TO_BF16(x) ((bf16)(BF16_ROUNDED_BITS(F32_TO_BITS(x)) >> 16))
@@ -80,6 +88,10 @@ INLINE float rnd_bf16(float v) { return RND_bf16(v); }
  * step: fp32 rounding). bf16 in double, correctly rounded in practice like torch's
  * rsqrt, so the rounding to bf16 that follows lands where torch's does. */
 INLINE float inv_rms_f32(float sq, int64_t hidden, float eps) {
+    /* An infinite sum of squares (an Inf in the row, or squares past FLT_MAX): 0, as
+     * torch's exact rsqrt gives; the rsqrt's Newton step would make it inf * 0 = NaN,
+     * and so NaN of the row's finite elements. */
+    if (F32_TO_BITS(sq) == F32_INF_BITS) return 0.0f;
     return 1.0f / sqrtf(sq / (float)hidden + eps);
 }
 INLINE float inv_rms_bf16(float sq, int64_t hidden, float eps) {
@@ -281,11 +293,13 @@ INLINE __m512 row_scores(const bf16 *q, const bf16 *kb, int64_t kv_stride, int n
     return _mm512_mask_blend_ps((__mmask16)((1u << n) - 1u), _mm512_set1_ps(NEG_BIG), s);
 }
 
-/* acc[r] += sum over keys t < n of p[r][t] * value t, for `rows` (<= ROWS) rows; acc in
- * the deinterleaved layout (even elements, then odd), p rows KEYS_PER_PASS apart and 0
- * past each row's visible keys. */
+/* acc[r] += sum over keys t < seen[r] of p[r][t] * value t, for `rows` (<= ROWS) rows;
+ * acc in the deinterleaved layout (even elements, then odd), p rows KEYS_PER_PASS apart;
+ * n = the largest seen[r]. A key past a row's seen is skipped, not weighted 0: 0 times
+ * a NaN or Inf value is NaN, which a query that does not see the key (an earlier token
+ * of the same prompt) must not get. */
 INLINE void rows_pv(float *acc, const float *p, int rows, const bf16 *vb, int64_t kv_stride,
-                    int n, int chunks, int64_t head_dim) {
+                    const int *seen, int n, int chunks, int64_t head_dim) {
     enum { ROWS = 4, MAX_CHUNKS = 4 };
     __m512 a[ROWS][2 * MAX_CHUNKS];
     const int64_t half = head_dim / 2;
@@ -303,6 +317,7 @@ INLINE void rows_pv(float *acc, const float *p, int rows, const bf16 *vb, int64_
             odd[c] = _mm512_castsi512_ps(_mm512_and_si512(w, high));
         }
         for (int r = 0; r < rows; r++) {
+            if (t >= seen[r]) continue;
             const __m512 pr = _mm512_set1_ps(p[r * KEYS_PER_PASS + t]);
             for (int c = 0; c < chunks; c++) {
                 a[r][c] = _mm512_fmadd_ps(pr, even[c], a[r][c]);
@@ -319,7 +334,7 @@ INLINE void rows_pv(float *acc, const float *p, int rows, const bf16 *vb, int64_
 
 #define ROW_PASS_CASE(R, C)                                                                    \
     case R:                                                                                    \
-        rows_pv(acc + r0 * head_dim, probs, R, vp, kv_stride, n_max, C, head_dim);             \
+        rows_pv(acc + r0 * head_dim, probs, R, vp, kv_stride, seen, n_max, C, head_dim);       \
         break;
 
 /* Every query row of a tile (rows: query head of the KV head's group major, query
@@ -335,6 +350,7 @@ INLINE void attend_rows_chunks(const bf16 *q, int64_t q_token_stride, int64_t q_
     const int per_pass = chunks == 4 ? 2 : 4;
     const int64_t rows = group * tl;
     float probs[4 * KEYS_PER_PASS];
+    int seen[4];
     for (int64_t k0 = 0; k0 < block_size; k0 += KEYS_PER_PASS) {
         const int64_t in_block = block_size - k0 < KEYS_PER_PASS ? block_size - k0 : KEYS_PER_PASS;
         const bf16 *kp = kb + k0 * kv_stride, *vp = vb + k0 * kv_stride;
@@ -347,7 +363,7 @@ INLINE void attend_rows_chunks(const bf16 *q, int64_t q_token_stride, int64_t q_
                 /* keys first_key + k0 .. seq_len - tl + j are visible to query j */
                 const int64_t visible = seq_len - tl + j + 1 - (first_key + k0);
                 const int n = (int)(visible < in_block ? (visible > 0 ? visible : 0) : in_block);
-                memset(p, 0, sizeof(float) * KEYS_PER_PASS);
+                seen[i] = n;
                 if (n == 0) continue;
                 const bf16 *qr = q + (q_start + j) * q_token_stride + (first_head + hl) * head_dim;
                 const __m512 s = in_block == KEYS_PER_PASS
@@ -356,7 +372,6 @@ INLINE void attend_rows_chunks(const bf16 *q, int64_t q_token_stride, int64_t q_
                 _mm512_storeu_ps(p, s);
                 softmax_fold(p, n, _mm512_reduce_max_ps(s), row_max + r, row_sum + r,
                              acc + r * head_dim, (int)head_dim);
-                for (int t = n; t < KEYS_PER_PASS; t++) p[t] = 0.0f;
                 n_max = n > n_max ? n : n_max;
             }
             if (n_max == 0) continue;

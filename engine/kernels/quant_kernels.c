@@ -6,7 +6,9 @@
  * stored; `--quantization int8` makes Q8_0 blocks of any model's weights.
  *
  * Activations are quantized once per call, per row and per 32-block, to int8 with an
- * fp32 scale (xd = max|x| / 127, xq = round(x / xd)) and the sum of the block's xq.
+ * fp32 scale (xd = max|x| / 127, xq = round(x / xd)) and the sum of the block's xq. A
+ * block holding a NaN or an Inf gets xd = NaN, so every output of its row is NaN, as
+ * in a float Linear (where it is NaN or +-Inf): int8 dot products would be finite.
  * A block's contribution to an output is then an exact integer dot product, scaled:
  *
  *     Q8_0:  d * xd * sum(q * xq)
@@ -134,15 +136,28 @@ int specserve_quant_pack(int32_t fmt, const uint8_t *src, int64_t row_bytes, int
 
 /* ---- activations: one row to int8 blocks ---- */
 
+/* max|x| is taken on the bits: |x| as an integer orders like |x| as a float, and unlike
+ * fmaxf under -ffast-math (maxps drops a NaN in one operand) it cannot lose a NaN, which
+ * is above +Inf. A block holding Inf or NaN gets xd = NaN (xq = 0): every output of its
+ * row is NaN, where a float Linear gives NaN or +-Inf; int8 cannot say which. */
 #define QUANTIZE_ROW(T, S)                                                                     \
     INLINE void quantize_row_##S(const T *restrict x, int64_t k, int8_t *restrict q,          \
                                  float *restrict d, int32_t *restrict s) {                     \
         for (int64_t b = 0; b < k / QK; b++) {                                                 \
-            float v[QK], amax = 0.0f;                                                          \
+            float v[QK];                                                                       \
+            uint32_t amax_bits = 0;                                                            \
             for (int i = 0; i < QK; i++) {                                                     \
                 v[i] = LD_##S(x, b * QK + i);                                                  \
-                amax = fmaxf(amax, fabsf(v[i]));                                               \
+                const uint32_t a = F32_TO_BITS(v[i]) & 0x7fffffffu;                            \
+                amax_bits = a > amax_bits ? a : amax_bits;                                     \
             }                                                                                  \
+            if (amax_bits >= F32_INF_BITS) {                                                   \
+                memset(q + b * QK, 0, QK);                                                     \
+                d[b] = BITS_TO_F32(F32_NAN_BITS);                                              \
+                s[b] = 0;                                                                      \
+                continue;                                                                      \
+            }                                                                                  \
+            const float amax = BITS_TO_F32(amax_bits);                                         \
             const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;                              \
             int32_t sum = 0;                                                                   \
             for (int i = 0; i < QK; i++) {                                                     \
