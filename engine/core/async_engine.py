@@ -8,7 +8,8 @@ chat prompts are encoded on the PromptEncoder's worker threads, neither here nor
 Every request gets an internal key, unique for the engine's lifetime; outputs, aborts
 and the engine's own bookkeeping use that key. The caller's ``request_id`` is only a
 label (logs, responses, ``abort``): two requests with the same label never see each
-other's outputs.
+other's outputs. A label belongs to an ``owner`` (the server's caller, by API key):
+``abort`` reaches only the requests of the owner that names the label.
 """
 
 from __future__ import annotations
@@ -69,17 +70,19 @@ class _CallCommand:
 class _RequestStream:
     """Per-request output queue; items are RequestOutput or an exception to raise."""
 
-    __slots__ = ("key", "label", "queue", "loop", "finished", "aborted", "abort_event")
+    __slots__ = ("key", "label", "owner", "queue", "loop", "finished", "aborted", "abort_event")
 
     def __init__(
         self,
         key: str,
         label: str,
+        owner: str | None,
         loop: asyncio.AbstractEventLoop,
         abort_event: asyncio.Event,
     ) -> None:
         self.key = key  # internal, unique: what the LLMEngine knows the request by
         self.label = label  # the caller's request_id
+        self.owner = owner  # who may abort it by label (None: callers without an id)
         self.queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self.loop = loop
         self.finished = False
@@ -101,7 +104,7 @@ class _RequestStream:
 
 class Reservation:
     """Requests admitted together under one label before their prompts are known
-    (``AsyncEngine.reserve``): ``abort(label)`` reaches every one of them from the
+    (``AsyncEngine.reserve``): ``abort(label, owner)`` reaches every one of them from the
     moment they exist, before, while and after each is started with ``generate``."""
 
     def __init__(self, engine: AsyncEngine, streams: list[_RequestStream]) -> None:
@@ -254,12 +257,14 @@ class AsyncEngine:
         *,
         priority: int = 0,
         messages: list[dict[str, str]] | None = None,
+        owner: str | None = None,
         reserved: _RequestStream | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Submit one request and yield its output deltas until it finishes.
 
         ``request_id`` is the caller's label for the request (generated when None): it
-        comes back as each output's ``client_request_id`` and is what ``abort`` takes.
+        comes back as each output's ``client_request_id`` and is what ``abort`` takes,
+        with the same ``owner`` (the caller's identity; None for one without).
         Labels need not be unique: requests sharing one run independently, each output
         reaches only its own iterator (``RequestOutput.request_id`` is the internal key).
 
@@ -271,7 +276,7 @@ class AsyncEngine:
         """
         if messages is not None and prompt:
             raise ValueError("give either prompt or messages, not both")
-        stream = reserved or self._admit(request_id, 1)[0]
+        stream = reserved or self._admit(request_id, 1, owner)[0]
         submitted = False
         try:
             if isinstance(prompt, str) or messages is not None:
@@ -317,13 +322,15 @@ class AsyncEngine:
                 "(SPECSERVE_GRAMMAR_COMPILE_TIMEOUT_S); simplify it"
             ) from None
 
-    def reserve(self, request_id: str | None, num_requests: int = 1) -> Reservation:
+    def reserve(
+        self, request_id: str | None, num_requests: int = 1, owner: str | None = None
+    ) -> Reservation:
         """Admit ``num_requests`` requests under one label now, all or none, before
-        their prompts are known: an ``abort(request_id)`` from this moment on ends every
-        one of them, even one whose prompt is still being encoded or that has not
+        their prompts are known: an ``abort(request_id, owner)`` from this moment on ends
+        every one of them, even one whose prompt is still being encoded or that has not
         started yet. Start each with ``Reservation.generate``; ``Reservation.close``
         gives back the places of those never started. Raises as ``generate`` does."""
-        return Reservation(self, self._admit(request_id, num_requests))
+        return Reservation(self, self._admit(request_id, num_requests, owner))
 
     async def tokenize(
         self,
@@ -361,18 +368,23 @@ class AsyncEngine:
 
         return await self.call(reset)
 
-    async def abort(self, request_id: str) -> int:
-        """Abort every in-flight request labelled ``request_id``; returns how many.
-        Each ends with a last output whose finish_reason is "abort"."""
+    async def abort(self, request_id: str, owner: str | None = None) -> int:
+        """Abort every in-flight request of ``owner`` labelled ``request_id``; returns how
+        many. Each ends with a last output whose finish_reason is "abort". Another
+        owner's requests under the same label are not touched."""
         with self._streams_lock:
-            streams = [s for s in self._streams.values() if s.label == request_id]
+            streams = [
+                s for s in self._streams.values() if s.label == request_id and s.owner == owner
+            ]
             for stream in streams:
                 stream.mark_aborted()
                 self._commands.put(_AbortCommand(stream.key))
         return len(streams)
 
-    def _admit(self, request_id: str | None, num_requests: int) -> list[_RequestStream]:
-        """Register ``num_requests`` streams under one label, all or none."""
+    def _admit(
+        self, request_id: str | None, num_requests: int, owner: str | None
+    ) -> list[_RequestStream]:
+        """Register ``num_requests`` streams under one label of ``owner``, all or none."""
         label = request_id or f"req-{uuid.uuid4().hex[:16]}"
         loop = asyncio.get_running_loop()
         abort_event = asyncio.Event()
@@ -391,7 +403,7 @@ class AsyncEngine:
                     self.config.max_waiting_requests,
                 )
             streams = [
-                _RequestStream(f"a{next(self._keys)}", label, loop, abort_event)
+                _RequestStream(f"a{next(self._keys)}", label, owner, loop, abort_event)
                 for _ in range(num_requests)
             ]
             for stream in streams:

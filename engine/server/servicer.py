@@ -17,6 +17,7 @@ from engine.errors import EngineDeadError
 from engine.rpc import generation_pb2 as pb
 from engine.rpc import generation_pb2_grpc as pb_grpc
 from engine.server import convert
+from engine.server.auth import caller_id
 from engine.server.rpc_guard import RpcGuard, one_line, ready_engine
 from engine.server.validation import (
     EngineRequest,
@@ -122,6 +123,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             req.request_id,
             priority=req.priority,
             messages=req.messages,
+            owner=caller_id(),  # VllmEngine Abort by this label reaches it from this key only
         )
 
     def _ready_engine(self) -> Any:

@@ -26,6 +26,7 @@ from engine import version
 from engine.core.async_engine import Reservation
 from engine.io.sampling_params import SamplingParams
 from engine.server import vllm_convert, vllm_tokenizer
+from engine.server.auth import caller_id
 from engine.server.rpc_guard import RETRY_AFTER_KEY, RpcError, RpcGuard, ready_engine
 from engine.server.validation import InvalidArgument, ModelLimits
 from engine.server.vllm_kv_events import CursorOutOfRange, KvEventHub
@@ -97,8 +98,10 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
         req = to_vllm_request(request, limits, self._max_choices(engine))
         _check_room(engine, req.num_choices)
         # Every choice is admitted under the label before the first await: an Abort from
-        # now on ends them all, even while the text waits for the encoder.
-        with contextlib.closing(engine.reserve(req.label, req.num_choices)) as reservation:
+        # now on (by the same caller) ends them all, even while the text waits for the
+        # encoder.
+        reservation = engine.reserve(req.label, req.num_choices, owner=caller_id())
+        with contextlib.closing(reservation):
             await self._run(engine, reservation, req, limits, context)
 
     async def _run(
@@ -195,8 +198,9 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
             raise InvalidArgument(
                 f"request_ids must have at most {MAX_ABORT_IDS} ids, got {len(request.request_ids)}"
             )
+        owner = caller_id()  # labels are the caller's: another key's requests are not seen
         for request_id in request.request_ids:
-            await self._engine.abort(request_id)  # unknown ids: nothing to do
+            await self._engine.abort(request_id, owner=owner)  # unknown ids: nothing to do
         return vpb.AbortResponse()
 
     async def _model_info(self) -> vpb.GetModelInfoResponse:

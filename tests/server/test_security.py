@@ -10,7 +10,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from engine.client import SpecserveClient, TlsConfig
 from engine.server.app import ServerOptions
-from engine.server.auth import load_api_key
+from engine.server.auth import ApiKeyInterceptor, key_id, load_api_key
 from tests.server.certs import have_openssl, make_certs
 from tests.server.helpers import InProcessServer
 
@@ -67,6 +67,25 @@ def test_load_api_key(tmp_path):
     path.write_text("")
     with pytest.raises(ValueError, match="empty"):
         load_api_key(None, str(path))
+
+
+def test_an_api_key_file_holds_one_key_a_line(tmp_path):
+    path = tmp_path / "keys"
+    path.write_text(f"{KEY}\n\n  other-key  \n")
+    assert load_api_key(None, str(path)) == (KEY, "other-key")
+    path.write_text("\n \n")
+    with pytest.raises(ValueError, match="empty"):
+        load_api_key(None, str(path))
+    with pytest.raises(ValueError, match="non-empty"):
+        ApiKeyInterceptor((KEY, ""))
+
+
+def test_a_key_id_names_a_key_without_revealing_it():
+    """Labels are scoped by key_id (tests/server/test_abort_scope.py): short, stable,
+    one per key, and nothing of the key itself."""
+    assert key_id(KEY) == key_id(KEY) != key_id(KEY + "x")
+    assert key_id(KEY).startswith("key-") and len(key_id(KEY)) == 12
+    assert KEY not in key_id(KEY)
 
 
 def test_tls_handshake(engine_config, certs):
