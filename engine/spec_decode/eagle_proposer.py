@@ -56,11 +56,18 @@ class _EagleRequest:
 class _Features:
     """f_j of one request for positions start .. end - 1, kept as the chunks the target's
     forwards made (a step appends its rows without copying the ones before: a request
-    that does not speculate for a while gathers them for as long) and joined when read."""
+    that does not speculate for a while gathers them for as long) and joined when read.
+
+    Invariant: no chunk is a view into a storage more than twice its size (``_own``), so
+    the memory held is proportional to the rows kept: a row sliced from a step's whole
+    feature tensor would keep every other request's rows of that step alive."""
 
     start: int
     chunks: list[torch.Tensor]  # [num, H] each
     end: int
+
+    def __post_init__(self) -> None:
+        self.chunks = [_own(chunk) for chunk in self.chunks]
 
     @property
     def rows(self) -> torch.Tensor:  # [end - start, H]
@@ -69,8 +76,16 @@ class _Features:
         return self.chunks[0]
 
     def append(self, rows: torch.Tensor) -> None:
-        self.chunks.append(rows)
+        self.chunks.append(_own(rows))
         self.end += len(rows)
+
+
+def _own(rows: torch.Tensor) -> torch.Tensor:
+    """``rows``, copied when they are a view into a storage over twice their size (a
+    step's few rows, or a short slice of a long prefill's); a big share of the storage
+    is kept as it is, uncopied."""
+    num_bytes = rows.nelement() * rows.element_size()
+    return rows.clone() if rows.untyped_storage().nbytes() > 2 * num_bytes else rows
 
 
 class EagleProposer(DraftModelProposer):
