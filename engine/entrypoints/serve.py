@@ -27,7 +27,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="require 'authorization: Bearer KEY' (health and reflection exempt)",
     )
-    g.add_argument("--api-key-file", default=None, help="read the API key from this file")
+    g.add_argument(
+        "--api-key-file",
+        default=None,
+        help="read the API keys from this file, one a line: each caller its own key (a "
+        "caller's Abort reaches only requests sent with its key)",
+    )
     g.add_argument("--tls-cert", default=None, help="PEM server certificate chain (TLS)")
     g.add_argument("--tls-key", default=None, help="PEM server private key (TLS)")
     g.add_argument(

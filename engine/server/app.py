@@ -46,7 +46,8 @@ class ServerOptions:
     port: int = 50051  # 0 picks a free port (see SpecserveServer.port)
     reflection: bool = True
     shutdown_grace_s: float = 30.0
-    api_key: str | None = None
+    # One key, or several (one caller each: Abort reaches only the caller's own labels).
+    api_key: str | tuple[str, ...] | None = None
     tls_cert: str | None = None
     tls_key: str | None = None
     tls_client_ca: str | None = None

@@ -9,14 +9,19 @@ than raising, and the wrapped behaviour ends the call with INVALID_ARGUMENT, rep
 through the server's error hook like any other failed RPC. It sits inside the API-key
 interceptor, so a caller without a valid key hears UNAUTHENTICATED whatever its body.
 
-Generate bodies of 1 MiB or more are decoded by the handler in a worker thread, with only
-the prompt ids validation can keep (wire.py): protobuf parsing 15M ids held this event
-loop, health checks included, 0.1-0.2 s each.
+It also decides, by size and before protobuf sees a byte, where each body is decoded
+(body_policy.py): a method answered UNIMPLEMENTED never parses its body; a body of 1 MiB
+or more is refused unparsed, or, for the methods that carry prompts, decoded by the
+handler in a worker thread, a piece at a time (wire_pieces.py) and with only the prompt
+ids validation can keep (wire.py). Protobuf parsing one 14 MiB body holds the GIL
+55-85 ms: on the event loop, or whole in a worker thread, six of them at once kept
+health checks waiting 0.3-0.8 s.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import dataclasses
 import functools
 import inspect
@@ -24,8 +29,10 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import grpc
+from google.protobuf.message import Message
 
-from engine.server import wire
+from engine.server import body_policy, wire, wire_pieces
+from engine.server.body_policy import BodyPolicy
 from engine.server.handlers import same_shape_handler
 
 ReportError = Callable[[grpc.StatusCode, str, str | None], None]
@@ -57,7 +64,8 @@ class DecodeGuardInterceptor(grpc.aio.ServerInterceptor):
         handler = await continuation(handler_call_details)
         if handler is None or handler.request_deserializer is None:
             return handler
-        return guard_handler(handler, self._refuse, self._max_prompt_ids)
+        method = handler_call_details.method
+        return guard_handler(handler, self._refuse, method, self._max_prompt_ids)
 
     async def _refuse(self, request: Undecodable, context: grpc.aio.ServicerContext) -> None:
         self._report_error(grpc.StatusCode.INVALID_ARGUMENT, request.details, None)
@@ -68,22 +76,25 @@ Refuse = Callable[[Undecodable, Any], Any]
 
 
 def guard_handler(
-    handler: grpc.RpcMethodHandler, refuse: Refuse, max_prompt_ids: MaxPromptIds = lambda: None
+    handler: grpc.RpcMethodHandler,
+    refuse: Refuse,
+    method: str,
+    max_prompt_ids: MaxPromptIds = lambda: None,
 ) -> grpc.RpcMethodHandler:
-    """``handler`` with a deserializer that never raises and a behaviour that refuses
-    ``Undecodable`` requests. Sync behaviours (none registered here) are left as they are:
-    they would run in grpc's thread pool, where ``refuse`` cannot be awaited."""
+    """``handler`` with a deserializer that never raises (``request_decoder``) and a
+    behaviour that refuses ``Undecodable`` requests. Sync behaviours (none registered
+    here) are left as they are: they would run in grpc's thread pool, where ``refuse``
+    cannot be awaited."""
     behaviour = _behaviour(handler)
     if not (inspect.iscoroutinefunction(behaviour) or inspect.isasyncgenfunction(behaviour)):
         return handler
-    deserialize = handler.request_deserializer
-    if handler.request_streaming:
+    streaming = handler.request_streaming
+    decode = request_decoder(method, handler.request_deserializer, streaming, max_prompt_ids)
+    if streaming:
         guarded = _guard_request_stream(behaviour, refuse)
-        safe = _safe_deserializer(deserialize, None)  # a stream's messages are never deferred
     else:
         guarded = _guard_unary_request(behaviour, refuse)
-        safe = _safe_deserializer(deserialize, max_prompt_ids)
-    return same_shape_handler(handler, guarded, safe)
+    return same_shape_handler(handler, guarded, decode)
 
 
 def _behaviour(handler: grpc.RpcMethodHandler) -> Callable:
@@ -92,40 +103,70 @@ def _behaviour(handler: grpc.RpcMethodHandler) -> Callable:
     return handler.unary_stream if handler.response_streaming else handler.unary_unary
 
 
-def _safe_deserializer(
-    deserialize: Callable[[bytes], Any], max_prompt_ids: MaxPromptIds | None = lambda: None
+def request_decoder(
+    method: str,
+    deserialize: Callable[[bytes], Any],
+    streaming: bool = False,
+    max_prompt_ids: MaxPromptIds = lambda: None,
 ) -> Callable[[bytes], Any]:
-    """``deserialize`` returning ``Undecodable`` rather than raising. With
-    ``max_prompt_ids`` (unary requests), a body of MIN_TRIM_BYTES or more of a request
-    type with prompt ids comes back ``Deferred``: the handler decodes it off the event
-    loop, as ``wire.Trimmed`` when it carries more than ``max_prompt_ids()``."""
-    type_name = _message_type_name(deserialize)
-    prompt = wire.PROMPT_FIELDS.get(type_name) if max_prompt_ids is not None else None
+    """What grpc calls in place of ``deserialize`` on ``method``'s request bodies, on the
+    event loop. It never raises (an ``Undecodable`` instead) and never parses a body of
+    LARGE_BODY_BYTES or more: by ``body_policy``, it refuses it, or (a unary request)
+    returns it ``Deferred`` for the handler to decode off the loop (``_decode_large``)."""
+    policy = body_policy.body_policy(method)
+    parse = _safe_deserializer(deserialize)
+    if policy is BodyPolicy.UNPARSED:
+        return lambda data: parse(b"")  # answered UNIMPLEMENTED: what it says is moot
+    decode_large = None
+    if policy is BodyPolicy.LARGE and not streaming:
+        decode_large = functools.partial(_decode_large, deserialize, max_prompt_ids)
 
-    def safe(data: bytes, trim: bool = False) -> Any:
+    def decode(data: bytes) -> Any:
+        if len(data) < body_policy.LARGE_BODY_BYTES:
+            return parse(data)
+        if decode_large is None:
+            return Undecodable(body_policy.too_large(method, len(data)))
+        return Deferred(data, decode_large)
+
+    return decode
+
+
+def _safe_deserializer(deserialize: Callable[[bytes], Any]) -> Callable[[bytes], Any]:
+    """``deserialize`` returning ``Undecodable`` rather than raising."""
+    type_name = _message_type_name(deserialize)
+
+    def safe(data: bytes) -> Any:
         try:
-            max_ids = max_prompt_ids() if trim else None
-            if max_ids is not None:
-                trimmed = wire.decode_trimmed(data, prompt, max_ids, deserialize)
-                if trimmed is not None:
-                    return trimmed
             return deserialize(data)
         except Exception as exc:
-            return Undecodable(
-                f"request body is not a valid {type_name}: {_short_reason(exc, type_name)}"
-            )
+            return Undecodable(_not_valid(type_name, exc))
 
-    if prompt is None:
-        return safe
+    return safe
 
-    def deferred(data: bytes) -> Any:
-        # grpc.aio deserializes on the event loop: a large body is decoded by the handler
-        # in a worker thread instead (numpy's passes over it release the GIL).
-        if len(data) < wire.MIN_TRIM_BYTES:
-            return safe(data)
-        return Deferred(data, functools.partial(safe, trim=True))
 
-    return deferred
+def _decode_large(
+    deserialize: Callable[[bytes], Any], max_prompt_ids: MaxPromptIds, data: bytes
+) -> Any:
+    """A large body decoded a piece at a time (in a worker thread: numpy's passes over it
+    release the GIL, protobuf's are short); a ``wire.Trimmed`` when validation can keep
+    only some of its prompt ids; an ``Undecodable`` when it does not decode."""
+    message_class = getattr(deserialize, "__self__", None)
+    if not (isinstance(message_class, type) and issubclass(message_class, Message)):
+        return _safe_deserializer(deserialize)(data)
+    type_name = message_class.DESCRIPTOR.full_name
+    parse = functools.partial(wire_pieces.parse_in_pieces, message_class=message_class)
+    try:
+        prompt = wire.PROMPT_FIELDS.get(type_name)
+        max_ids = max_prompt_ids() if prompt is not None else None
+        if max_ids is not None:
+            trimmed = wire.decode_trimmed(data, prompt, max_ids, parse)
+            if trimmed is not None:
+                return trimmed
+        return parse(data)
+    except wire_pieces.BodyRefused as exc:
+        return Undecodable(str(exc))
+    except Exception as exc:
+        return Undecodable(_not_valid(type_name, exc))
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -136,9 +177,16 @@ class Deferred:
     decode: Callable[[bytes], Any]
 
 
+# One thread decodes every large body, one at a time: the Python steps of a decode hold
+# the GIL in turns of 5 ms (sys.getswitchinterval), and with six threads taking turns the
+# event loop waited for most of them (health 0.29 s while six bodies were walked).
+_LARGE_BODY_DECODER = concurrent.futures.ThreadPoolExecutor(1, "large-body-decoder")
+
+
 async def _decoded(request: Any) -> Any:
     if isinstance(request, Deferred):
-        return await asyncio.to_thread(request.decode, request.data)
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(_LARGE_BODY_DECODER, request.decode, request.data)
     return request
 
 
@@ -147,6 +195,10 @@ def _message_type_name(deserialize: Callable) -> str:
     message_class = getattr(deserialize, "__self__", None)
     descriptor = getattr(message_class, "DESCRIPTOR", None)
     return getattr(descriptor, "full_name", None) or "request message"
+
+
+def _not_valid(type_name: str, exc: Exception) -> str:
+    return f"request body is not a valid {type_name}: {_short_reason(exc, type_name)}"
 
 
 def _short_reason(exc: Exception, type_name: str) -> str:

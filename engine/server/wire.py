@@ -8,10 +8,12 @@ packed id field, counts its ids with numpy (every varint ends at a byte under 0x
 hands protobuf the body with only the last ``max_ids`` ids in it. Validation reads the
 count the wire carried from ``num_prompt_ids``, so its answers ("got 15000000", the
 "after truncate_prompt_tokens" wording, ids out of range) stay those of a full parse.
+Ids that a later member of the prompt's oneof clears (a text field after them) are cut
+whole: protobuf would parse them only to drop them.
 
-Anything the walk does not expect (another prompt kind, unpacked ids, groups, a malformed
-varint, more fields than a request has) leaves the whole body to protobuf, as does a
-reduced body protobuf refuses: which path decoded a request never changes the answer.
+Anything the walk does not expect (unpacked ids, groups, a malformed varint, more fields
+than a request has) leaves the whole body to the parse, as does a reduced body it
+refuses: which path decoded a request never changes the answer.
 """
 
 from __future__ import annotations
@@ -19,30 +21,35 @@ from __future__ import annotations
 import contextvars
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 from google.protobuf.message import Message
 from smg_grpc_proto.generated import vllm_engine_pb2 as vpb
 
 from engine.rpc import generation_pb2 as pb
+from engine.server.wire_format import (
+    MAX_VARINT_BYTES,
+    Field,
+    Unexpected,
+    fields,
+    varint_bytes,
+    wire_type_of,
+)
 
-# Smaller bodies are parsed whole: under 1 MiB protobuf takes a few ms at most.
-MIN_TRIM_BYTES = 1 << 20
 # Fields the walk reads at most, all messages together (a request has a few dozen).
 MAX_FIELDS = 1024
-MAX_VARINT_BYTES = 10
-MAX_TAG_BYTES = 5
 
 
 @dataclass(frozen=True, slots=True)
 class PromptField:
     """Where a request type keeps its prompt ids: packed repeated uint32 field ``inner``
-    of the message in field ``outer``, a member of a oneof with ``siblings``."""
+    of the message in field ``outer``, a member of a oneof with ``siblings`` (field
+    number -> wire type)."""
 
     outer: int
     inner: int
-    siblings: frozenset[int]
+    siblings: dict[int, int]
 
     @classmethod
     def of(cls, message_class: type[Message], path: str) -> PromptField:
@@ -50,7 +57,7 @@ class PromptField:
         outer = message_class.DESCRIPTOR.fields_by_name[outer_name]
         inner = outer.message_type.fields_by_name[inner_name]
         members = outer.containing_oneof.fields if outer.containing_oneof else ()
-        siblings = frozenset(f.number for f in members) - {outer.number}
+        siblings = {f.number: wire_type_of(f) for f in members if f is not outer}
         return cls(outer.number, inner.number, siblings)
 
 
@@ -97,38 +104,35 @@ def num_prompt_ids(request: Message, ids: Sequence[int]) -> int:
     return len(ids)
 
 
-class _Unexpected(Exception):
-    """Something the walk leaves to protobuf."""
+class _Occurrence(NamedTuple):
+    """One occurrence of the prompt message: its packed id fields, and whether a later
+    member of the oneof clears it (protobuf merges the occurrences that follow it)."""
 
-
-@dataclass(frozen=True, slots=True)
-class _Field:
-    """One field on the wire: its value (a length prefix for wire type 2) starts at
-    ``value``, after the tag; the contents of a length-delimited one at ``payload``; it
-    ends at ``end``."""
-
-    number: int
-    wire_type: int
-    value: int
-    payload: int
-    end: int
+    outer: Field
+    packed: list[Field]
+    cleared: bool
 
 
 def decode_trimmed(
     data: bytes, field: PromptField, max_ids: int, parse: Callable[[bytes], Message]
 ) -> Trimmed | None:
-    """``data`` parsed by ``parse`` with only its last ``max_ids`` prompt ids; None when
-    it carries no more than that, or anything the walk leaves to a whole parse."""
+    """``data`` parsed by ``parse`` with only the prompt ids validation can keep: the
+    last ``max_ids`` of those no later member of the oneof clears. None when there is
+    nothing to cut, or anything the walk leaves to a whole parse."""
     try:
         occurrences = _prompt_occurrences(data, field)
-        ranges = [ids for _, packed in occurrences for ids in packed]
-        counts = [_count_ids(data, ids.payload, ids.end) for ids in ranges]
-    except _Unexpected:
+        counts = [[_count_ids(data, ids.payload, ids.end) for ids in o.packed]
+                  for o in occurrences]  # fmt: skip
+    except Unexpected:
         return None
-    num_ids = sum(counts)
-    if num_ids <= max_ids:
+    live = [(ids, count) for o, n in zip(occurrences, counts) if not o.cleared
+            for ids, count in zip(o.packed, n)]  # fmt: skip
+    num_ids = sum(count for _, count in live)
+    num_cleared = sum(sum(n) for o, n in zip(occurrences, counts) if o.cleared)
+    if num_ids <= max_ids and num_cleared == 0:
         return None
-    starts = _kept_starts(data, ranges, counts, max_ids)
+    kept = iter(_kept_starts(data, [ids for ids, _ in live], [c for _, c in live], max_ids))
+    starts = [ids.end if o.cleared else next(kept) for o in occurrences for ids in o.packed]
     try:
         message = parse(_reduced(data, occurrences, starts))
     except Exception:
@@ -136,76 +140,29 @@ def decode_trimmed(
     return Trimmed(message, num_ids)
 
 
-def _prompt_occurrences(data: bytes, field: PromptField) -> list[tuple[_Field, list[_Field]]]:
-    """Every occurrence of the prompt message (protobuf merges them: their ids append),
-    with its packed id fields."""
-    top = _fields(data, 0, len(data), MAX_FIELDS)
+def _prompt_occurrences(data: bytes, field: PromptField) -> list[_Occurrence]:
+    """Every occurrence of the prompt message, with its packed id fields."""
+    top = fields(data, 0, len(data), MAX_FIELDS)
     budget = MAX_FIELDS - len(top)
+    last_sibling = -1  # setting another member of the oneof clears the prompt
+    for i, f in enumerate(top):
+        if f.number in field.siblings:
+            if f.wire_type != field.siblings[f.number]:
+                raise Unexpected  # an unknown field to protobuf, which clears nothing
+            last_sibling = i
     occurrences = []
-    for outer in top:
-        if outer.number in field.siblings:
-            raise _Unexpected  # a later member of the oneof would clear the ids
+    for i, outer in enumerate(top):
         if outer.number != field.outer:
             continue
         if outer.wire_type != 2:
-            raise _Unexpected
-        inner = _fields(data, outer.payload, outer.end, budget)
+            raise Unexpected
+        inner = fields(data, outer.payload, outer.end, budget)
         budget -= len(inner)
         packed = [f for f in inner if f.number == field.inner]
         if any(f.wire_type != 2 for f in packed):
-            raise _Unexpected  # unpacked ids: one field each
-        occurrences.append((outer, packed))
+            raise Unexpected  # unpacked ids: one field each
+        occurrences.append(_Occurrence(outer, packed, i < last_sibling))
     return occurrences
-
-
-def _fields(data: bytes, start: int, end: int, budget: int) -> list[_Field]:
-    fields = []
-    pos = start
-    while pos < end:
-        if len(fields) == budget:
-            raise _Unexpected
-        # A tag protobuf refuses (field 0, over 32 bits) stays in the reduced body, which
-        # protobuf then refuses: the whole body is parsed.
-        tag, value = _varint(data, pos, end, MAX_TAG_BYTES)
-        number, wire_type = tag >> 3, tag & 7
-        payload = value
-        if wire_type == 0:
-            _, next_pos = _varint(data, value, end, MAX_VARINT_BYTES)
-        elif wire_type == 1:
-            next_pos = value + 8
-        elif wire_type == 5:
-            next_pos = value + 4
-        elif wire_type == 2:
-            length, payload = _varint(data, value, end, MAX_TAG_BYTES)
-            next_pos = payload + length
-        else:
-            raise _Unexpected  # groups
-        if next_pos > end:
-            raise _Unexpected
-        fields.append(_Field(number, wire_type, value, payload, next_pos))
-        pos = next_pos
-    return fields
-
-
-def _varint(data: bytes, pos: int, end: int, max_bytes: int) -> tuple[int, int]:
-    """(value, the position after it)."""
-    value = shift = 0
-    for i in range(pos, min(end, pos + max_bytes)):
-        byte = data[i]
-        value |= (byte & 0x7F) << shift
-        if byte < 0x80:
-            return value, i + 1
-        shift += 7
-    raise _Unexpected
-
-
-def _varint_bytes(value: int) -> bytes:
-    out = bytearray()
-    while value >= 0x80:
-        out.append(value & 0x7F | 0x80)
-        value >>= 7
-    out.append(value)
-    return bytes(out)
 
 
 def _count_ids(data: bytes, start: int, end: int) -> int:
@@ -214,11 +171,11 @@ def _count_ids(data: bytes, start: int, end: int) -> int:
     if start == end:
         return 0
     if data[end - 1] >= 0x80:
-        raise _Unexpected
+        raise Unexpected
     high = np.frombuffer(data, np.uint8, end - start, start) >= 0x80
     num_high = int(np.count_nonzero(high))
     if num_high >= MAX_VARINT_BYTES and _has_overlong_varint(high):
-        raise _Unexpected
+        raise Unexpected
     return (end - start) - num_high
 
 
@@ -231,7 +188,7 @@ def _has_overlong_varint(high: np.ndarray) -> bool:
     return high.view(np.uint8).tobytes().find(b"\x01" * MAX_VARINT_BYTES) >= 0
 
 
-def _kept_starts(data: bytes, ranges: list[_Field], counts: list[int], max_ids: int) -> list[int]:
+def _kept_starts(data: bytes, ranges: list[Field], counts: list[int], max_ids: int) -> list[int]:
     """Where the kept ids start in each packed range: the last ``max_ids`` of them all."""
     starts = []
     need = max_ids
@@ -252,25 +209,23 @@ def _kept_starts(data: bytes, ranges: list[_Field], counts: list[int], max_ids: 
     return starts[::-1]
 
 
-def _reduced(
-    data: bytes, occurrences: list[tuple[_Field, list[_Field]]], starts: list[int]
-) -> bytes:
+def _reduced(data: bytes, occurrences: list[_Occurrence], starts: list[int]) -> bytes:
     """``data`` with each packed range cut to data[start:end], length prefixes rewritten
     (the range's and its message's); every other byte as it came."""
     pieces = []
     last = 0
     kept = iter(starts)
-    for outer, packed in occurrences:
+    for outer, packed, _ in occurrences:
         contents = []
         inner_last = outer.payload
         for ids in packed:
             start = next(kept)
-            contents += [data[inner_last : ids.value], _varint_bytes(ids.end - start)]
+            contents += [data[inner_last : ids.value], varint_bytes(ids.end - start)]
             contents.append(data[start : ids.end])
             inner_last = ids.end
         contents.append(data[inner_last : outer.end])
         body = b"".join(contents)
-        pieces += [data[last : outer.value], _varint_bytes(len(body)), body]
+        pieces += [data[last : outer.value], varint_bytes(len(body)), body]
         last = outer.end
     pieces.append(data[last:])
     return b"".join(pieces)

@@ -37,6 +37,17 @@ def wait_until(predicate: Callable[[], bool], timeout_s: float, what: str) -> No
         time.sleep(0.05)
 
 
+def fastest_s(run: Callable[[], object], repeats: int = 3) -> float:
+    """The fastest of ``repeats`` timings of ``run()``: on a loaded machine the others
+    include time the process spent waiting for a core."""
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - t0)
+    return min(times)
+
+
 def wait_no_blocks_in_use(client: SpecserveClient, timeout_s: float = 10.0) -> None:
     """Poll the stats RPC until no KV block is held (a bounded wait, not a sleep)."""
 

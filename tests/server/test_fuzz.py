@@ -1,5 +1,6 @@
 """Raw bytes at every RPC the server exposes: a body that does not decode ends with
-INVALID_ARGUMENT (UNAUTHENTICATED first when the API key is missing), is counted and
+INVALID_ARGUMENT (UNAUTHENTICATED first when the API key is missing; UNIMPLEMENTED at a
+method the server does not implement, which never parses its body), is counted and
 logged at most at WARNING, and nothing ends UNKNOWN or INTERNAL."""
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from engine.observability.request_log import REQUEST_LOGGER_NAME, RateLimit, Req
 from engine.rpc import generation_pb2 as pb  # also puts specserve.v1 in the default pool
 from engine.server.app import ServerOptions
 from engine.server.auth import EXEMPT_PREFIXES
+from engine.server.body_policy import UNPARSED_METHODS
 from tests.ops.scrape import parse, value
 from tests.server.helpers import InProcessServer, wait_no_blocks_in_use
 
@@ -161,6 +163,8 @@ def _fuzz(target: str, api_key: str | None, rng: random.Random) -> Counter:
                 assert code not in NEVER, f"{where}: {code.name} {error.details()}"
                 if needs_key and api_key != KEY:
                     assert code == grpc.StatusCode.UNAUTHENTICATED, where
+                elif _path(method) in UNPARSED_METHODS:  # its body is never parsed
+                    assert code == grpc.StatusCode.UNIMPLEMENTED, where
                 elif not _decodes(method.input_type, body):
                     assert code == grpc.StatusCode.INVALID_ARGUMENT, where
                     prefix = f"request body is not a valid {method.input_type.full_name}: "

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import itertools
-import time
 
 import pytest
 
 from engine.client import build_request
 from engine.rpc import generation_pb2 as pb
 from engine.server.validation import InvalidArgument, ModelLimits, to_engine_request
+from tests.server.helpers import fastest_s
 
 LIMITS = ModelLimits(vocab_size=320, max_model_len=512, max_spec_tokens=4)
 
@@ -63,10 +63,11 @@ def test_truncation_reads_only_the_ids_it_keeps():
     huge = build_request([5], truncate_prompt_tokens=16)
     huge.token_ids.ids.extend(itertools.repeat(5, 5_000_000))
     huge.token_ids.ids.extend(range(100, 116))
-    t0 = time.perf_counter()
-    prompt = check(huge).prompt
-    assert time.perf_counter() - t0 < 0.05  # about 0.4 s when every id was read
-    assert prompt == list(range(100, 116))
+    assert check(huge).prompt == list(range(100, 116))
+    # Against reading every id once, timed here and now: reading and checking each one
+    # took 0.4 s; reading only the kept ones, well under a millisecond.
+    kept_s = fastest_s(lambda: check(huge))
+    assert kept_s < fastest_s(lambda: list(huge.token_ids.ids)) / 4
     request = build_request([1] * 600 + [7, 8, 9], truncate_prompt_tokens=3)
     assert check(request).prompt == [7, 8, 9]
     # Ids that truncation drops are never read, so never refused.

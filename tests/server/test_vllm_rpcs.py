@@ -9,7 +9,6 @@ import io
 import itertools
 import math
 import threading
-import time
 import zipfile
 from typing import Any
 
@@ -25,7 +24,12 @@ from engine.core.llm_engine import LLMEngine
 from engine.server import vllm_request
 from engine.server.app import ServerOptions
 from engine.server.validation import ModelLimits
-from tests.server.helpers import InProcessServer, wait_no_blocks_in_use, wait_until
+from tests.server.helpers import (
+    InProcessServer,
+    fastest_s,
+    wait_no_blocks_in_use,
+    wait_until,
+)
 
 PROMPT = list(range(3, 43))  # 40 token ids: two full KV blocks and a partial one
 NEVER = (grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL)
@@ -252,10 +256,12 @@ def test_truncation_reads_only_the_input_ids_it_keeps():
     huge = _request([5], truncate_prompt_tokens=16)
     huge.tokenized.input_ids.extend(itertools.repeat(5, 5_000_000))
     huge.tokenized.input_ids.extend(range(100, 116))
-    t0 = time.perf_counter()
     kept = vllm_request.to_vllm_request(huge, limits, 8).prompt_ids
-    assert time.perf_counter() - t0 < 0.05  # about 0.4 s when every id was read
     assert kept == list(range(100, 116))
+    # Against reading every id once, timed here and now: reading and checking each one
+    # took 0.4 s; reading only the kept ones, well under a millisecond.
+    kept_s = fastest_s(lambda: vllm_request.to_vllm_request(huge, limits, 8))
+    assert kept_s < fastest_s(lambda: list(huge.tokenized.input_ids)) / 4
     # Ids that truncation drops are never read, so never refused.
     assert prompt_ids([999] * 600 + [7, 8, 9], truncate_prompt_tokens=3) == [7, 8, 9]
     ids = [i % 250 for i in range(600)]

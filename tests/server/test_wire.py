@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from smg_grpc_proto.generated import vllm_engine_pb2 as vpb
 
 from engine.rpc import generation_pb2 as pb
-from engine.server import decode_guard, wire
+from engine.server import body_policy, decode_guard, wire
 from engine.server.decode_guard import Undecodable
 from engine.server.validation import InvalidArgument, ModelLimits, to_engine_request
 from engine.server.vllm_request import to_vllm_request
@@ -88,7 +88,8 @@ def _expected(type_: _Type, data: bytes, max_ids: int) -> tuple[Message, int]:
     message = type_.parse(data)
     ids = type_.ids(message)
     num_ids = len(ids)
-    del ids[: max(0, num_ids - max_ids)]
+    if num_ids > max_ids:  # (a prompt another member of the oneof holds stays unset)
+        del ids[: num_ids - max_ids]
     return message, num_ids
 
 
@@ -99,7 +100,7 @@ def _check_exact(type_: _Type, data: bytes, max_ids: int) -> wire.Trimmed | None
         message, num_ids = _expected(type_, data, max_ids)  # raises if protobuf refuses
         assert trimmed.message == message
         assert trimmed.message.SerializeToString() == message.SerializeToString()
-        assert trimmed.num_ids == num_ids > max_ids
+        assert trimmed.num_ids == num_ids
     return trimmed
 
 
@@ -141,10 +142,11 @@ def _other_fields(type_: _Type, draw) -> Message:
 @st.composite
 def bodies(draw, type_: _Type) -> bytes:
     """A body of concatenated pieces (protobuf merges them): requests, prompt messages of
-    several packed id fields each, unknown fields at both levels."""
+    several packed id fields each, another member of the prompt's oneof (it clears the
+    ids before it), unknown fields at both levels."""
     pieces = []
-    for _ in range(draw(st.integers(1, 4))):
-        kind = draw(st.sampled_from(["request", "prompt", "unknown"]))
+    for _ in range(draw(st.integers(1, 5))):
+        kind = draw(st.sampled_from(["request", "prompt", "prompt", "sibling", "unknown"]))
         if kind == "request":
             request = _other_fields(type_, draw)
             type_.ids(request).extend(draw(id_lists))
@@ -154,6 +156,8 @@ def bodies(draw, type_: _Type) -> bytes:
                      for ids in draw(st.lists(wide_id_lists, max_size=3))]  # fmt: skip
             inner.append(draw(unknown_fields))
             pieces.append(_field(type_.field.outer, b"".join(inner)))
+        elif kind == "sibling":
+            pieces.append(type_.sibling().SerializeToString())
         else:
             pieces.append(draw(unknown_fields))
     return b"".join(pieces)
@@ -168,7 +172,8 @@ def test_trimmed_decode_is_protobufs_parse_of_the_kept_ids(service, data):
     max_ids = data.draw(st.integers(0, 40))
     _, num_ids = _expected(type_, body, max_ids)
     trimmed = _check_exact(type_, body, max_ids)
-    assert (trimmed is not None) == (num_ids > max_ids)
+    if num_ids > max_ids:
+        assert trimmed is not None
 
 
 @pytest.mark.parametrize("service", sorted(TYPES))
@@ -228,9 +233,10 @@ def test_what_the_walk_does_not_expect_is_left_to_protobuf(service):
     fixed32 = _varint(type_.field.outer << 3 | 5) + _field(type_.field.inner, b"\x05\x05")
     bad_tags = (_varint(0 << 3 | 0) + b"\x01", b"\xf8\xff\xff\xff\x7f\x01")  # field 0, 35 bits
     many_fields = _field(150, b"") * wire.MAX_FIELDS
+    # Another member of the oneof, with a wire type protobuf keeps as an unknown field.
+    unknown_sibling = _varint(min(type_.field.siblings) << 3 | 0) + b"\x01"
     for body in (
-        huge + type_.sibling().SerializeToString(),  # the oneof's last member wins
-        type_.sibling().SerializeToString() + huge,
+        unknown_sibling + huge,
         huge + unpacked,
         unpacked + huge,
         huge + group,
@@ -241,6 +247,27 @@ def test_what_the_walk_does_not_expect_is_left_to_protobuf(service):
         assert wire.decode_trimmed(body, type_.field, 4, type_.parse) is None
     assert wire.decode_trimmed(huge, type_.field, 100, type_.parse) is None  # nothing to drop
     assert _check_exact(type_, huge, 99) is not None
+
+
+@pytest.mark.parametrize("service", sorted(TYPES))
+def test_ids_another_member_of_the_oneof_clears_are_cut_whole(service):
+    """Text before the ids (the issue's flood), ids before text, and ids on both sides:
+    only the ids after the last other member count, and protobuf never sees the rest."""
+    type_ = TYPES[service]
+    sibling = type_.sibling().SerializeToString()
+    first, second = _packed(type_, list(range(100))), _packed(type_, list(range(50, 60)))
+    cases = {  # body -> (ids counted, ids kept of at most 4)
+        sibling + first: (100, [96, 97, 98, 99]),
+        first + sibling: (0, []),
+        first + sibling + second: (10, [56, 57, 58, 59]),
+        first + sibling + _packed(type_, [7, 8]): (2, [7, 8]),  # nothing kept is cut
+    }
+    for body, (num_ids, kept) in cases.items():
+        trimmed = _check_exact(type_, body, 4)
+        assert trimmed is not None and trimmed.num_ids == num_ids
+        assert list(type_.ids(trimmed.message)) == kept
+        assert len(trimmed.message.SerializeToString()) < 40  # the cleared ids are gone
+    assert wire.decode_trimmed(sibling + second, type_.field, 10, type_.parse) is None
 
 
 # ---- validation answers as for the whole list -------------------------------------
@@ -287,13 +314,20 @@ def test_validation_answers_as_for_the_whole_list(service):
 # ---- the decode guard ---------------------------------------------------------------
 
 
+GENERATE_METHODS = {
+    "specserve.v1": "/specserve.v1.Generation/Generate",
+    "VllmEngine": "/vllm.grpc.engine.VllmEngine/Generate",
+}
+
+
 @pytest.mark.parametrize("service", sorted(TYPES))
 def test_the_guard_trims_large_bodies_only(service, monkeypatch):
-    """Under MIN_TRIM_BYTES a body is parsed whole on the spot; from it on the handler
+    """Under LARGE_BODY_BYTES a body is parsed whole on the spot; from it on the handler
     decodes it in a worker thread, with only the ids validation can keep."""
     type_ = TYPES[service]
-    safe = decode_guard._safe_deserializer(type_.message.FromString, lambda: 4)
-    whole = decode_guard._safe_deserializer(type_.message.FromString)  # no limit: parsed whole
+    method = GENERATE_METHODS[service]
+    safe = decode_guard.request_decoder(method, type_.message.FromString, max_prompt_ids=lambda: 4)
+    whole = decode_guard.request_decoder(method, type_.message.FromString)  # no limit known
 
     def decoded(deserialize, data: bytes):
         request = deserialize(data)
@@ -301,8 +335,8 @@ def test_the_guard_trims_large_bodies_only(service, monkeypatch):
         return asyncio.run(decode_guard._decoded(request))
 
     body = _packed(type_, list(range(20)))
-    assert type_.ids(safe(body)) == list(range(20))  # under MIN_TRIM_BYTES: parsed whole
-    monkeypatch.setattr(wire, "MIN_TRIM_BYTES", 0)
+    assert type_.ids(safe(body)) == list(range(20))  # under LARGE_BODY_BYTES: parsed whole
+    monkeypatch.setattr(body_policy, "LARGE_BODY_BYTES", 0)
     trimmed = decoded(safe, body)
     assert isinstance(trimmed, wire.Trimmed) and trimmed.num_ids == 20
     assert type_.ids(trimmed.message) == list(range(16, 20))
