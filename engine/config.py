@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from engine.io.sampling_params import MAX_NUM_SPECULATIVE_TOKENS, check_int
 
-SPECULATIVE_METHODS = ("none", "draft", "ngram", "hybrid", "eagle", "auto")
+SPECULATIVE_METHODS = ("none", "draft", "ngram", "suffix", "hybrid", "eagle", "auto")
 ATTENTION_BACKENDS = ("auto", "cpu", "torch", "xformers")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 QUANTIZATIONS = ("auto", "none", "int8")
@@ -42,6 +42,12 @@ class EngineConfig:
     speculation_gate: bool = True
     ngram_min: int = 1
     ngram_max: int = 4
+    # Token trees ("suffix"): the most nodes one request verifies in a step (its
+    # proposer prices how many of them pay, from the measured cost of a verified token),
+    # and the memory of the cache of recent answers suffix decoding proposes from,
+    # one per API key (callers without a key share one).
+    spec_tree_max_nodes: int = 24
+    suffix_cache_mib: float = 64.0
     block_size: int = 16
     num_kv_blocks: int | None = None
     # Memory budget for all KV caches (target and draft together) when
@@ -62,8 +68,11 @@ class EngineConfig:
     seed: int = 0
     # What one request's constraint may cost an engine step: the CPU time of its matcher
     # (a request over it ends with finish_reason "error"), and llguidance's cap on the
-    # Earley items of one mask (engine/sample/grammar.py, GrammarLimits).
-    structured_output_step_budget_ms: float = 20.0
+    # Earley items of one mask (engine/sample/grammar.py, GrammarLimits). 5 ms is ~100
+    # masks of a JSON schema on the default model (~45 us each), and what a hostile
+    # grammar may cost a plain ~5 ms step before it is ended (docs/benchmarks.md, "A
+    # failing constraint beside free requests").
+    structured_output_step_budget_ms: float = 5.0
     structured_output_max_items: int = 50_000
     # CPU threads for torch (None: torch's default, one per core). Fewer threads win
     # when other busy processes share the cores: spinning OpenMP workers then stall.
@@ -83,6 +92,11 @@ class EngineConfig:
             )
         check_int("ngram_min", self.ngram_min, 1, 16)
         check_int("ngram_max", self.ngram_max, self.ngram_min, 16)
+        check_int("spec_tree_max_nodes", self.spec_tree_max_nodes, 1, 63)
+        cache = self.suffix_cache_mib
+        is_number = isinstance(cache, (int, float)) and not isinstance(cache, bool)
+        if not is_number or not 0 <= cache <= 65536:
+            raise ValueError(f"suffix_cache_mib must be in [0, 65536], got {cache}")
         if self.block_size not in (8, 16, 32, 64):
             raise ValueError(f"block_size must be one of 8, 16, 32, 64, got {self.block_size}")
         if self.num_kv_blocks is not None:
@@ -110,7 +124,7 @@ class EngineConfig:
             check_int("num_threads", self.num_threads, 1, 1024)
         if self.speculative_method in DRAFTED_METHODS and not self.resolved_draft_model:
             raise ValueError(f"speculative_method={self.speculative_method!r} needs draft_model")
-        if self.draft_model and self.speculative_method in ("none", "ngram"):
+        if self.draft_model and self.speculative_method in ("none", "ngram", "suffix"):
             raise ValueError(
                 f"draft_model is set but speculative_method is {self.speculative_method!r}; "
                 "use 'draft', 'hybrid', 'eagle' or leave it unset"

@@ -22,8 +22,15 @@ class ScheduledRequest:
     needs_sample: bool
     num_spec_tokens: int  # lookahead slots granted; the proposer fills up to this many
     spec_token_ids: list[int] = field(default_factory=list)
+    # A token tree's parent of each draft (-1: the last verified token), topological;
+    # None: the drafts are a chain. Each node takes one lookahead slot; verification
+    # keeps one path (num_accepted of them), moved into place before the update.
+    spec_parents: list[int] | None = None
     # Which of the request's acceptance histories chose k (None: its only one).
     spec_source: str | None = None
+    # One more verified token's cost in plain decode steps of this batch (proposing and
+    # verifying it): what a tree proposer prices its nodes against.
+    spec_token_cost: float = 0.0
     # Lookahead slots granted past num_spec_tokens (a constrained request's forced tail),
     # and how many of spec_token_ids, at the end, are such forced tokens (not drafts).
     num_tail_slots: int = 0
@@ -55,3 +62,6 @@ class ModelRunnerOutput:
     num_accepted: dict[str, int] = field(default_factory=dict)
     # Optional per-token logprobs, opaque to the scheduler.
     logprobs: dict[str, list] = field(default_factory=dict)
+    # Per request that verified a token tree: the accepted nodes (indices into its
+    # drafts), root's child first; their KV moves into place (opaque to the scheduler).
+    accepted_nodes: dict[str, list[int]] = field(default_factory=dict)

@@ -60,6 +60,9 @@ class Request:
     # tokens its constraint forces right after the drafts (verified in the same pass).
     forced_tail_slots: int = 0
     first_scheduled_time: float | None = None
+    # Whose cache of recent answers a proposer may use for this request (the caller's
+    # API key id; None: callers without one).
+    cache_scope: str | None = None
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)

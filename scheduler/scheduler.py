@@ -24,6 +24,8 @@ from scheduler.step_cost import StepCostModel
 
 # The spec_source of a step whose drafts are a constraint's forced tokens.
 FORCED = "forced"
+# A token tree's nodes and its root fit one 64-bit attention mask per fed token.
+MAX_TREE_NODES = 63
 
 
 @dataclass(frozen=True)
@@ -41,6 +43,9 @@ class SchedulerConfig:
     default_verify_cost: float = 0.04
     # False when the engine has no proposer: nobody speculates, whatever they ask.
     spec_enabled: bool = False
+    # Lookahead slots a request of a token-tree lane gets when it speculates: the most
+    # nodes its proposer may verify (it prices how many it uses). 0: no trees.
+    spec_tree_max_nodes: int = 0
 
 
 class Scheduler:
@@ -69,6 +74,9 @@ class Scheduler:
         self.num_gated_steps = 0
         self._held = False  # this step held one back
         self._lanes: dict[str | None, bool] = {}  # the gate's answer per lane, this step
+        # Set by the engine: the proposer's lanes that draft token trees (their requests
+        # get spec_tree_max_nodes slots when adaptive k would speculate at all).
+        self.tree_sources: frozenset[str] = frozenset()
 
     # ---- queue management ----------------------------------------------------------
     @property
@@ -142,6 +150,8 @@ class Scheduler:
                 num_spec, source = self._num_forced_tokens(request), FORCED
             elif speculate:
                 num_spec, source = self._num_spec_tokens(request, spec_cost, adaptive)
+                if num_spec and source in self.tree_sources:
+                    num_spec = max(num_spec, self._tree_slots(request))
                 tail = self._forced_tail_slots(request, num_spec)
             else:
                 num_spec, source = 0, None
@@ -151,6 +161,7 @@ class Scheduler:
             if not self._allocate_or_preempt(request, num_new, num_spec + tail, preempted):
                 break  # the request itself was preempted; everyone after it is lower priority
             scheduled.append(self._scheduled(request, num_new, num_spec, source, tail))
+            scheduled[-1].spec_token_cost = spec_cost
             budget -= num_new + num_spec + tail
             i += 1
         if not preempted:
@@ -199,6 +210,17 @@ class Scheduler:
             self._held = True
             return 0, None
         return choose_num_spec_tokens(request.history_for(source), max_k, spec_cost), source
+
+    def _tree_slots(self, request: Request) -> int:
+        """Slots for a token tree: the configured most, within the length limits (the
+        deepest path and one sampled token) and the 63 nodes a tree mask holds."""
+        if request.max_spec_tokens is not None:  # fixed k: k nodes
+            return 0
+        remaining = min(
+            request.max_tokens - request.num_output_tokens,
+            self.config.max_model_len - request.num_tokens,
+        )
+        return max(0, min(self.config.spec_tree_max_nodes, remaining - 1, MAX_TREE_NODES))
 
     def _lane_open(self, source: str | None) -> bool:
         """The gate's answer for the lane of ``source``, asked once per lane per step."""
@@ -307,7 +329,8 @@ class Scheduler:
                 # A forced tail after the drafts is the constraint's, not the proposer's.
                 num_drafts = item.num_proposed
                 num_accepted = min(num_accepted, num_drafts)
-                request.history_for(item.spec_source).record(num_drafts, num_accepted)
+                history = request.history_for(item.spec_source)
+                history.record(_trials(item, runner_output, num_accepted), num_accepted)
                 request.num_draft_tokens += num_drafts
                 request.num_accepted_tokens += num_accepted
             request.append_output_tokens(runner_output.sampled_token_ids[item.request_id])
@@ -317,3 +340,16 @@ class Scheduler:
                 self.finish(request, request.finish_reason)
             changed.append(request)
         return changed
+
+
+def _trials(item: ScheduledRequest, runner_output: ModelRunnerOutput, num_accepted: int) -> int:
+    """What an acceptance history counts as drafts tried: a chain's drafts; for a token
+    tree, the depth its walk reached, plus one where the last row it reached had
+    candidates and none was kept (a rejection), so the history estimates the chance of
+    going one level deeper, as a chain's does."""
+    parents = item.spec_parents
+    if parents is None:
+        return item.num_proposed
+    nodes = runner_output.accepted_nodes.get(item.request_id, [])
+    last_row = nodes[-1] + 1 if nodes else 0
+    return num_accepted + any(parent + 1 == last_row for parent in parents)

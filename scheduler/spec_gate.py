@@ -50,7 +50,7 @@ def bucket_of(batch_size: int) -> int:
 
 
 # Lanes by what a step of theirs costs beside plain decoding, the costliest first.
-_LANE_ORDER = ("model", "ngram-short", "ngram")
+_LANE_ORDER = ("model", "ngram-short", "suffix-short", "ngram", "suffix")
 
 
 def step_lane(sources: set[str | None]) -> str | None:
@@ -190,7 +190,6 @@ class SpeculationGate:
         loss = 1.0 - lane.spec.per_second / max(bucket.plain.per_second, 1e-9)
         wanted = round(self.spec_run * loss / budget)
         return min(max(self.explore_every, wanted), self.max_explore_every)
-
 
     def observe(
         self,

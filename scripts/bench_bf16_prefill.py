@@ -1,11 +1,12 @@
-"""What sending every bf16 query through the attention kernel costs at prefill.
+"""What sending every query through the attention kernel costs at prefill.
 
-In bfloat16 the cpu attention backend computes every query row with the compiled kernel
-(engine/attention/cpu_backend.py says why); in float32 long prefill chunks go to SDPA.
-This times one prompt's prefill (LLM.generate with max_tokens=1, prefix caching off) on
-the default model in bf16 both ways, three runs each, and prints the medians:
+The cpu attention backend computes every query row with the compiled kernel
+(engine/attention/cpu_backend.py says why); before, long prefill chunks went to SDPA
+(in float32 until 2026-12-04). This times one prompt's prefill (LLM.generate with
+max_tokens=1, prefix caching off) on the default model both ways, three runs each, and
+prints the medians:
 
-    .venv/bin/python scripts/bench_bf16_prefill.py [--lengths 128,512,2048]
+    .venv/bin/python scripts/bench_bf16_prefill.py [--lengths 128,512,2048] [--dtype float32]
 """
 
 from __future__ import annotations
@@ -14,8 +15,6 @@ import argparse
 import statistics
 import sys
 import time
-
-import torch
 
 import engine.attention.cpu_backend as cpu_backend
 from engine.entrypoints.llm import LLM
@@ -26,14 +25,15 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--lengths", default="128,512,2048", help="prompt lengths in tokens")
     parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     args = parser.parse_args()
     kernel_plan = cpu_backend._make_plan
 
-    def sdpa_plan(metadata, dtype):  # float32's rule: chunks over 16 tokens go to SDPA
-        return kernel_plan(metadata, torch.float32)
+    def sdpa_plan(metadata, dtype):  # the old float32 rule: chunks over 16 tokens on SDPA
+        return cpu_backend.split_plan(metadata, cpu_backend.SHORT_QUERY_MAX)
 
     llm = LLM(
-        dtype="bfloat16",
+        dtype=args.dtype,
         device="cpu",
         speculative_method="none",
         enable_prefix_caching=False,

@@ -84,6 +84,7 @@ def main() -> int:
     modes = {
         "alone": (config, False),
         "beside, default budget": (config, True),
+        "beside, 20 ms budget": (replace(config, structured_output_step_budget_ms=20.0), True),
         "beside, no budget": (replace(config, structured_output_step_budget_ms=6e4), True),
     }
     engines = {name: LLMEngine(c, loaded=loaded) for name, (c, _) in modes.items()}

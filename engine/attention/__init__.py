@@ -25,6 +25,7 @@ __all__ = [
     "get_attention_backend",
     "get_attention_metadata",
     "kv_cache_bytes_per_block",
+    "kv_pool_view",
     "set_attention_metadata",
 ]
 
@@ -58,6 +59,22 @@ def allocate_kv_caches(
     shape = (num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim)
     pool = torch.zeros(shape, dtype=dtype, device=device)
     return list(pool.unbind(0))
+
+
+def kv_pool_view(kv_caches: list[torch.Tensor]) -> torch.Tensor:
+    """The per-layer caches of ``allocate_kv_caches`` as one view
+    [num_layers, 2, num_blocks * block_size, num_kv_heads, head_dim] of their allocation:
+    one indexing op reaches a slot in every layer."""
+    first = kv_caches[0]
+    _, num_blocks, block_size, num_kv_heads, head_dim = first.shape
+    layer_stride = first.numel()
+    if any(c.data_ptr() != first.data_ptr() + i * layer_stride * first.element_size()
+           for i, c in enumerate(kv_caches)):  # fmt: skip
+        raise ValueError("the KV caches are not views of one allocation (allocate_kv_caches)")
+    return first.as_strided(
+        (len(kv_caches), 2, num_blocks * block_size, num_kv_heads, head_dim),
+        (layer_stride, *first.view(2, num_blocks * block_size, num_kv_heads, head_dim).stride()),
+    )
 
 
 def get_attention_backend(name: str, device: torch.device | str):

@@ -1,14 +1,13 @@
 """CPU attention backend (float32 or bfloat16): specserve's compiled paged-attention
 kernel.
 
-Sequences with a short query (decode, 1 + k verification, a short prefill chunk) are
-computed straight from the paged cache by ``engine/kernels/cpu_kernels.c``: no gather
-of the context into a padded copy, no mask, each K/V block read once per KV head.
-That kernel is a plain loop over keys, so in float32 long prefill chunks (more than
-``SHORT_QUERY_MAX`` tokens, where attention is real compute) go through the torch
-backend's SDPA path instead, batched among themselves; both halves write into one
-output in packed order. In bfloat16 every query goes through the kernel (``_make_plan``
-says why).
+Every query (decode, 1 + k verification, a token tree, a prefill chunk) is computed
+straight from the paged cache by ``engine/kernels/cpu_kernels.c``: no gather of the
+context into a padded copy, no mask, each K/V block read once per KV head, in float32
+and bfloat16 alike (``_make_plan`` says why). ``split_plan`` keeps the split float32
+used before (queries over ``SHORT_QUERY_MAX`` tokens on the torch backend's SDPA,
+batched among themselves, both halves writing into one output in packed order) for
+measuring it.
 
 Measured on the 2-core CI machine (SmolLM2-135M, 32 decoding requests, contexts of
 ~40-100 tokens, `specserve bench step`): attention fell from 22-35 ms to 8-10 ms per
@@ -32,8 +31,7 @@ from engine.attention.metadata import (
 )
 from engine.kernels.cpu import CpuKernels
 
-# Longest query (tokens of one sequence in one step) the kernel computes; longer ones
-# go to SDPA. Covers decode and speculative verification (1 + k, k <= 15). Measured on
+# split_plan's longest kernel query before float32 went all-kernel. Measured on
 # the 2-core CI machine, 4 sequences, 9 heads / 3 KV heads of 64, contexts 128 / 512:
 # kernel vs gather + SDPA 43 vs 187 us at 1 query token, 260 vs 350 us at 16, even at
 # ~24-32, SDPA ahead from 32 at long contexts.
@@ -91,6 +89,7 @@ class CpuAttentionBackend:
                 plan.short_ids,
                 plan.short_max_query_len,
                 scale,
+                metadata.tree_masks,
             )
         if plan.long is not None:
             long = plan.long
@@ -112,13 +111,22 @@ class CpuAttentionBackend:
 
 
 def _make_plan(metadata: AttentionMetadata, dtype: torch.dtype) -> _Plan:
+    # Every query through the kernel, in float32 and bfloat16 alike: were long prefill
+    # chunks computed by SDPA and short ones by the kernel, a row's rounding would
+    # depend on the chunk it was scheduled in (a prefix-cache hit or a chunked prefill
+    # makes the same prompt's last chunk short), and the ulp by which the two disagree
+    # flips near-tied argmaxes: the same greedy request, sent twice, answered
+    # differently the second time (the stress test met it in float32). One kernel keeps
+    # every greedy and seeded output independent of chunking, batching and speculation.
+    # What it costs at prefill: nothing up to ~512-token prompts, 1.35x on a 1500-token
+    # one in float32 (docs/benchmarks.md, "One attention kernel for every query").
+    return split_plan(metadata, max(metadata.query_lens_cpu, default=0))
+
+
+def split_plan(metadata: AttentionMetadata, limit: int) -> _Plan:
+    """Queries of up to ``limit`` tokens on the kernel, longer ones on SDPA (batched
+    among themselves): the split float32 used before, kept for measuring it."""
     q_lens = metadata.query_lens_cpu
-    # bfloat16: every query through the kernel. Each output row is rounded to bf16, so
-    # the ulp by which SDPA and the kernel disagree would flip near-tied argmaxes, and a
-    # row's result would depend on the chunk it was scheduled in (a prefix-cache hit or
-    # a chunked prefill makes the same prompt's last chunk short). One kernel keeps
-    # greedy output identical with and without speculation, at some prefill speed.
-    limit = SHORT_QUERY_MAX if dtype == torch.float32 else max(q_lens, default=0)
     short = [i for i, q in enumerate(q_lens) if q <= limit]
     long = [i for i, q in enumerate(q_lens) if q > limit]
     short_ids = torch.tensor(short, dtype=torch.int32) if short else None
@@ -133,5 +141,6 @@ def _make_plan(metadata: AttentionMetadata, dtype: torch.dtype) -> _Plan:
         [metadata.seq_lens_cpu[i] for i in long],
         [tables[i] for i in long],
         metadata.block_size,
+        tree_masks=None if metadata.tree_masks is None else metadata.tree_masks[token_idx],
     )
     return _Plan(short_ids, short_max, _LongPart(token_idx, sub, torch_backend.make_plan(sub)))

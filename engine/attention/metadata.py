@@ -30,6 +30,11 @@ class AttentionMetadata:
     query_lens_cpu: list[int]
     seq_lens_cpu: list[int]
     block_size: int
+    # Token trees: per packed token, which of its sequence's tokens fed this step it
+    # sees (bit b: fed token b; -1: every earlier one, plain causal; fed tokens 64 on are
+    # seen by the causal rule alone), on top of the context before the step. None when
+    # no sequence of the step verifies a tree (engine/spec_decode/paths.py makes them).
+    tree_masks: torch.Tensor | None = None  # [num_tokens] int64
     # Backend-private tensors derived once per step and shared by every layer
     # (gather indices, masks, xformers bias objects). Keyed by backend name.
     backend_cache: dict[str, Any] = field(default_factory=dict)
@@ -92,6 +97,7 @@ def build_attention_metadata(
     block_tables: list[list[int]],
     block_size: int,
     device: torch.device | str = "cpu",
+    tree_masks: torch.Tensor | list[int] | None = None,
 ) -> AttentionMetadata:
     """Build the metadata of one packed step from host-side lists.
 
@@ -128,4 +134,13 @@ def build_attention_metadata(
         query_lens_cpu=list(query_lens),
         seq_lens_cpu=list(seq_lens),
         block_size=block_size,
+        tree_masks=None if tree_masks is None else as_mask_tensor(tree_masks, device),
     )
+
+
+def as_mask_tensor(masks: torch.Tensor | list[int], device: torch.device | str) -> torch.Tensor:
+    """Tree masks as int64 (a Python mask with bit 63 set wraps to a negative one)."""
+    if isinstance(masks, torch.Tensor):
+        return masks.to(device=device, dtype=torch.int64)
+    signed = [m - (1 << 64) if m >= 1 << 63 else m for m in masks]
+    return torch.tensor(signed, dtype=torch.int64, device=device)

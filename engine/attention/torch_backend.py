@@ -109,6 +109,21 @@ def make_plan(metadata: AttentionMetadata) -> _Plan:
     write_token_idx, write_slots = write_plan(metadata)
     block_ids = context_block_ids(metadata)
     q_lens, s_lens = metadata.query_lens_cpu, metadata.seq_lens_cpu
+    if metadata.tree_masks is not None:  # a token tree: an explicit mask, always
+        kv_len = s_lens[0] if metadata.num_seqs == 1 else block_ids.shape[1] * metadata.block_size
+        device = metadata.seq_lens.device
+        mask = _tree_mask(metadata, kv_len).to(device)
+        query_pad_idx, out_idx = _query_padding(q_lens)
+        return _Plan(
+            write_token_idx,
+            write_slots,
+            block_ids,
+            kv_len,
+            mask,
+            False,
+            query_pad_idx.to(device),
+            out_idx.to(device),
+        )
     if metadata.num_seqs == 1:
         # No padding at all: slice the context exactly; mask only a partial causal prefill.
         q_len, s_len = q_lens[0], s_lens[0]
@@ -149,6 +164,21 @@ def _causal_mask(q_lens: list[int], s_lens: list[int], kv_len: int) -> torch.Ten
     query_pos = torch.minimum((s - q)[:, None] + j[None, :], (s - 1)[:, None])  # [seqs, max_q]
     key_pos = torch.arange(kv_len)
     return (key_pos[None, None, :] <= query_pos[:, :, None]).unsqueeze(1)
+
+
+def _tree_mask(metadata: AttentionMetadata, kv_len: int) -> torch.Tensor:
+    """``_causal_mask`` where, among the keys fed this step, each query sees only the
+    fed tokens its tree mask names (AttentionMetadata.tree_masks)."""
+    q_lens, s_lens = metadata.query_lens_cpu, metadata.seq_lens_cpu
+    causal = _causal_mask(q_lens, s_lens, kv_len)  # [seqs, 1, max_q, kv_len]
+    pad_idx, _ = _query_padding(q_lens)
+    masks = metadata.tree_masks.cpu()[pad_idx]  # [seqs, max_q]: padded rows repeat the last
+    step_start = torch.tensor(s_lens) - torch.tensor(q_lens)  # [seqs]
+    fed = torch.arange(kv_len)[None, :] - step_start[:, None]  # [seqs, kv_len]
+    in_tree = (fed >= 0) & (fed < 64)
+    bit = (masks[:, :, None] >> fed.clamp(0, 63)[:, None, :]) & 1  # [seqs, max_q, kv_len]
+    seen = ~in_tree[:, None, :] | (bit == 1)
+    return causal & seen.unsqueeze(1)
 
 
 def _query_padding(q_lens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from engine.attention import torch_backend
 from engine.attention.metadata import AttentionMetadata, get_attention_metadata
 from engine.attention.paged import context_block_ids, gather_kv, write_kv, write_plan
 
@@ -44,6 +45,14 @@ class XFormersAttentionBackend:
         scale: float,
     ) -> torch.Tensor:  # [num_tokens, num_heads * head_dim]
         metadata = get_attention_metadata()
+        if metadata.tree_masks is not None:
+            # A step that verifies a token tree: xformers' block-diagonal masks cannot say
+            # which fed tokens each node sees, so the whole step runs on the torch
+            # backend's SDPA with an explicit mask (same cache layout, same result up to
+            # rounding; only tree steps pay it).
+            plan = metadata.backend_plan("torch", torch_backend.make_plan)
+            write_kv(kv_cache, key, value, plan.write_token_idx, plan.write_slots)
+            return torch_backend.attend(query, kv_cache, metadata, plan, scale)
         plan = metadata.backend_plan(self.name, self._make_plan)
         token_idx, slots, block_ids, attn_bias = plan
         write_kv(kv_cache, key, value, token_idx, slots)

@@ -28,7 +28,8 @@ def add_workload_args(parser: argparse.ArgumentParser, num_prompts: int) -> None
     parser.add_argument(
         "--workload",
         default="chat",
-        help="chat, grounded, json (extraction: a JSON schema per request), or a JSONL file "
+        help="chat, grounded, json (extraction: a JSON schema per request), repeated (one "
+        "extraction template over many inputs, then earlier prompts again), or a JSONL file "
         "with a 'prompt' field",
     )
     parser.add_argument(
@@ -40,7 +41,7 @@ def add_workload_args(parser: argparse.ArgumentParser, num_prompts: int) -> None
     )
 
 
-SPEC_MODES = ("none", "ngram", "draft", "hybrid", "eagle", "auto")
+SPEC_MODES = ("none", "ngram", "suffix", "draft", "hybrid", "eagle", "auto")
 NO_GATE = "-nogate"  # a mode's run without the speculation gate (scheduler/spec_gate.py)
 
 

@@ -45,7 +45,7 @@ async def build_workload(
     if args.dataset == "shared-prefix":
         num, chars = args.num_prefixes, args.prefix_chars
         return lambda seed: wl.shared_prefix_requests(num, chars, output_len, seed)
-    if args.dataset in ("chat", "grounded", "json"):
+    if args.dataset in ("chat", "grounded", "json", "repeated"):
         items = wl.builtin_items(args.dataset)
     elif not args.dataset_path:
         raise ValueError(f"--dataset {args.dataset} needs --dataset-path")

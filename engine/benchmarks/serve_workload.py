@@ -15,7 +15,16 @@ from pathlib import Path
 
 from engine.benchmarks.workloads import BUILTIN, CHAT_PROMPTS, GROUNDED_PROMPTS, JSON_REQUESTS
 
-DATASETS = ("synthetic", "chat", "grounded", "json", "jsonl", "sharegpt", "shared-prefix")
+DATASETS = (
+    "synthetic",
+    "chat",
+    "grounded",
+    "json",
+    "repeated",
+    "jsonl",
+    "sharegpt",
+    "shared-prefix",
+)
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,4 +1,5 @@
-"""Prompt sets for benchmarks: built-in chat and input-grounded workloads, or JSONL."""
+"""Prompt sets for benchmarks: built-in chat, input-grounded, JSON and repeated-traffic
+workloads, or JSONL."""
 
 from __future__ import annotations
 
@@ -111,7 +112,40 @@ JSON_REQUESTS = [
 ]
 JSON_PROMPTS = [prompt for prompt, _ in JSON_REQUESTS]
 
-BUILTIN = {"chat": CHAT_PROMPTS, "grounded": GROUNDED_PROMPTS, "json": JSON_PROMPTS}
+_PEOPLE = [
+    ("Anna Berg", 34, "Oslo", "nurse"),
+    ("Tomas Novak", 51, "Brno", "carpenter"),
+    ("Li Wei", 27, "Chengdu", "software tester"),
+    ("Fatima Diallo", 42, "Dakar", "teacher"),
+    ("Jonas Weber", 38, "Leipzig", "bus driver"),
+    ("Priya Nair", 29, "Kochi", "architect"),
+    ("Marco Rossi", 63, "Turin", "baker"),
+    ("Sara Cohen", 45, "Haifa", "pharmacist"),
+    ("Diego Alvarez", 31, "Seville", "electrician"),
+    ("Emma Clarke", 56, "Leeds", "librarian"),
+    ("Kenji Sato", 40, "Sendai", "chef"),
+    ("Olga Petrova", 36, "Kazan", "accountant"),
+]
+_EXTRACTION = (
+    "Read the note and fill in the form below, one field per line, exactly in this "
+    "format:\nName: <full name>\nAge: <age in years>\nCity: <city>\nJob: <job>\n"
+    "Summary: <one sentence about the person>\n\nNote: {name} is {age} years old, "
+    "lives in {city} and works as a {job}."
+)
+# Repeated traffic, as a backend service sends it: one extraction template over many
+# inputs, then a second pass over earlier requests (retries, the same question asked
+# again). What suffix decoding's cache of recent answers is for.
+REPEATED_PROMPTS = [
+    _EXTRACTION.format(name=name, age=age, city=city, job=job) for name, age, city, job in _PEOPLE
+]
+REPEATED_PROMPTS += REPEATED_PROMPTS[:4]
+
+BUILTIN = {
+    "chat": CHAT_PROMPTS,
+    "grounded": GROUNDED_PROMPTS,
+    "json": JSON_PROMPTS,
+    "repeated": REPEATED_PROMPTS,
+}
 
 
 def json_schemas(num_prompts: int) -> list[dict]:

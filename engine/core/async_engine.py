@@ -548,6 +548,7 @@ class AsyncEngine:
                 messages=command.messages,
                 client_request_id=stream.label,
                 grammar=command.grammar,
+                cache_scope=stream.owner,
             )
         except ValueError as exc:
             stream.put_threadsafe(exc)

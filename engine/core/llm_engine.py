@@ -20,6 +20,7 @@ from engine.io.outputs import RequestMetrics, RequestOutput
 from engine.io.sampling_params import SamplingParams
 from engine.observability.stats import EngineStats, StepRecord, StepTimings
 from engine.sample.grammar import Grammar, GrammarCompiler, GrammarLimits
+from engine.spec_decode import paths
 from engine.spec_decode.proposers import build_proposer
 from engine.spec_decode.trained_draft import load_draft
 from engine.spec_decode.verifier import Verifier
@@ -124,7 +125,7 @@ class LLMEngine:
         self._num_constrained = 0
         # Constrained requests' n-gram drafts get the tokens the constraint forces after
         # them appended (deterministic drafts only: a draft model's have q rows).
-        self._forced_tail = method in ("ngram", "hybrid")
+        self._forced_tail = method in ("ngram", "suffix", "hybrid")
         self.scheduler = Scheduler(
             SchedulerConfig(
                 max_num_seqs=config.max_num_seqs,
@@ -136,11 +137,13 @@ class LLMEngine:
                     config.speculative_disable_batch_size, self.device
                 ),
                 draft_cost=self.proposer.draft_cost if self.proposer else 0.0,
+                spec_tree_max_nodes=config.spec_tree_max_nodes,
             ),
             self.kv_manager,
         )
         if self.proposer is not None and config.speculation_gate:
             self.scheduler.gate = SpeculationGate()
+        self.scheduler.tree_sources = frozenset(getattr(self.proposer, "tree_sources", ()))
         source_for = getattr(self.proposer, "source_for", None)
         if source_for is not None:  # k from the history of the source it picks, gated per source
             max_k = config.num_speculative_tokens
@@ -165,6 +168,7 @@ class LLMEngine:
         arrival_time: float | None = None,
         client_request_id: str | None = None,
         grammar: Grammar | None = None,
+        cache_scope: str | None = None,
     ) -> None:
         """Queue a request. Raises ValueError (naming the field) for bad input.
 
@@ -207,6 +211,9 @@ class LLMEngine:
             client_request_id=request_id if client_request_id is None else client_request_id,
             grammar=grammar,
         )
+        # Whose recent answers suffix decoding may propose from: the caller's own
+        # (its API key's id), since acceptance speed could reveal another's text.
+        request.cache_scope = cache_scope
         if grammar is not None and self._forced_tail:
             request.forced_tail_slots = structured.FORCED_TAIL_SLOTS
         self._num_constrained += grammar is not None
@@ -242,17 +249,19 @@ class LLMEngine:
         if self._num_constrained:
             structured.constrain(sched, self._states, forced, draft_probs)
         t2 = time.perf_counter()
-        seqs, sample_states, drafts = self._build_inputs(sched)
+        seqs, sample_states, drafts, trees = self._build_inputs(sched)
         prepared = self.runner.prepare(seqs)
         t3 = time.perf_counter()
-        pending = self._masks.start(sample_states, drafts) if self._num_constrained else None
+        pending = self._masks.start(sample_states, drafts, trees) if self._num_constrained else None
         logits = self.runner.execute(prepared)  # [sum(1 + drafts) of sampling requests, vocab]
         if self._feature_sink is not None:  # an EAGLE draft keeps the target's features
             self._feature_sink(sched.scheduled, seqs)
         masks = pending.result() if pending is not None else None
         runner_output = self.verifier.verify(
-            logits, sched, sample_states, drafts, draft_probs, masks
+            logits, sched, sample_states, drafts, draft_probs, masks, trees
         )
+        if runner_output.accepted_nodes:
+            self._move_accepted_kv(sched, runner_output.accepted_nodes)
         t4 = time.perf_counter()
         changed = self.scheduler.update(sched, runner_output)
         if self._num_constrained:
@@ -269,7 +278,8 @@ class LLMEngine:
             forward_s=t4 - t3,
             update_s=time.perf_counter() - t4,
         )
-        decode_only = prepared.metadata.max_query_len <= 1 + self.config.num_speculative_tokens
+        max_drafts = max(self.config.num_speculative_tokens, self.config.spec_tree_max_nodes)
+        decode_only = prepared.metadata.max_query_len <= 1 + max_drafts
         if decode_only:
             # decode / verification steps only: prefill chunks run GEMMs at another
             # efficiency and would bend the per-token slope adaptive k depends on
@@ -330,8 +340,12 @@ class LLMEngine:
             return {}
         requests = [self._states[s.request_id] for s in speculating]
         drafts, draft_probs = self.proposer.propose(speculating, requests)
-        for item, tokens in zip(speculating, drafts):
+        for item, proposal in zip(speculating, drafts):
+            # A proposal is a chain (a list of tokens) or a token tree (DraftTree).
+            parents = getattr(proposal, "parents", None)
+            tokens = list(proposal.tokens) if parents is not None else proposal
             item.spec_token_ids = tokens
+            item.spec_parents = None if paths.is_chain(parents) else list(parents)
             item.num_scheduled_tokens += len(tokens)
         if draft_probs is None:
             return {}
@@ -345,20 +359,54 @@ class LLMEngine:
         seqs: list[SeqInput] = []
         sample_states: list[_RequestState] = []
         drafts: list[list[int]] = []
+        trees: list[list[int] | None] = []
         for item in sched.scheduled:
             state = self._states[item.request_id]
             request = state.request
             if state.metrics.first_scheduled_time is None:
                 state.metrics.first_scheduled_time = request.first_scheduled_time
-            num_verified = item.num_scheduled_tokens - len(item.spec_token_ids)
+            num_drafts = len(item.spec_token_ids)
+            num_verified = item.num_scheduled_tokens - num_drafts
             start = item.num_computed_tokens
             tokens = request.all_token_ids[start : start + num_verified] + item.spec_token_ids
-            num_logits = 1 + len(item.spec_token_ids) if item.needs_sample else 0
-            seqs.append(SeqInput(tokens, start, item.block_ids, num_logits))
+            num_logits = 1 + num_drafts if item.needs_sample else 0
+            seq = SeqInput(tokens, start, item.block_ids, num_logits)
+            parents = item.spec_parents
+            if parents is not None:
+                # A token tree: its nodes take the next slots in order, each at the
+                # position of its depth below the root (the last verified token) and
+                # seeing only its ancestors among them.
+                root = start + num_verified - 1
+                depth = paths.depths(parents, num_drafts)
+                seq.positions = [*range(start, root + 1), *(root + d for d in depth)]
+                seq.tree_mask = paths.ancestor_masks(parents, num_verified, num_drafts)
+            seqs.append(seq)
             if item.needs_sample:
                 sample_states.append(state)
                 drafts.append(item.spec_token_ids)
-        return seqs, sample_states, drafts
+                trees.append(parents)
+        return seqs, sample_states, drafts, trees
+
+    def _move_accepted_kv(self, sched: SchedulerOutput, accepted: dict[str, list[int]]) -> None:
+        """A token tree's accepted path, node ``i_k`` at depth ``k + 1``, wrote its KV to
+        the slot of node ``i_k``; it moves to the slot of depth ``k + 1``, where plain
+        decoding would have put it (the rollback after the update frees the rest)."""
+        bs = self.config.block_size
+        src, dst = [], []
+        for item in sched.scheduled:
+            nodes = accepted.get(item.request_id)
+            if not nodes:
+                continue
+            base = item.num_scheduled_tokens - len(item.spec_token_ids)
+            base += item.num_computed_tokens  # the position of node 0's slot
+            table = item.block_ids
+            for k, node in enumerate(nodes):
+                if node != k:
+                    a, b = base + node, base + k
+                    src.append(table[a // bs] * bs + a % bs)
+                    dst.append(table[b // bs] * bs + b % bs)
+        if src:
+            self.runner.move_kv(src, dst)
 
     # ---- outputs ----------------------------------------------------------------------
     def _emit(self, state: _RequestState, runner_output: ModelRunnerOutput) -> RequestOutput | None:

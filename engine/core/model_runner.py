@@ -12,8 +12,8 @@ from typing import NamedTuple
 
 import torch
 
-from engine.attention import allocate_kv_caches
-from engine.attention.metadata import AttentionMetadata, set_attention_metadata
+from engine.attention import allocate_kv_caches, kv_pool_view
+from engine.attention.metadata import AttentionMetadata, as_mask_tensor, set_attention_metadata
 
 
 @dataclass(slots=True)
@@ -22,6 +22,11 @@ class SeqInput:
     start_pos: int  # position of token_ids[0] == num_computed_tokens
     block_ids: list[int]  # block table covering start_pos + len(token_ids) slots
     num_logits: int  # trailing positions whose logits are needed (0 for a mid-prefill chunk)
+    # A token tree's step: each fed token's RoPE position (a node's is the root's plus
+    # its depth) and attention mask (AttentionMetadata.tree_masks); None: start_pos + j,
+    # plain causal. The KV of fed token j goes to slot start_pos + j either way.
+    positions: list[int] | None = None
+    tree_mask: list[int] | None = None
 
 
 class PreparedBatch(NamedTuple):
@@ -48,10 +53,22 @@ class ModelRunner:
             self.device,
         )
         self.model.bind_kv_caches(self.kv_caches)
+        # The caches are views of one allocation: every layer's slots in one view.
+        self._pool = kv_pool_view(self.kv_caches)
         # hidden states -> logits in place of the model's compute_logits (a draft with
         # a reduced head keeps its reduced logits)
         self.logits_fn = None
         self._pin = self.device.type == "cuda"
+
+    @torch.inference_mode()
+    def move_kv(self, src_slots: list[int], dst_slots: list[int]) -> None:
+        """Copy every layer's K and V from each source slot to its destination slot
+        (slot = block id * block_size + offset): a token tree's accepted path into the
+        slots plain decoding would have used. All sources are read before any write."""
+        pool = self._pool  # [layers, 2, num_blocks * block_size, kv_heads, head_dim]
+        src = torch.tensor(src_slots, dtype=torch.long, device=self.device)
+        dst = torch.tensor(dst_slots, dtype=torch.long, device=self.device)
+        pool[:, :, dst] = pool[:, :, src]
 
     def forward(self, seqs: list[SeqInput]) -> torch.Tensor:
         """One packed forward. Returns logits [sum(num_logits), vocab_size] float32,
@@ -79,11 +96,16 @@ class ModelRunner:
         logit_rows: list[int] = []
         max_blocks = max(len(s.block_ids) for s in seqs)
         block_tables: list[list[int]] = []
+        tree_masks: list[int] | None = None
+        if any(s.tree_mask is not None for s in seqs):
+            tree_masks = []
+            for s in seqs:
+                tree_masks.extend(s.tree_mask or [-1] * len(s.token_ids))
         for s in seqs:
             n = len(s.token_ids)
             end = s.start_pos + n
             input_ids.extend(s.token_ids)
-            positions.extend(range(s.start_pos, end))
+            positions.extend(range(s.start_pos, end) if s.positions is None else s.positions)
             blocks = s.block_ids
             slots.extend(blocks[p // bs] * bs + p % bs for p in range(s.start_pos, end))
             offset = query_start_loc[-1]
@@ -115,5 +137,6 @@ class ModelRunner:
             query_lens_cpu=query_lens,
             seq_lens_cpu=seq_lens,
             block_size=bs,
+            tree_masks=None if tree_masks is None else as_mask_tensor(tree_masks, self.device),
         )
         return PreparedBatch(ids_t, pos_t, metadata, None if all_rows else rows_t)

@@ -7,7 +7,8 @@
                                       so far (DraftModelProposer._masked), as verification
                                       masks that position
     after propose     constrain       drafts: the forced tokens, else the proposer's cut at
-                                      the first token the constraint refuses (n-gram)
+                                      the first token the constraint refuses (n-gram), a
+                                      token tree's refused nodes pruned
     beside forward    MaskBuilder     one mask per verified row (1 + drafts per request),
                                       computed on a worker thread while the model runs;
                                       the verifier applies them (sample/grammar.py);
@@ -31,6 +32,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from engine import envs
 from engine.io.sampling_params import MAX_NUM_SPECULATIVE_TOKENS
 from engine.sample.grammar import uses_lazy_masks
+from engine.spec_decode import paths
 
 # Lookahead slots a constrained request gets past its k when it speculates with n-gram
 # drafts: the tokens its constraint forces after the drafts (a value's closing quote,
@@ -78,6 +80,15 @@ def constrain(sched, states: dict, forced: dict[str, list[int]], draft_probs: di
         if state is None or state.grammar is None or not item.needs_sample:
             continue
         drafts = item.spec_token_ids
+        if item.spec_parents is not None and item.request_id not in forced:
+            # A token tree (deterministic nodes): the nodes the constraint refuses go,
+            # with everything below them; no forced tail rides along.
+            allowed = state.grammar.allowed_nodes(drafts, item.spec_parents)
+            kept, item.spec_parents = paths.keep_nodes(drafts, item.spec_parents, allowed)
+            item.num_scheduled_tokens += len(kept) - len(drafts)
+            item.spec_token_ids = kept
+            continue
+        item.spec_parents = None  # forced tokens are a chain
         if item.request_id in forced:
             kept = forced[item.request_id][: item.num_spec_tokens]
             draft_probs.pop(item.request_id, None)
@@ -111,18 +122,21 @@ class MaskBuilder:
     def __init__(self) -> None:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-masks")
 
-    def start(self, states: list, drafts: list[list[int]]) -> Future | None:
-        """Masks per constrained request id ([1 + drafts, words]), or None if none.
-        Greedy requests' masks are left to the verifier (sample/grammar.py,
-        ``apply_greedy_masks``), which computes only those it needs."""
+    def start(
+        self, states: list, drafts: list[list[int]], parents: list[list[int] | None]
+    ) -> Future | None:
+        """Masks per constrained request id ([1 + drafts, words]: one per row, a token
+        tree's by node), or None if none. Greedy requests' masks are left to the
+        verifier (sample/grammar.py, ``apply_greedy_masks``), which computes only those
+        it needs."""
         work = [
-            (s.request.request_id, s.grammar, d)
-            for s, d in zip(states, drafts)
+            (s.request.request_id, s.grammar, d, p)
+            for s, d, p in zip(states, drafts, parents)
             if s.grammar is not None and not uses_lazy_masks(s.params)
         ]
         if not work:
             return None
-        return self._pool.submit(lambda: {rid: g.masks(d) for rid, g, d in work})
+        return self._pool.submit(lambda: {rid: g.masks(d, p) for rid, g, d, p in work})
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

@@ -54,13 +54,27 @@ def add_engine_args(parser: argparse.ArgumentParser, *, with_seed: bool = True) 
     flag("--draft-model", "small draft model sharing the tokenizer")
     flag(
         "--speculative-method",
-        "default: draft if --draft-model is given, else ngram",
+        "default: draft if --draft-model is given, else ngram; suffix: token trees from "
+        "suffix decoding over the request's text and recent answers",
         choices=SPECULATIVE_METHODS,
     )
     flag(
         "--num-speculative-tokens",
         "the most draft tokens a request verifies per step",
         type=int,
+    )
+    flag(
+        "--spec-tree-max-nodes",
+        "suffix decoding: the most token-tree nodes one request verifies in a step (1-63; "
+        "the proposer keeps the nodes that pay at the measured cost of a verified token)",
+        type=int,
+    )
+    flag(
+        "--suffix-cache-mib",
+        "suffix decoding: memory for the cache of recent answers it proposes from, one "
+        "cache per API key (0: each request's own prompt and output only)",
+        type=float,
+        metavar="MIB",
     )
     flag(
         "--speculative-disable-batch-size",

@@ -49,7 +49,7 @@ _SIGNATURES = {
     "specserve_paged_attention": (
         ctypes.c_int,
         [_P, _I64, _P, _I64, _P, _P, _P, _I64, _I64, _P, _P, _I64, _I64, _P, _I64]
-        + [_I64, _I64, _I64, _I64, _I64, _F32, _I64, _I32],
+        + [_I64, _I64, _I64, _I64, _I64, _F32, _I64, _I32, _P],
     ),
     "specserve_rms_norm": (None, [_P, _P, _P, _P, _I64, _I64, _F32, _I32]),
     "specserve_rope": (ctypes.c_int, [_P, _I64, _I64, _P, _P, _I64, _I64, _I64, _I32]),
@@ -183,6 +183,7 @@ class CpuKernels:
         seq_ids: torch.Tensor,  # [num_selected] int32: the sequences to compute
         max_query_len: int,  # over the selected sequences
         scale: float,
+        tree_masks: torch.Tensor | None = None,  # [num_tokens] int64 (AttentionMetadata)
     ) -> None:
         dtype = _check_float("query", query, 3, rows_strided=True)
         _check_float("out", out, 3, (dtype, "query"), rows_strided=True)
@@ -199,6 +200,8 @@ class CpuKernels:
         if not 0 <= max_query_len <= num_tokens:
             raise ValueError(f"max_query_len={max_query_len} must be in [0, {num_tokens}]")
         max_rows = max_query_len * (num_heads // num_kv_heads)
+        if tree_masks is not None:
+            _check_tree_masks(tree_masks, num_tokens)
         status = self._entries[dtype].paged_attention(
             out.data_ptr(),
             out.stride(0),
@@ -223,6 +226,7 @@ class CpuKernels:
             scale,
             max(max_rows, 1),
             torch.get_num_threads(),
+            None if tree_masks is None else tree_masks.data_ptr(),
         )
         if status == 2:
             raise ValueError(f"a selected sequence has more than max_query_len={max_query_len}")
@@ -517,3 +521,17 @@ def cpu_kernels() -> CpuKernels | None:
     except (KernelBuildError, OSError, AttributeError) as exc:
         logger.warning("CPU kernels unavailable, using torch ops (slower): %s", exc)
         return None
+
+
+def _check_tree_masks(tree_masks: torch.Tensor, num_tokens: int) -> None:
+    """One int64 mask per packed token, dense on the CPU (the kernel reads them raw)."""
+    if (
+        tree_masks.dtype is not torch.int64
+        or tree_masks.shape != (num_tokens,)
+        or not tree_masks.is_contiguous()
+        or not tree_masks.is_cpu
+    ):
+        raise ValueError(
+            f"tree_masks must be a dense [num_tokens={num_tokens}] int64 CPU tensor, got "
+            f"{tuple(tree_masks.shape)} {tree_masks.dtype} on {tree_masks.device}"
+        )

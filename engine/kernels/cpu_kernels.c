@@ -522,6 +522,125 @@ static int check_sequences(
     return status;
 }
 
+/* Token trees. A sequence verifying a token tree feeds [verified tokens, tree nodes]
+ * in one step; tree_masks[token] says which of the step's fed tokens that token sees
+ * (bit b: fed token b; -1: every earlier one, plain causal; b >= 64 always seen), on
+ * top of the causal rule and of the whole context before the step. Such a row is
+ * computed exactly as plain decoding computes the same query: its visible keys, in
+ * order, are a virtual sequence (the context, then the fed tokens it sees) split into
+ * blocks at the same boundaries as a plain sequence of that length, each folded into
+ * the streaming softmax by the same call; a virtual block whose keys are not where
+ * its real block keeps them is gathered into scratch first. So a node's output equals
+ * the output of decoding its path token by token, bit for bit. */
+INLINE int tile_has_tree(const int64_t *masks, int64_t tl) {
+    for (int64_t j = 0; j < tl; j++)
+        if (masks[j] != -1) return 1;
+    return 0;
+}
+
+/* The fed tokens query jj sees (bits of `mask` among 0 .. min(jj, 63)), ascending, into
+ * `seen`; returns how many. Fed tokens 64 .. jj are seen too and not listed. */
+INLINE int tree_seen(uint64_t mask, int64_t jj, int *seen) {
+    int count = 0;
+    const int64_t top = jj < 63 ? jj : 63;
+    for (int64_t b = 0; b <= top; b++)
+        if (mask >> b & 1) seen[count++] = (int)b;
+    return count;
+}
+
+/* The real key of virtual key v (>= step_start) of a row that lists `num_seen` fed
+ * tokens in `seen`. */
+INLINE int64_t tree_real_key(int64_t v, int64_t step_start, const int *seen, int num_seen) {
+    const int64_t u = v - step_start;
+    return step_start + (u < num_seen ? seen[u] : 64 + (u - num_seen));
+}
+
+#define TREE_ROWS(T, S)                                                                        \
+    INLINE void tree_rows_##S(                                                                 \
+        T *out, int64_t out_token_stride, const T *q, int64_t q_token_stride,                  \
+        const T *k_cache, const T *v_cache, const int32_t *table, const int64_t *tree_masks,  \
+        int64_t step_start, int64_t q_start, int64_t j0, int64_t tl, int64_t kv_head,          \
+        int64_t group, int64_t head_dim, int64_t block_size, int64_t kv_stride, int chunks,    \
+        float scale, float *row_max, float *row_sum, float *acc, float *scores, float *qf,     \
+        T *kv_scratch) {                                                                       \
+        const int is_f32 = sizeof(T) == sizeof(float);                                         \
+        const int64_t first_head = kv_head * group;                                            \
+        T *k_scr = kv_scratch, *v_scr = kv_scratch + block_size * head_dim;                    \
+        int seen[64];                                                                          \
+        for (int64_t j = 0; j < tl; j++) {                                                     \
+            const int64_t token = q_start + j, jj = j0 + j;                                    \
+            const int64_t mask = tree_masks[token];                                            \
+            int num_seen;                                                                      \
+            int64_t len; /* keys this row sees: the virtual sequence's length */               \
+            int identity; /* fed tokens seen: 0 .. k-1 only, as plain causal */                \
+            if (mask == -1) {                                                                  \
+                num_seen = 0;                                                                  \
+                len = step_start + jj + 1;                                                     \
+                identity = 1;                                                                  \
+            } else {                                                                           \
+                num_seen = tree_seen((uint64_t)mask, jj, seen);                                \
+                len = step_start + num_seen + (jj >= 64 ? jj - 63 : 0);                        \
+                identity = 1;                                                                  \
+                for (int i = 0; i < num_seen; i++) identity &= seen[i] == i;                   \
+                identity &= jj < 64 || num_seen == 64;                                         \
+            }                                                                                  \
+            for (int64_t hl = 0; hl < group; hl++) {                                           \
+                row_max[hl] = NEG_BIG;                                                         \
+                row_sum[hl] = 0.0f;                                                            \
+                if (!is_f32 && !chunks)                                                        \
+                    load_query_##S(qf + hl * head_dim,                                         \
+                                   q + token * q_token_stride + (first_head + hl) * head_dim,  \
+                                   head_dim);                                                  \
+            }                                                                                  \
+            memset(acc, 0, sizeof(float) * (size_t)group * head_dim);                          \
+            const int64_t num_blocks = (len + block_size - 1) / block_size;                    \
+            for (int64_t b = 0; b < num_blocks; b++) {                                         \
+                const int64_t first_key = b * block_size;                                      \
+                const int64_t end = len - first_key < block_size ? len : first_key + block_size; \
+                const T *kb, *vb;                                                              \
+                int64_t stride;                                                                \
+                if (identity || end <= step_start) {                                           \
+                    const int64_t base =                                                       \
+                        (int64_t)table[b] * block_size * kv_stride + kv_head * head_dim;       \
+                    kb = k_cache + base, vb = v_cache + base, stride = kv_stride;              \
+                } else {                                                                       \
+                    for (int64_t v = first_key; v < end; v++) {                                \
+                        const int64_t key =                                                    \
+                            v < step_start ? v : tree_real_key(v, step_start, seen, num_seen); \
+                        const int64_t src = (int64_t)table[key / block_size] * block_size *    \
+                                                kv_stride +                                    \
+                                            (key % block_size) * kv_stride +                   \
+                                            kv_head * head_dim;                                \
+                        memcpy(k_scr + (v - first_key) * head_dim, k_cache + src,              \
+                               sizeof(T) * (size_t)head_dim);                                  \
+                        memcpy(v_scr + (v - first_key) * head_dim, v_cache + src,              \
+                               sizeof(T) * (size_t)head_dim);                                  \
+                    }                                                                          \
+                    kb = k_scr, vb = v_scr, stride = head_dim;                                 \
+                }                                                                              \
+                if (chunks) {                                                                  \
+                    attend_rows_##S(q, q_token_stride, token, first_head, group, 1, head_dim,  \
+                                    kb, vb, stride, block_size, len, first_key, scale,         \
+                                    row_max, row_sum, acc);                                    \
+                    continue;                                                                  \
+                }                                                                              \
+                for (int64_t hl = 0; hl < group; hl++) {                                       \
+                    const float *qr =                                                          \
+                        is_f32 ? (const float *)(q + token * q_token_stride +                  \
+                                                 (first_head + hl) * head_dim)                 \
+                               : qf + hl * head_dim;                                           \
+                    attend_##S(qr, kb, vb, (int)(end - first_key), stride, head_dim, scale,    \
+                               scores, row_max + hl, row_sum + hl, acc + hl * head_dim);       \
+                }                                                                              \
+            }                                                                                  \
+            for (int64_t hl = 0; hl < group; hl++)                                             \
+                store_row_##S(out + token * out_token_stride + (first_head + hl) * head_dim,    \
+                              acc + hl * head_dim, 1.0f / row_sum[hl], head_dim);              \
+        }                                                                                      \
+    }
+TREE_ROWS(float, f32)
+TREE_ROWS(bf16, bf16)
+
 /* Attention of the query tokens of the selected sequences over their paged context,
  * causal with offset: sequence `seq` adds q_len tokens and holds seq_lens[seq] after
  * the step, so its query j sits at position seq_len - q_len + j and sees keys
@@ -553,7 +672,8 @@ static int check_sequences(
              const int32_t *query_start_loc, int64_t num_seqs, int64_t num_tokens,             \
              const int32_t *seq_ids, int64_t num_selected, int64_t num_heads,                  \
              int64_t num_kv_heads, int64_t head_dim, int64_t block_size,                       \
-             int64_t num_cache_blocks, float scale, int64_t max_rows, int32_t num_threads) {   \
+             int64_t num_cache_blocks, float scale, int64_t max_rows, int32_t num_threads,     \
+             const int64_t *tree_masks) {                                                      \
         /* The wrapper checks these; checked again because C must not divide by zero or     \
          * truncate a size whatever it is given. */                                           \
         if (num_kv_heads < 1 || num_heads < 0 || num_heads % num_kv_heads || head_dim < 1 ||   \
@@ -600,7 +720,11 @@ static int check_sequences(
             float *row_sum = malloc(sizeof(float) * (size_t)max_rows);                         \
             float *scores = malloc(sizeof(float) * (size_t)block_size);                        \
             float *qf = is_f32 ? NULL : malloc(sizeof(float) * (size_t)max_rows * head_dim);   \
-            if (!acc || !row_max || !row_sum || !scores || (!is_f32 && !qf)) {                 \
+            /* a token tree's rows: their visible keys gathered, one block at a time */        \
+            T *kv_scratch = tree_masks ? calloc((size_t)(2 * block_size * head_dim), sizeof(T))  \
+                                       : NULL;                                                 \
+            if (!acc || !row_max || !row_sum || !scores || (!is_f32 && !qf) ||                 \
+                (tree_masks && !kv_scratch)) {                                                 \
                 _Pragma("omp atomic write") failed = 1;                                        \
             }                                                                                  \
             _Pragma("omp for schedule(dynamic, 1)") for (int64_t item = 0; item < num_items;   \
@@ -621,6 +745,13 @@ static int check_sequences(
                 /* rows: query head (of this KV head's group) major, query token minor */     \
                 const int64_t rows = group * tl;                                               \
                 const int32_t *table = block_tables + seq * block_table_stride;                \
+                if (tree_masks && tile_has_tree(tree_masks + q_start, tl)) {                   \
+                    tree_rows_##S(out, out_token_stride, q, q_token_stride, k_cache, v_cache,  \
+                                  table, tree_masks, seq_lens[seq] - q_len, q_start, j0, tl,   \
+                                  kv_head, group, head_dim, block_size, kv_stride, chunks,     \
+                                  scale, row_max, row_sum, acc, scores, qf, kv_scratch);       \
+                    continue;                                                                  \
+                }                                                                              \
                 const int64_t num_blocks = (seq_len + block_size - 1) / block_size;            \
                 for (int64_t r = 0; r < rows; r++) {                                           \
                     row_max[r] = NEG_BIG;                                                      \
@@ -685,6 +816,7 @@ static int check_sequences(
             free(row_sum);                                                                     \
             free(scores);                                                                      \
             free(qf);                                                                          \
+            free(kv_scratch);                                                                  \
         }                                                                                      \
         free(tile_sel);                                                                        \
         free(tile_j0);                                                                         \

@@ -41,7 +41,7 @@ _ARGTYPES = [_P, _I64, _P, _P, _P, _P, _P, _P, _P, _I64]  # layers .. act, n
 _ARGTYPES += [_I64, _I64, _I64, _I64, _I64, _F32]  # hidden .. inter, eps
 _ARGTYPES += [_P, _P, _I64, _P, _I64, _I64]  # positions .. block_size
 _ARGTYPES += [_P, _I64, _I64, _P, _P, _I64, _P, _I64, _I64, _F32, _I32]  # attention
-_ARGTYPES += [_I32]  # continue_residual
+_ARGTYPES += [_I32, _P]  # continue_residual, tree_masks
 
 
 class FusedDecoderLayers:
@@ -175,6 +175,7 @@ class FusedDecoderLayers:
             metadata.seq_lens.data_ptr(), metadata.query_start_loc.data_ptr(), num_seqs,
             seq_ids.data_ptr(), seq_ids.shape[0], max_rows, self.scale,
             torch.get_num_threads(), int(start > 0),
+            None if metadata.tree_masks is None else metadata.tree_masks.data_ptr(),
         )  # fmt: skip
         if status:
             raise _error(status, cos_sin.shape[0], self.num_cache_blocks * self.block_size)

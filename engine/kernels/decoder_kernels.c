@@ -39,7 +39,7 @@ INLINE int decoder_linear(bf16 *out, const bf16 *x, int64_t x_stride, const void
  * residual [n, hidden_size]: the residual stream before that output, out (the final
  * norm adds them). Scratch: normed [n, hidden_size], qkv [n, q + 2 kv], attn [n, q],
  * gate_up [n, 2 inter], act [n, inter]. The attention arguments are
- * specserve_paged_attention's. Returns 0; 1 when a position is outside the rotary
+ * specserve_paged_attention's (tree_masks too). Returns 0; 1 when a position is outside the rotary
  * table, 2 when a slot is past the cache, 3 when a quantized Linear runs out of memory,
  * 10 + paged attention's status otherwise
  * (the layers before the failing call have run). With continue_residual, hidden and
@@ -54,7 +54,7 @@ int specserve_decoder_layers_bf16(
     const int32_t *block_tables, int64_t block_table_stride, int64_t table_width,
     const int32_t *seq_lens, const int32_t *query_start_loc, int64_t num_seqs,
     const int32_t *seq_ids, int64_t num_selected, int64_t max_rows, float scale,
-    int32_t num_threads, int32_t continue_residual) {
+    int32_t num_threads, int32_t continue_residual, const int64_t *tree_masks) {
     const int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
     const int64_t qkv_size = q_size + 2 * kv_size;
     const int64_t num_slots = num_cache_blocks * block_size;
@@ -81,7 +81,7 @@ int specserve_decoder_layers_bf16(
             attn, q_size, qkv, qkv_size, w->k_cache, w->v_cache, block_tables,
             block_table_stride, table_width, seq_lens, query_start_loc, num_seqs, n, seq_ids,
             num_selected, num_heads, num_kv_heads, head_dim, block_size, num_cache_blocks, scale,
-            max_rows, num_threads);
+            max_rows, num_threads, tree_masks);
         if (status) return 10 + status;
         if (decoder_linear(hidden, attn, q_size, w->o, w->o_fmt, NULL, n, hidden_size, q_size,
                            num_threads))

@@ -40,6 +40,7 @@ import torch
 from engine import envs
 from engine.io.sampling_params import StructuredOutput
 from engine.kernels.cpu import cpu_kernels
+from engine.spec_decode import paths
 
 # Bits of one mask word; a mask is ceil(vocab / 32) int32 words, bit t % 32 of word
 # t // 32 set when token t is allowed.
@@ -71,7 +72,7 @@ class GrammarLimits:
     items of one mask computation (``step_max_items``), which bounds a single call the
     budget can only check after it returns."""
 
-    step_budget_ms: float = 20.0  # (both checked by EngineConfig)
+    step_budget_ms: float = 5.0  # (both checked by EngineConfig)
     max_items: int = 50_000
 
     def parser_limits(self):
@@ -239,7 +240,7 @@ def _allow_all(self, *args) -> torch.Tensor:
     return torch.full((1, self.num_words), -1, dtype=torch.int32)
 
 
-def _allow_all_rows(self, drafts) -> torch.Tensor:
+def _allow_all_rows(self, drafts, parents=None) -> torch.Tensor:
     return torch.full((1 + len(drafts), self.num_words), -1, dtype=torch.int32)
 
 
@@ -266,8 +267,9 @@ class Grammar:
         self._kind = kind
         self._budget_s = (limits or GrammarLimits()).step_budget_ms / 1e3
         self.num_consumed = 0  # output tokens the matcher has consumed
-        # Output positions of this step's rows that allowed nothing (EOS was put there),
-        # and the one the request's output reached: a dead end.
+        # This step's verified rows that allowed nothing (EOS was put there), by row;
+        # after verification (keep_dead_rows), by the output position of the rows the
+        # output kept; and the one the request's output reached: a dead end.
         self.dead_rows: set[int] = set()
         self.dead_end_at: int | None = None
         # Why the constraint failed (one line naming it), or None; the matcher's CPU
@@ -327,11 +329,17 @@ class Grammar:
         return int(self._call(self._matcher.validate_tokens, tokens)) if tokens else 0
 
     @_inert(_allow_all_rows)
-    def masks(self, drafts: list[int]) -> torch.Tensor:  # [1 + len(drafts), words] int32
-        """The mask of each verified position: here, and after each draft. The drafts
-        are ``allowed_prefix`` of them, perhaps with the first refused one last: the row
-        after that one allows everything, as it is never reached (the refused draft's
-        own row has p = 0 for it, so verification rejects it)."""
+    def masks(
+        self, drafts: list[int], parents: list[int] | None = None
+    ) -> torch.Tensor:  # [1 + len(drafts), words] int32
+        """The mask of each verified row: here, and after each draft (for a token tree,
+        after each node's path). A chain's drafts are ``allowed_prefix`` of them,
+        perhaps with the first refused one last: the row after that one allows
+        everything, as it is never reached (the refused draft's own row has p = 0 for
+        it, so verification rejects it). A tree's nodes are all allowed (``constrain``
+        pruned the others)."""
+        if parents is not None:
+            return self._tree_masks(drafts, parents)
         num_allowed = self.allowed_prefix(drafts)  # never consume a refused token:
         if num_allowed < len(drafts) - 1:  # it leaves the matcher in its error state
             raise RuntimeError(f"a refused draft before the last reached masks(): {drafts}")
@@ -346,6 +354,52 @@ class Grammar:
         if num_allowed < len(drafts):
             rows.append(torch.full_like(rows[0], -1))  # every bit set
         return torch.stack(rows)
+
+    def _tree_masks(self, tokens: list[int], parents: list[int]) -> torch.Tensor:
+        """Each row's mask, walking the tree depth first: every node is consumed once
+        and rolled back once."""
+        children = paths.children(parents)
+        rows: list[torch.Tensor | None] = [None] * (1 + len(tokens))
+
+        def visit(row: int) -> None:
+            rows[row] = self._mask()
+            for node in children[row]:
+                recorded = self._consume(tokens[node])
+                try:
+                    visit(node + 1)
+                finally:
+                    self._call(self._matcher.rollback, recorded)
+
+        visit(0)
+        return torch.stack(rows)
+
+    @_inert(lambda self, tokens, parents: [True] * len(tokens))
+    def allowed_nodes(self, tokens: list[int], parents: list[int]) -> list[bool]:
+        """Which nodes of a token tree the constraint allows, their path included."""
+        children = paths.children(parents)
+        allowed = [False] * len(tokens)
+
+        def visit(row: int) -> None:
+            for node in children[row]:
+                if self._call(self._matcher.validate_tokens, [tokens[node]]) != 1:
+                    continue
+                allowed[node] = True
+                recorded = self._consume(tokens[node])
+                try:
+                    visit(node + 1)
+                finally:
+                    self._call(self._matcher.rollback, recorded)
+
+        visit(0)
+        return allowed
+
+    def keep_dead_rows(self, rows: list[int], num_output_tokens: int) -> None:
+        """After verification: ``rows`` are the rows whose samples the output kept, in
+        order (the first at output position ``num_output_tokens``); the dead rows among
+        them become output positions (``advance`` reads them), the others were never
+        reached."""
+        dead = self.dead_rows
+        self.dead_rows = {num_output_tokens + k for k, row in enumerate(rows) if row in dead}
 
     def _consume(self, token: int) -> int:
         """Consume one token the constraint accepts; returns 1 if the matcher recorded it
@@ -412,10 +466,11 @@ def apply_masks(
     drafts: list[list[int]],
     masks: dict[str, torch.Tensor],  # request id -> [1 + drafts, words] int32
     eos_token_id: int,
+    parents: list[list[int] | None] | None = None,  # unused: a tree's masks are per row
 ) -> None:
     """-inf where the constraint refuses a token. A row that allows nothing (the
     constraint's tokens all masked by min_tokens or stop-token rules: a dead end) gets
-    EOS alone, and its request records where (Grammar.dead_rows)."""
+    EOS alone, and its request records which (Grammar.dead_rows)."""
     kernels = cpu_kernels() if logits.is_cpu and logits.dtype is torch.float32 else None
     offset = 0
     with torch.inference_mode():  # the model's logits are inference tensors
@@ -427,12 +482,15 @@ def apply_masks(
             offset += rows
 
 
-def _mask_rows(block, mask, state, first: int, eos_token_id: int, kernels) -> None:
+def _mask_rows(block, mask, state, first: int, eos_token_id: int, kernels) -> bool:
     """``block`` (rows of ``state``'s request from verified row ``first`` on) masked in
-    place; a row left with no token gets EOS alone, and the request records where."""
-    for row in _mask_in_place(block, mask, kernels):
+    place; a row left with no token gets EOS alone, and the request records which.
+    Returns whether any row was."""
+    dead = _mask_in_place(block, mask, kernels)
+    for row in dead:
         block[row, eos_token_id] = 0.0
-        state.grammar.dead_rows.add(state.request.num_output_tokens + first + row)
+        state.grammar.dead_rows.add(first + row)
+    return bool(dead)
 
 
 def _mask_in_place(block, mask, kernels) -> list[int]:
@@ -452,42 +510,54 @@ def apply_greedy_masks(
     states: list,
     drafts: list[list[int]],
     eos_token_id: int,
+    parents: list[list[int] | None] | None = None,  # per request: a tree's, or None
 ) -> int:
     """The masks of greedy constrained requests' rows, computed only where needed: a row
     whose argmax the constraint allows keeps that argmax under the mask (the first
     maximal index overall is the first among the allowed), so only rows whose argmax it
-    refuses (or is not finite) get their mask, and a request's rows stop at the first
-    token that is not its draft (greedy verification reads none after it). Returns the
-    number of masks computed."""
+    refuses (or is not finite) get their mask, and a request's rows are those greedy
+    verification reads: from the root, the row of the draft (the tree's node) holding
+    each row's token, until there is none. Returns the number of masks computed."""
+    parents = parents or [None] * len(drafts)
     spans, offset = [], 0
-    for state, draft in zip(states, drafts):
+    for state, draft, tree in zip(states, drafts, parents):
         if getattr(state, "grammar", None) is not None and uses_lazy_masks(state.params):
-            spans.append((state, draft, offset))
+            spans.append((state, draft, tree, offset))
         offset += 1 + len(draft)
     if not spans:
         return 0
-    rows = torch.tensor([o + j for _, d, o in spans for j in range(1 + len(d))])
+    rows = torch.tensor([o + j for _, d, _, o in spans for j in range(1 + len(d))])
     with torch.inference_mode():
         best, argmax = logits[rows].max(dim=-1)
     best, argmax = torch.isfinite(best).tolist(), argmax.tolist()
     kernels = cpu_kernels() if logits.is_cpu and logits.dtype is torch.float32 else None
     num_masks = at = 0
-    for state, draft, offset in spans:
-        grammar = state.grammar
-        # Rows after a refused draft (a draft model's, kept for the residual) are never read.
-        reachable = min(len(draft), grammar.allowed_prefix(draft)) + 1
-        for j in range(reachable):
-            token = argmax[at + j]
-            if not (best[at + j] and grammar.allows_after(draft[:j], token)):
-                row = logits[offset + j : offset + j + 1]
-                mask = grammar.mask_after(draft[:j])
-                with torch.inference_mode():
-                    _mask_rows(row, mask, state, j, eos_token_id, kernels)
-                    token = int(row.argmax())
+    for state, draft, tree, offset in spans:
+        grammar, num_rows = state.grammar, 1 + len(draft)
+        if tree is None:
+            # Rows after a refused draft (a draft model's, kept for the residual) are
+            # never read.
+            num_allowed = grammar.allowed_prefix(draft)
+            tree = list(range(-1, num_allowed - 1))
+            draft = draft[:num_allowed]
+        children = {(parent, token): i for i, (parent, token) in enumerate(zip(tree, draft))}
+        prefixes = paths.row_prefixes(draft, tree)
+        row = 0
+        while True:
+            token = argmax[at + row]
+            if not (best[at + row] and grammar.allows_after(prefixes[row], token)):
+                block = logits[offset + row : offset + row + 1]
+                mask = grammar.mask_after(prefixes[row])
                 num_masks += 1
-            if j == len(draft) or token != draft[j]:
+                with torch.inference_mode():
+                    if _mask_rows(block, mask, state, row, eos_token_id, kernels):
+                        break  # a dead row: its EOS ends the output
+                    token = int(block.argmax())
+            node = children.get((row - 1, token))
+            if node is None:
                 break
-        at += 1 + len(draft)
+            row = node + 1
+        at += num_rows
     return num_masks
 
 

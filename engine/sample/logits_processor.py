@@ -11,12 +11,14 @@ generated (counted by the penalties, and one more output token for min_tokens)::
     row 2         | d_1 d_2       <- + d_1, d_2
     row 3         | d_1 d_2 d_3
 
-So every row is adjusted exactly as plain decoding adjusts that position once the drafts
-before it are accepted, which keeps verification lossless (and seeded coupling exact)
-with these features. The order of operations is vLLM's: logit bias, the min_tokens mask,
-the repetition penalty (prompt and output tokens), then frequency and presence
-penalties (output tokens only). A logit no feature of its row touches is left
-bit-for-bit alone, so a row's result never depends on its batch.
+A token tree's row is adjusted under its node's path instead (the tokens from the root
+down to it; engine/spec_decode/paths.py). So every row is adjusted exactly as plain
+decoding adjusts that position once the drafts before it are accepted, which keeps
+verification lossless (and seeded coupling exact) with these features. The order of
+operations is vLLM's: logit bias, the min_tokens mask, the repetition penalty (prompt
+and output tokens), then frequency and presence penalties (output tokens only). A logit
+no feature of its row touches is left bit-for-bit alone, so a row's result never
+depends on its batch.
 
 Everything is sparse: each feature is a list of flat indices ``row * vocab_size +
 token`` into the logits (the tokens a row has seen, counted on the host, spread over
@@ -35,6 +37,7 @@ from itertools import accumulate
 import torch
 
 from engine.io.sampling_params import SamplingParams
+from engine.spec_decode.paths import row_prefixes
 from scheduler.request import Request
 
 
@@ -58,18 +61,26 @@ class LogitsAdjustment:
         num_rows: list[int],  # per request; its last row comes after all its drafts
         vocab_size: int,
         device: torch.device,
+        parents: list[list[int] | None] | None = None,  # per request: a tree's, or None
     ) -> LogitsAdjustment | None:
         """None when no request uses penalties, logit bias or min_tokens. Request i owns
         ``num_rows[i]`` consecutive rows; its row j is preceded by
-        ``drafts[i][: len(drafts[i]) - num_rows[i] + 1 + j]``."""
+        ``drafts[i][: len(drafts[i]) - num_rows[i] + 1 + j]``, or for a token tree
+        (``parents[i]`` set, one row per node after the root's) by the path of node
+        ``j - 1``."""
         picked = [i for i, p in enumerate(params) if p.processes_logits]
         if not picked:
             return None
         starts = [0, *accumulate(num_rows)]
-        spans = [
-            _Span(requests[i], params[i], drafts[i], num_rows[i], starts[i], vocab_size, device)
-            for i in picked
-        ]
+        spans = []
+        for i in picked:
+            tree = parents[i] if parents is not None else None
+            if tree is not None:
+                prefixes = row_prefixes(drafts[i], tree)
+            else:
+                first = len(drafts[i]) - num_rows[i] + 1
+                prefixes = [drafts[i][: first + j] for j in range(num_rows[i])]
+            spans.append(_Span(requests[i], params[i], prefixes, starts[i], vocab_size, device))
         return cls(
             bias=_bias(spans),
             masked=_min_tokens_mask(spans),
@@ -100,24 +111,23 @@ class LogitsAdjustment:
 
 @dataclass(slots=True)
 class _Span:
-    """One request's rows: the first at ``start``, preceded by ``drafts[:first]``."""
+    """One request's rows from ``start`` on: row j is preceded by ``prefixes[j]`` (the
+    drafts before the position it samples)."""
 
     request: Request
     params: SamplingParams
-    drafts: list[int]
-    num_rows: int
+    prefixes: list[list[int]]
     start: int  # its first row in the logits
     vocab_size: int
     device: torch.device
 
     @property
-    def first(self) -> int:
-        """How many drafts come before the first row."""
-        return len(self.drafts) - self.num_rows + 1
+    def num_rows(self) -> int:
+        return len(self.prefixes)
 
     def output_index(self, j: int) -> int:
         """The index among the request's output tokens of the token row j samples."""
-        return self.request.num_output_tokens + self.first + j
+        return self.request.num_output_tokens + len(self.prefixes[j])
 
     def in_every_row(self, token_ids: list[int]) -> torch.Tensor:
         """Flat indices of ``token_ids`` in each of the span's rows, row after row."""
@@ -132,8 +142,8 @@ class _Span:
         index = [self.in_every_row(list(base))]
         extra = [
             (self.start + j) * self.vocab_size + token
-            for j in range(self.num_rows)
-            for token in set(self.drafts[: self.first + j]) - base
+            for j, prefix in enumerate(self.prefixes)
+            for token in set(prefix) - base
         ]
         return torch.cat([*index, _index(extra, self.device)])
 
@@ -147,11 +157,8 @@ class _Span:
         index = self.in_every_row(tokens)  # [num_rows * len(tokens)]
         count = torch.tensor(list(base.values()), dtype=torch.float32).repeat(self.num_rows)
         more_at, more, extra_index, extra_count = [], [], [], []
-        drafted: Counter[int] = Counter(self.drafts[: self.first])
-        for j in range(self.num_rows):
-            if j:
-                drafted[self.drafts[self.first + j - 1]] += 1
-            for token, num in drafted.items():
+        for j, prefix in enumerate(self.prefixes):
+            for token, num in Counter(prefix).items():
                 if token in position:  # generated before too: one count for both
                     more_at.append(j * len(tokens) + position[token])
                     more.append(num)

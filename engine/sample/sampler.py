@@ -63,9 +63,10 @@ class SamplingBatch:
             positions=list(positions),
         )
 
-    def repeat_rows(self, counts: list[int]) -> SamplingBatch:
+    def repeat_rows(self, counts: list[int], offsets: list[list[int]] | None = None):
         """Row i repeated counts[i] times, one row per verified position: the j-th copy
-        samples position ``positions[i] + j``."""
+        samples position ``positions[i] + j`` (``+ offsets[i][j]``: a token tree's rows
+        sample the position of their depth)."""
         index = torch.repeat_interleave(
             torch.arange(len(counts), device=self.temperature.device),
             torch.tensor(counts, device=self.temperature.device),
@@ -82,7 +83,9 @@ class SamplingBatch:
             min_p=pick(self.min_p),
             is_greedy=[self.is_greedy[i] for i, _ in rows],
             seeds=[self.seeds[i] for i, _ in rows],
-            positions=[self.positions[i] + j for i, j in rows],
+            positions=[
+                self.positions[i] + (j if offsets is None else offsets[i][j]) for i, j in rows
+            ],
         )
 
     def select(self, rows: list[int]) -> SamplingBatch:

@@ -191,6 +191,10 @@ def build_proposer(method: str, config: EngineConfig, target_loaded, draft_loade
         return None
     if method == "ngram":
         return NgramSpecProposer(config.ngram_min, config.ngram_max)
+    if method == "suffix":
+        from engine.spec_decode.tree_proposer import SuffixSpecProposer
+
+        return SuffixSpecProposer(config.spec_tree_max_nodes, config.suffix_cache_mib)
     from engine.spec_decode.draft_model import DraftModelProposer
     from engine.spec_decode.eagle import EagleDraftForCausalLM
     from engine.spec_decode.eagle_proposer import EagleProposer

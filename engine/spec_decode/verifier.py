@@ -13,6 +13,11 @@ without drafts). Rows are verified one of two ways:
   drafts accepted for a given draft distribution, with noise from the engine's
   generator.
 
+A token tree (engine/spec_decode/paths.py) is verified by coupling whatever the
+request: the walk from the root keeps the child holding the target's sample at each
+row; an unseeded request's noise then comes from the engine's generator, one draw per
+row, which is an exact sample at every position the walk reads.
+
 Penalties, logit bias and min_tokens adjust each row under the tokens before it
 (engine/sample/logits_processor.py), then a structured-output constraint masks each row
 to what it allows after the drafts before it (engine/sample/grammar.py), before either
@@ -34,6 +39,7 @@ from engine.sample.sampler import (
     processed_probs,
     uniform_noise,
 )
+from engine.spec_decode import paths
 from scheduler.output import ModelRunnerOutput, SchedulerOutput
 
 
@@ -53,31 +59,41 @@ class Verifier:
         drafts: list[list[int]],  # per sampling request, possibly empty
         draft_probs: dict[str, torch.Tensor],  # request id -> [num_drafts, V] (draft model)
         masks: dict[str, torch.Tensor] | None = None,  # request id -> [1 + drafts, words]
+        parents: list[list[int] | None] | None = None,  # per sampling request; None: chains
     ) -> ModelRunnerOutput:
         items = [s for s in sched.scheduled if s.needs_sample]
         if not items:
             return ModelRunnerOutput(sampled_token_ids={})
-        adjusted = self._adjusted(logits, states, drafts)
+        parents = parents or [None] * len(drafts)
+        adjusted = self._adjusted(logits, states, drafts, parents)
         lazy = any(getattr(st, "grammar", None) and uses_lazy_masks(st.params) for st in states)
         if masks or lazy:
             if adjusted is logits and any(st.params.logprobs is not None for st in states):
                 adjusted = logits.clone()  # logprobs stay the raw model's
             if masks:
-                apply_masks(adjusted, states, drafts, masks, self.eos_token_id)
+                apply_masks(adjusted, states, drafts, masks, self.eos_token_id, parents)
             if lazy:
-                apply_greedy_masks(adjusted, states, drafts, self.eos_token_id)
+                apply_greedy_masks(adjusted, states, drafts, self.eos_token_id, parents)
         if all(st.params.is_greedy for st in states):
-            out_tokens, num_accepted = _greedy_verify(adjusted, drafts)
+            out_tokens, accepted = _greedy_verify(adjusted, drafts, parents)
         else:
-            out_tokens, num_accepted = self._sample(adjusted, items, states, drafts, draft_probs)
+            out_tokens, accepted = self._sample(
+                adjusted, items, states, drafts, draft_probs, parents
+            )
         result = ModelRunnerOutput(
             sampled_token_ids={s.request_id: t for s, t in zip(items, out_tokens)},
-            num_accepted={s.request_id: n for s, n in zip(items, num_accepted)},
+            num_accepted={s.request_id: len(a) for s, a in zip(items, accepted)},
         )
-        self._add_logprobs(result, logits, items, states, drafts, out_tokens)
+        for item, state, tree, nodes in zip(items, states, parents, accepted):
+            if tree is not None:
+                result.accepted_nodes[item.request_id] = nodes
+            grammar = getattr(state, "grammar", None)
+            if grammar is not None:  # dead rows off the kept path were never reached
+                grammar.keep_dead_rows(paths.accepted_rows(nodes), state.request.num_output_tokens)
+        self._add_logprobs(result, logits, items, states, drafts, out_tokens, accepted)
         return result
 
-    def _adjusted(self, logits, states, drafts) -> torch.Tensor:
+    def _adjusted(self, logits, states, drafts, parents) -> torch.Tensor:
         """The logits under penalties, logit bias and min_tokens; row j of a request
         counts the drafts before it. The logits themselves when nobody uses them, and
         adjusted in place when nobody asked for logprobs (which stay the raw model's)."""
@@ -90,22 +106,27 @@ class Verifier:
             [1 + len(d) for d in drafts],
             logits.shape[-1],
             self.device,
+            parents,
         )
         if adjustment is None:
             return logits
         # The raw logits are read again only for logprobs.
         return adjustment.apply(logits, in_place=all(st.params.logprobs is None for st in states))
 
-    def _sample(self, logits, items, states, drafts, draft_probs):
+    def _sample(self, logits, items, states, drafts, draft_probs, parents):
         counts = [1 + len(d) for d in drafts]
         starts = [0]
         for c in counts[:-1]:
             starts.append(starts[-1] + c)
         positions = [st.request.num_tokens for st in states]
+        offsets = [[0, *paths.depths(p, len(d))] for d, p in zip(drafts, parents)]
         batch = SamplingBatch.build([st.params for st in states], positions, self.device)
-        batch = batch.repeat_rows(counts)  # one row per verified position
+        batch = batch.repeat_rows(counts, offsets)  # one row per verified position
         probs = processed_probs(logits, batch)  # [sum(counts), V]
-        is_coupled = [st.params.seed is not None or st.params.is_greedy for st in states]
+        is_coupled = [
+            st.params.seed is not None or st.params.is_greedy or tree is not None
+            for st, tree in zip(states, parents)
+        ]
         coupled = [i for i, c in enumerate(is_coupled) if c]
         raced = [i for i, c in enumerate(is_coupled) if not c]
         pieces = []  # flattened on the device, read back in one sync
@@ -118,19 +139,19 @@ class Verifier:
             pieces.append(self._rejection(probs, starts, raced, items, drafts, draft_probs))
         flat = torch.cat(pieces).tolist()
         out_tokens: list[list[int]] = [[] for _ in states]
-        num_accepted = [0] * len(states)
+        accepted: list[list[int]] = [[] for _ in states]
         offset = 0
         for i in coupled:
             samples = flat[offset : offset + counts[i]]
-            out_tokens[i], num_accepted[i] = _couple(drafts[i], samples)
+            out_tokens[i], accepted[i] = paths.walk(drafts[i], parents[i], samples)
             offset += counts[i]
         width = 2 + max(len(drafts[i]) for i in raced) if raced else 0
         for i in raced:
             row = flat[offset : offset + width]
-            num_accepted[i] = row[-1]
+            accepted[i] = list(range(row[-1]))
             out_tokens[i] = row[: row[-1] + 1]
             offset += width
-        return out_tokens, num_accepted
+        return out_tokens, accepted
 
     def _rejection(self, probs, starts, raced, items, drafts, draft_probs) -> torch.Tensor:
         """Rejection sampling of the unseeded requests ``raced``; returns their rows of
@@ -178,12 +199,13 @@ class Verifier:
             q[index[0], index[1], index[2]] = 1.0
         return q
 
-    def _add_logprobs(self, result, logits, items, states, drafts, out_tokens) -> None:
+    def _add_logprobs(self, result, logits, items, states, drafts, out_tokens, accepted):
         offset = 0
-        for item, state, draft, tokens in zip(items, states, drafts, out_tokens):
+        for item, state, draft, tokens, nodes in zip(items, states, drafts, out_tokens, accepted):
             num_top = state.params.logprobs
             if num_top is not None:
-                rows = logits[offset : offset + len(tokens)]
+                index = [offset + r for r in paths.accepted_rows(nodes)]
+                rows = logits[torch.tensor(index, device=logits.device)]
                 chosen, top_v, top_i = compute_logprobs(
                     rows, torch.tensor(tokens, device=self.device), num_top
                 )
@@ -196,23 +218,14 @@ class Verifier:
             offset += 1 + len(draft)
 
 
-def _couple(drafts: list[int], samples: list[int]) -> tuple[list[int], int]:
-    """Keep drafts while they equal the target's own samples; the first mismatch (or
-    the position after the last draft) contributes the target's sample."""
-    n = 0
-    while n < len(drafts) and drafts[n] == samples[n]:
-        n += 1
-    return drafts[:n] + [samples[n]], n
-
-
-def _greedy_verify(logits: torch.Tensor, drafts: list[list[int]]):
+def _greedy_verify(logits: torch.Tensor, drafts: list[list[int]], parents):
     """All-greedy batches: coupling where every sample is the argmax, without building
     one-hot distributions."""
     argmax = logits.argmax(dim=-1).tolist()  # [sum(1 + drafts)], the only host sync
-    out_tokens, num_accepted, offset = [], [], 0
-    for draft in drafts:
-        tokens, n = _couple(draft, argmax[offset : offset + len(draft) + 1])
+    out_tokens, accepted, offset = [], [], 0
+    for draft, tree in zip(drafts, parents):
+        tokens, nodes = paths.walk(draft, tree, argmax[offset : offset + len(draft) + 1])
         out_tokens.append(tokens)
-        num_accepted.append(n)
+        accepted.append(nodes)
         offset += len(draft) + 1
-    return out_tokens, num_accepted
+    return out_tokens, accepted

@@ -1,7 +1,8 @@
 """Sampling with speculation is lossless, tested statistically: the sequences an engine
 samples follow the target's exact distribution, for every proposer alone and for the
 hybrid one, whose verification batches mix n-gram rows (one-hot q) and draft-model rows
-(the model's q) in one rejection-sampling call.
+(the model's q) in one rejection-sampling call, and for token trees (suffix decoding's,
+and random trees around n-gram guesses), verified by coupling with the engine's noise.
 
 The exact distribution comes from enumeration: temperature 1 and top-k 2 over 4 tokens
 is at most 16 sequences. 4000 requests each sample one; the first token comes from
@@ -29,6 +30,7 @@ from engine.spec_decode.verifier import Verifier
 from tests.engine.engine_helpers import _hf_model, hf_greedy, make_engine, run_to_completion
 from tests.engine.penalty_reference import adjust, stop_ids_of
 from tests.engine.simple_runner import SimplePagedRunner
+from tests.engine.tree_helpers import install_tree_proposer
 from tests.tiny_models import EOS_ID
 
 TOP_K = 2
@@ -51,6 +53,10 @@ PROPOSERS = {
     "hybrid": ("hybrid", "trained"),
     "eagle": ("eagle", "eagle"),
     "hybrid-eagle": ("hybrid", "eagle"),
+    # token trees, verified by coupling whatever the request: suffix decoding's, and
+    # random trees around n-gram lookup's guess (tests/engine/tree_helpers.py)
+    "suffix": ("suffix", None),
+    "random-trees": ("ngram", None),
 }
 
 # 16 outcomes, 4000 samples: a correct sampler's TV distance is about 0.02-0.03; a
@@ -144,9 +150,9 @@ class _SourceCounter:
 
     def __init__(self, verify) -> None:
         self.verify = verify
-        self.ngram_steps = self.model_steps = self.mixed_steps = 0
+        self.ngram_steps = self.model_steps = self.mixed_steps = self.tree_steps = 0
 
-    def __call__(self, logits, sched, states, drafts, draft_probs, masks=None):
+    def __call__(self, logits, sched, states, drafts, draft_probs, masks=None, parents=None):
         items = [s for s in sched.scheduled if s.needs_sample]
         drafted = [item.request_id for item, d in zip(items, drafts) if d]
         ngram = any(r not in draft_probs for r in drafted)
@@ -154,7 +160,8 @@ class _SourceCounter:
         self.ngram_steps += ngram
         self.model_steps += model
         self.mixed_steps += ngram and model
-        return self.verify(logits, sched, states, drafts, draft_probs, masks)
+        self.tree_steps += any(p is not None for p in parents or ())
+        return self.verify(logits, sched, states, drafts, draft_probs, masks, parents)
 
 
 def sample_sequences(
@@ -179,6 +186,8 @@ def sample_sequences(
         num_kv_blocks=1200,
         seed=5,
     )
+    if proposer == "random-trees":
+        install_tree_proposer(engine, seed=5)
     counter = _SourceCounter(engine.verifier.verify)
     engine.verifier.verify = counter
     params = [
@@ -199,6 +208,8 @@ def sample_sequences(
         assert 0 < engine.stats.num_accepted_tokens < engine.stats.num_draft_tokens
     if method == "hybrid":  # both sources drafted, side by side in one verification
         assert counter.mixed_steps >= 10
+    if proposer == "random-trees":  # branching trees, not only chains
+        assert counter.tree_steps >= 10
     return [tuple(r["token_ids"]) for r in results.values()]
 
 
@@ -276,6 +287,8 @@ def test_seeded_samples_follow_the_target_distribution(targets, draft_dirs, prop
         ("hybrid", "gguf"),
         ("eagle", "float"),
         ("hybrid-eagle", "gguf"),
+        ("random-trees", "float"),
+        ("suffix", "gguf"),
     ],  # fmt: skip
 )
 @pytest.mark.parametrize("seeded", [False, True], ids=["rejection", "coupling"])

@@ -189,9 +189,11 @@ def test_a_recovered_token_equal_to_the_rejected_draft_keeps_the_engine_alive(
     verify = engine.verifier.verify
     forced = 0
 
-    def reject_first_but_recover_it(logits, sched, states, drafts, draft_probs, masks=None):
+    def reject_first_but_recover_it(
+        logits, sched, states, drafts, draft_probs, masks=None, parents=None
+    ):
         nonlocal forced
-        result = verify(logits, sched, states, drafts, draft_probs, masks)
+        result = verify(logits, sched, states, drafts, draft_probs, masks, parents)
         items = [s for s in sched.scheduled if s.needs_sample]
         for item, draft in zip(items, drafts):
             if len(draft) >= 2:

@@ -1,4 +1,5 @@
-"""Randomized engine stress: draft, EAGLE and n-gram speculation x preemption x chunked prefill x
+"""Randomized engine stress: draft, EAGLE, n-gram and token-tree speculation (suffix
+decoding's trees, random trees) x preemption x chunked prefill x
 prefix hits x stop strings x aborts x greedy, seeded and unseeded rows x per-request k x
 penalties, logit bias, min_tokens, include_stop_str_in_output, truncate_prompt_tokens x
 structured-output constraints (one that fails mid-output among them) x a float target or
@@ -30,6 +31,7 @@ from tests.engine.engine_helpers import (
     draft_proposer,
     make_engine,
 )
+from tests.engine.tree_helpers import install_tree_proposer
 
 
 def pytest_generate_tests(metafunc):
@@ -140,10 +142,11 @@ def _workload(rng: random.Random, max_k: int):
 
 
 def _engine_config(rng: random.Random, draft_dirs: dict[str, str]) -> dict:
-    method = rng.choice(["ngram", "draft", "hybrid", "eagle"])
+    method = rng.choice(["ngram", "draft", "hybrid", "eagle", "suffix", "random-trees"])
     config = dict(
-        speculative_method=method,
+        speculative_method="ngram" if method == "random-trees" else method,
         num_speculative_tokens=rng.randint(1, 5),
+        spec_tree_max_nodes=rng.choice([3, 12, 40]),
         speculative_disable_batch_size=rng.choice([2, 64]),
         num_kv_blocks=rng.choice([12, 16, 24, 64]),  # small pools preempt
         max_num_batched_tokens=rng.choice([16, 24, 64, 2048]),  # small budgets chunk
@@ -161,6 +164,7 @@ def _engine_config(rng: random.Random, draft_dirs: dict[str, str]) -> dict:
     # half the seeds with the speculation gate and its lanes: k then depends on timing,
     # and greedy and seeded output must not
     config["speculation_gate"] = config["seed"] % 2 == 0
+    config["random_trees"] = method == "random-trees"
     return config
 
 
@@ -215,7 +219,10 @@ def test_randomized_engine_stress(
     # odd seeds in bfloat16: greedy and seeded output must not depend on the batch there
     # either (one attention kernel for every query row, batch-invariant GEMMs)
     config["dtype"] = "bfloat16" if stress_seed % 2 else "float32"
+    random_trees = config.pop("random_trees", False)
     engine = make_engine(target, **config)
+    if random_trees:
+        install_tree_proposer(engine, seed=stress_seed)
     results = _run(engine, arrivals, aborts)
     assert_all_blocks_released(engine)
 
