@@ -167,6 +167,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         num_speculative_tokens=args.num_speculative_tokens,
         speculative_disable_batch_size=args.speculative_disable_batch_size,
         speculation_gate=not args.no_speculation_gate,
+        spec_tree_max_nodes=args.spec_tree_max_nodes,
+        suffix_cache_mib=args.suffix_cache_mib,
         block_size=args.block_size,
         num_kv_blocks=args.num_kv_blocks,
         kv_cache_memory_gib=args.kv_cache_memory_gib,

@@ -11,6 +11,8 @@ tokens.
 
 from __future__ import annotations
 
+import heapq
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from engine.spec_decode import paths
@@ -29,6 +31,28 @@ class DraftTree:
             list(range(-1, len(tokens) - 1)),
             list(scores) if scores is not None else [1.0] * len(tokens),
         )
+
+    @classmethod
+    def from_continuations(
+        cls,
+        continuations: Iterable[tuple[Sequence[int], float]],
+        max_nodes: int,
+        pseudo_count: float = 0.0,
+    ) -> DraftTree:
+        """Weighted continuations of the root merged into one tree, its ``max_nodes``
+        best nodes taken best first.
+
+        Continuations that share a prefix share its path and part where they diverge
+        (siblings). A node's weight is the total weight of the continuations through it
+        (the root's: of all of them) and its score the product down its path of
+        ``weight(node) / (weight(parent) + pseudo_count)``: the frequency with which
+        what followed before took this branch, shrunk by a pseudo-count so that few
+        or weak occurrences never promise certainty. Scores fall down every path, so
+        best first is also parent first. Ties go to the branch inserted first."""
+        trie = _Trie()
+        for tokens, weight in continuations:
+            trie.add(tokens, weight)
+        return trie.best_first(max_nodes, pseudo_count)
 
     @property
     def num_nodes(self) -> int:
@@ -81,3 +105,51 @@ class DraftTree:
                 out.parents.append(index[self.parents[i]])
                 out.scores.append(self.scores[i])
         return out
+
+
+class _Trie:
+    """Continuations merged: node 0 is the root; ``weights[node]`` the total weight of
+    the continuations through it."""
+
+    __slots__ = ("child", "kids", "weights", "tokens", "parents")
+
+    def __init__(self) -> None:
+        self.child: dict[tuple[int, int], int] = {}  # (node, token) -> child
+        self.kids: list[list[int]] = [[]]  # node -> children, in insertion order
+        self.weights = [0.0]
+        self.tokens = [-1]
+        self.parents = [-1]
+
+    def add(self, continuation: Sequence[int], weight: float) -> None:
+        node = 0
+        self.weights[0] += weight
+        for token in continuation:
+            next_node = self.child.get((node, token))
+            if next_node is None:
+                next_node = self.child[(node, token)] = len(self.weights)
+                self.kids[node].append(next_node)
+                self.kids.append([])
+                self.weights.append(0.0)
+                self.tokens.append(token)
+                self.parents.append(node)
+            self.weights[next_node] += weight
+            node = next_node
+
+    def best_first(self, max_nodes: int, pseudo_count: float) -> DraftTree:
+        tree = DraftTree()
+        index = {0: -1}  # trie node -> tree node
+        scores = [1.0] * len(self.weights)
+        heap: list[tuple[float, int]] = []
+        node = 0
+        while True:
+            scale = scores[node] / (self.weights[node] + pseudo_count)
+            for kid in self.kids[node]:
+                scores[kid] = min(1.0, scale * self.weights[kid])
+                heapq.heappush(heap, (-scores[kid], kid))
+            if not heap or len(tree.tokens) >= max_nodes:
+                return tree
+            _, node = heapq.heappop(heap)
+            index[node] = len(tree.tokens)
+            tree.tokens.append(self.tokens[node])
+            tree.parents.append(index[self.parents[node]])
+            tree.scores.append(scores[node])

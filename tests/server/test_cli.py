@@ -78,6 +78,25 @@ def test_engine_flag_defaults_are_engine_config_defaults():
     assert args.given_engine_flags == ("--tokenizer", "--no-prefix-caching", "--block-size")
 
 
+def test_speculation_and_constraint_flags_reach_the_engine_config():
+    """Each of these flags, given a value other than its default, changes the
+    EngineConfig field of its name (--spec-tree-max-nodes and --suffix-cache-mib were
+    once parsed and dropped: an out-of-range value was silently ignored)."""
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    values = {
+        "--spec-tree-max-nodes": ("7", 7),
+        "--suffix-cache-mib": ("3.5", 3.5),
+        "--structured-output-step-budget-ms": ("9", 9.0),
+        "--structured-output-max-items": ("2000", 2000),
+        "--num-speculative-tokens": ("6", 6),
+    }
+    for flag, (text, value) in values.items():
+        config = engine_config_from_args(parser.parse_args([flag, text]))
+        field = flag.removeprefix("--").replace("-", "_")
+        assert getattr(config, field) == value, flag
+
+
 def test_server_options_validate_and_map_to_grpc_options():
     options = dict(ServerOptions().grpc_options())
     assert options["grpc.max_connection_age_ms"] == 300_000
