@@ -138,9 +138,16 @@ def build_attention_metadata(
     )
 
 
+_MASK_BITS = (1 << 64) - 1  # a mask as the uint64 the kernels read
+
+
 def as_mask_tensor(masks: torch.Tensor | list[int], device: torch.device | str) -> torch.Tensor:
-    """Tree masks as int64 (a Python mask with bit 63 set wraps to a negative one)."""
+    """Tree masks as int64: a Python mask's bits 64 and up are dropped (fed tokens from
+    64 on are seen by the causal rule alone, so those bits say nothing, and a tree of
+    more than 64 fed tokens would otherwise overflow), and one with bit 63 set wraps to
+    a negative int64."""
     if isinstance(masks, torch.Tensor):
         return masks.to(device=device, dtype=torch.int64)
-    signed = [m - (1 << 64) if m >= 1 << 63 else m for m in masks]
+    low = [m & _MASK_BITS for m in masks]
+    signed = [m - (1 << 64) if m >= 1 << 63 else m for m in low]
     return torch.tensor(signed, dtype=torch.int64, device=device)

@@ -278,8 +278,12 @@ class LLMEngine:
             forward_s=t4 - t3,
             update_s=time.perf_counter() - t4,
         )
-        max_drafts = max(self.config.num_speculative_tokens, self.config.spec_tree_max_nodes)
-        decode_only = prepared.metadata.max_query_len <= 1 + max_drafts
+        # every request fed its one last token (and its drafts): no prefill chunk, no
+        # catch-up (a short prompt's prefill must not pass for a plain decode step, in
+        # the cost model or in the gate)
+        decode_only = all(
+            s.num_scheduled_tokens - len(s.spec_token_ids) == 1 for s in sched.scheduled
+        )
         if decode_only:
             # decode / verification steps only: prefill chunks run GEMMs at another
             # efficiency and would bend the per-token slope adaptive k depends on

@@ -64,7 +64,22 @@ class ModelRunner:
     def move_kv(self, src_slots: list[int], dst_slots: list[int]) -> None:
         """Copy every layer's K and V from each source slot to its destination slot
         (slot = block id * block_size + offset): a token tree's accepted path into the
-        slots plain decoding would have used. All sources are read before any write."""
+        slots plain decoding would have used. All sources are read before any write (the
+        gather on the right is a copy), so a source may be another pair's destination.
+        Checked on the host first: an out-of-range slot on CUDA would be a device assert."""
+        if len(src_slots) != len(dst_slots):
+            raise ValueError(
+                f"move_kv needs one destination per source, got {len(src_slots)} sources "
+                f"and {len(dst_slots)} destinations"
+            )
+        if not src_slots:
+            return
+        num_slots = self.num_blocks * self.block_size
+        low, high = min(*src_slots, *dst_slots), max(*src_slots, *dst_slots)
+        if low < 0 or high >= num_slots:
+            raise ValueError(
+                f"move_kv: slot {low if low < 0 else high} is outside 0..{num_slots - 1}"
+            )
         pool = self._pool  # [layers, 2, num_blocks * block_size, kv_heads, head_dim]
         src = torch.tensor(src_slots, dtype=torch.long, device=self.device)
         dst = torch.tensor(dst_slots, dtype=torch.long, device=self.device)
@@ -103,6 +118,8 @@ class ModelRunner:
                 tree_masks.extend(s.tree_mask or [-1] * len(s.token_ids))
         for s in seqs:
             n = len(s.token_ids)
+            if s.positions is not None or s.tree_mask is not None:
+                _check_tree_input(s)
             end = s.start_pos + n
             input_ids.extend(s.token_ids)
             positions.extend(range(s.start_pos, end) if s.positions is None else s.positions)
@@ -140,3 +157,21 @@ class ModelRunner:
             tree_masks=None if tree_masks is None else as_mask_tensor(tree_masks, self.device),
         )
         return PreparedBatch(ids_t, pos_t, metadata, None if all_rows else rows_t)
+
+
+def _check_tree_input(seq: SeqInput) -> None:
+    """One position and one mask per fed token: a short list would shift every later
+    sequence's masks onto the wrong tokens without any kernel noticing. And a mask
+    cannot hide fed tokens from 64 on (one int64 per token: those are seen causally),
+    so a mask that asks to is refused rather than silently widened."""
+    n = len(seq.token_ids)
+    for name, values in (("positions", seq.positions), ("tree_mask", seq.tree_mask)):
+        if values is not None and len(values) != n:
+            raise ValueError(f"SeqInput.{name} has {len(values)} entries for {n} fed tokens")
+    for j in range(64, n if seq.tree_mask is not None else 0):
+        wanted = (1 << (j - 63)) - 1  # fed tokens 64 .. j
+        if (seq.tree_mask[j] >> 64) & wanted != wanted:
+            raise ValueError(
+                f"tree_mask of fed token {j} hides one of fed tokens 64..{j}: a mask "
+                "holds 64 fed tokens, later ones are seen causally"
+            )

@@ -27,8 +27,9 @@ from engine.spec_decode.draft_tree import DraftTree
 MAX_INDEXED_REQUESTS = 64
 # Token trees: a single occurrence of an n-gram continues it with conditional
 # probability 1 / (1 + TREE_PSEUDO_COUNT / n), so a longer match is trusted more and no
-# guess is ever certain.
-TREE_PSEUDO_COUNT = 1.0
+# guess is ever certain. 4 makes the scores honest on code (scripts/bench_suffix.py:
+# tokens kept / sum of scores 1.09; 0.38 with 1).
+TREE_PSEUDO_COUNT = 4.0
 
 
 class _Index:
@@ -172,7 +173,8 @@ class NgramProposer:
             suffix = token_ids[-1] if n == 1 else tuple(token_ids[length - n :])
             starts = index.starts(n, suffix, max_occurrences)
             if starts:
-                continuations = [(token_ids[s + n : s + n + max_depth], 1.0) for s in starts]
+                depth = min(max_depth, max_nodes)  # no deeper than the tree can reach
+                continuations = [(token_ids[s + n : s + n + depth], 1.0) for s in starts]
                 return DraftTree.from_continuations(
                     continuations, max_nodes, pseudo_count=TREE_PSEUDO_COUNT / n
                 )

@@ -10,33 +10,42 @@ weighted by how many occurrences take each branch, are the draft. It needs no mo
 and costs a few dict reads per step.
 
 How this implementation finds the occurrences. A ``SuffixText`` is a token sequence
-with two indexes: where every token ends up (1-grams) and where every 4-gram ends, each
-a list of positions in order. The lookup takes the occurrences of the context's last
-4 tokens (else of its last token), most recent first, extends each match backwards
-token by token up to ``max_match``, and keeps the occurrences of the longest match
-(SuffixDecoding's suffix tree node: the occurrences sharing the longest suffix). Their
-continuations make a trie with a count per node; a node's score is the product down its
-path of ``count(child) / (count(parent) + c)``, ``c`` a pseudo-count that shrinks as the
-match grows (a 16-token match is more telling than a 4-token one), so a single earlier
-occurrence still scores below 1 and deeper nodes score less. The tree is the best
-``max_nodes`` nodes by score, taken best first, its size capped at ``alpha`` times the
-match length (SuffixDecoding's adaptive speculation length).
+with two indexes, for 1-grams and 4-grams: key -> the latest position where it ends,
+and per position the one where the same key ended before (a linked list through the
+text, newest first: one array entry per token and key length, one dict entry per
+distinct key). The lookup walks the occurrences of the context's last 4 tokens (else of
+its last token), most recent first, measures each match backwards up to ``max_match``
+(slices compared a chunk at a time), and keeps the occurrences of the longest match in
+either source, the request's own text or its caller's cache (SuffixDecoding's suffix
+tree node: the occurrences sharing the longest suffix). Their continuations make a
+trie with a count per node (``DraftTree.from_continuations``); a node's score is the
+product down its path of ``count(child) / (count(parent) + c)``, ``c`` a pseudo-count
+that shrinks as the match grows (a 16-token match is more telling than a 4-token one),
+so a single earlier occurrence still scores below 1 and deeper nodes score less. The
+tree is the best ``max_nodes`` nodes by score, taken best first, its size capped at
+``alpha`` times the match length (SuffixDecoding's adaptive speculation length).
 
 The per-request text is the request's prompt and output, extended as tokens are
 verified. The cache of recent answers holds finished requests' text (the end of the
 prompt, where the answer's first tokens are matched, and the output) per scope (the
 caller's API key id: how fast a guess is accepted could otherwise reveal another
 caller's text), the oldest evicted first once the estimated memory of all scopes passes
-``max_cache_bytes``.
+``max_cache_bytes``. The end of the prompt pays because the first tokens of an answer
+are predicted by what the prompt ended with (a template's instruction); a whole prompt
+would mostly hold the fields that differ. Evicting an answer drops its index entries at
+once (it is its scope's oldest text, so a key whose latest occurrence is in it has no
+other) and its tokens when the dead prefix outgrows the rest (one memmove): memory is
+counted, not guessed (``cache_bytes``), and no eviction rebuilds anything.
 """
 
 from __future__ import annotations
 
-import heapq
 import math
-from collections import OrderedDict, deque
+from array import array
+from bisect import bisect_right
+from collections import Counter, OrderedDict, deque
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from engine.spec_decode.draft_tree import DraftTree
 
@@ -48,103 +57,145 @@ MAX_CANDIDATES = 48
 PROMPT_TAIL = 64
 # Requests whose own index is kept; the least recently used beyond this is rebuilt.
 MAX_INDEXED_REQUESTS = 256
-# What one cached token costs, estimated: its int in the token list and its two index
-# entries (a position in a list, and its share of dict keys and lists), CPython 3.11.
-BYTES_PER_TOKEN = 160
-
-
-@dataclass(slots=True)
-class _Segment:
-    """One cached answer: its tokens live in its scope's text at [start, end)."""
-
-    scope: str | None
-    start: int
-    end: int
-    alive: bool = True
+# What the cache holds, per unit, measured with tracemalloc on CPython 3.11 (scripts/
+# bench_suffix.py reports the estimate against the measurement): a token and its two
+# links (8-byte array entries, with the arrays' spare room); a distinct key (its dict
+# slot, its int key and its int position: ~100 bytes in a dict that only grew, ~150 in
+# one that evicts, as deleted slots wait for the next resize); a cached answer's
+# bookkeeping. A cache that only grew is overestimated by ~25%; one that evicts, the
+# steady state, measures 85-95% of the estimate.
+BYTES_PER_TOKEN = 28
+BYTES_PER_KEY = 160
+BYTES_PER_ANSWER = 100
+# Match lengths are measured this many tokens at a time (slices compared in C).
+_CHUNK = 8
 
 
 class SuffixText:
-    """A growing token sequence with its 1-gram and 4-gram indexes: key -> positions
-    where the key ends (the index of the token after it), oldest first."""
+    """A growing token sequence with its 1-gram and 4-gram indexes. Position ``e`` is
+    where a key ends (the index of the token after it); ``last[j]`` maps a key to its
+    latest end and ``links[j][e - 1 - base]`` holds the end before that one (-1: none),
+    ``j`` 0 for 1-grams and 1 for 4-grams. 4-gram keys are the hash of the 4 tokens: a
+    collision only offers a candidate whose measured match is short.
 
-    __slots__ = ("tokens", "ones", "fours", "length", "floor")
+    Positions below ``floor`` are evicted; the arrays start at position ``base``."""
 
-    def __init__(self) -> None:
-        self.tokens: list[int] = []
-        self.ones: dict[int, deque[int]] = {}
-        self.fours: dict[tuple[int, ...], deque[int]] = {}
-        self.length = 0  # tokens indexed
-        self.floor = 0  # positions below this belong to evicted text
+    __slots__ = ("tokens", "base", "floor", "length", "last", "links")
+
+    def __init__(self, tokens: list[int] | None = None) -> None:
+        # a request's own list (indexed as it grows), else a cache's array
+        self.tokens: list[int] | array = tokens if tokens is not None else array("q")
+        self.base = 0
+        self.floor = 0
+        self.length = 0  # positions indexed
+        self.last: tuple[dict[int, int], dict[int, int]] = ({}, {})
+        self.links = (array("q"), array("q"))
 
     def extend(self, tokens: Sequence[int]) -> None:
         """Index ``tokens`` appended after what is there."""
         self.tokens.extend(tokens)
-        self.index_to(len(self.tokens))
+        self.index_to(self.base + len(self.tokens))
 
     def index_to(self, end: int) -> None:
-        """Index the tokens up to ``end`` (self.tokens may be a request's own list,
-        grown by others)."""
-        tokens, ones, fours = self.tokens, self.ones, self.fours
-        for pos in range(self.length, end):
-            ones.setdefault(tokens[pos], deque()).append(pos + 1)
-            if pos >= LONG_KEY - 1:
-                key = tuple(tokens[pos - LONG_KEY + 1 : pos + 1])
-                fours.setdefault(key, deque()).append(pos + 1)
-        self.length = max(self.length, end)
+        """Index the positions up to ``end``."""
+        first, base, tokens = self.length, self.base, self.tokens
+        if end <= first:
+            return
+        lo = max(first, min(end, base + LONG_KEY - 1))  # a 4-gram needs 3 tokens before it
+        self.links[1].extend([-1] * (lo - first))  # no 4-gram ends there: never matched
+        keys = (
+            tokens[first - base : end - base],
+            map(hash, zip(*(tokens[lo - base - k : end - base - k] for k in (3, 2, 1, 0)))),
+        )
+        for j, start in enumerate((first, lo)):
+            last, links = self.last[j], self.links[j]
+            get, append = last.get, links.append
+            for pos, key in enumerate(keys[j], start + 1):
+                append(get(key, -1))
+                last[key] = pos
+        self.length = end
 
-    def occurrences(self, context: Sequence[int], limit: int) -> tuple[list[int], int]:
-        """(positions right after up to ``limit`` earlier occurrences of the context's
-        tail, most recent first; the key length matched), ([], 0) when none."""
-        if len(context) >= LONG_KEY:
-            found = self.fours.get(tuple(context[-LONG_KEY:]))
-            if found:
-                return self._recent(found, limit), LONG_KEY
-        if context:
-            found = self.ones.get(context[-1])
-            if found:
-                return self._recent(found, limit), 1
-        return [], 0
+    def occurrences(self, context: Sequence[int], limit: int) -> list[int]:
+        """Up to ``limit`` ends of earlier occurrences of the context's last 4 tokens
+        (else of its last token), most recent first."""
+        for j, key in ((1, hash(tuple(context[-LONG_KEY:]))), (0, context[-1])):
+            if j == 1 and len(context) < LONG_KEY:
+                continue
+            end, links, out = self.last[j].get(key, -1), self.links[j], []
+            while end > self.floor and len(out) < limit:
+                out.append(end)
+                end = links[end - 1 - self.base]
+            if out:
+                return out
+        return []
 
-    def _recent(self, found: deque[int], limit: int) -> list[int]:
-        while found and found[0] <= self.floor:  # evicted text: dropped as met
-            found.popleft()
-        out = []
-        for pos in reversed(found):
-            out.append(pos)
-            if len(out) == limit:
-                break
-        return out
+    def match_length(self, end: int, lo: int, tail: Sequence[int], limit: int) -> int:
+        """How many tokens before ``end`` (down to ``lo``) equal the end of ``tail``
+        (a list for a list's text, an array for an array's), at most ``limit``."""
+        tokens, base, size = self.tokens, self.base, len(tail)
+        limit = min(limit, end - lo)
+        if tokens[end - limit - base : end - base] == tail[size - limit :]:
+            return limit
+        length = 0
+        while True:  # the whole did not match: some chunk fails
+            step = min(_CHUNK, limit - length)
+            at = end - length - base
+            if tokens[at - step : at] != tail[size - length - step : size - length]:
+                while tokens[at - 1] == tail[size - length - 1]:
+                    at, length = at - 1, length + 1
+                return length
+            length += step
+
+    def drop(self, start: int, end: int) -> None:
+        """Evict positions [start, end), the oldest live ones: keys whose latest end is
+        in there have no other occurrence left; the dead prefix's tokens go once it
+        outgrows the live part (3 kept: the keys that end after them)."""
+        tokens, base = self.tokens, self.base
+        for j, last in enumerate(self.last):
+            for pos in range(max(start, base + (LONG_KEY - 1) * j), end):
+                if j == 0:
+                    key = tokens[pos - base]
+                else:
+                    key = hash(tuple(tokens[pos - base - 3 : pos - base + 1]))
+                if last.get(key, end + 1) <= end:
+                    del last[key]
+        self.floor = end
+        dead = end - (LONG_KEY - 1) - base
+        if dead > len(tokens) - dead:
+            del tokens[:dead], self.links[0][:dead], self.links[1][:dead]
+            self.base += dead
+
+    def footprint(self) -> int:
+        """Estimated bytes of this text (the cache's texts only: a request's list is
+        the request's)."""
+        keys = len(self.last[0]) + len(self.last[1])
+        return len(self.tokens) * BYTES_PER_TOKEN + keys * BYTES_PER_KEY
 
 
-class _Trie:
-    """Continuations merged: node 0 is the root; children by (node, token)."""
+class _Scope:
+    """One caller's cached answers: a text and its live answers' bounds, oldest first."""
 
-    __slots__ = ("children", "counts", "tokens", "parents")
+    __slots__ = ("text", "starts", "ends")
 
     def __init__(self) -> None:
-        self.children: dict[tuple[int, int], int] = {}
-        self.counts = [0]
-        self.tokens = [-1]
-        self.parents = [-1]
+        self.text = SuffixText()
+        self.starts: list[int] = []
+        self.ends: list[int] = []
 
-    def add(self, continuation: Sequence[int]) -> None:
-        node = 0
-        self.counts[0] += 1
-        for token in continuation:
-            child = self.children.get((node, token))
-            if child is None:
-                child = self.children[(node, token)] = len(self.counts)
-                self.counts.append(0)
-                self.tokens.append(token)
-                self.parents.append(node)
-            self.counts[child] += 1
-            node = child
+    def bounds(self, end: int) -> tuple[int, int]:
+        """(start, end) of the answer holding the token before position ``end``."""
+        i = bisect_right(self.starts, end - 1) - 1
+        return self.starts[i], self.ends[i]
+
+    def footprint(self) -> int:
+        return self.text.footprint() + len(self.ends) * BYTES_PER_ANSWER
 
 
-@dataclass(slots=True)
-class _Match:
-    length: int
-    sources: list[tuple[SuffixText, int, int]] = field(default_factory=list)  # text, pos, end
+class _Candidate(NamedTuple):
+    length: int  # tokens matched
+    text: SuffixText
+    end: int  # where the continuation starts
+    stop: int  # where it must stop (its text's or its answer's end)
 
 
 class SuffixDecoder:
@@ -157,91 +208,67 @@ class SuffixDecoder:
     ) -> None:
         if max_cache_bytes < 0:
             raise ValueError(f"max_cache_bytes must be >= 0, got {max_cache_bytes}")
+        if not 1 <= max_match <= 1024:
+            raise ValueError(f"max_match must be in [1, 1024], got {max_match}")
+        if alpha <= 0:
+            raise ValueError(f"alpha must be > 0, got {alpha}")
         self.max_cache_bytes = max_cache_bytes
         self.max_match = max_match
         self.alpha = alpha
         self.min_match = min_match
-        self._requests: OrderedDict[str, tuple[list[int], SuffixText]] = OrderedDict()
-        self._scopes: dict[str | None, SuffixText] = {}
-        self._segments: deque[_Segment] = deque()  # oldest first, every scope
-        self._scope_segments: dict[str | None, list[_Segment]] = {}
+        self._requests: OrderedDict[str, SuffixText] = OrderedDict()
+        self._scopes: dict[str | None, _Scope] = {}
+        self._order: deque[str | None] = deque()  # a scope per cached answer, oldest first
+        self.cache_bytes = 0  # estimated memory of every scope's cache (see footprint)
         self.cache_tokens = 0  # tokens of the live cached answers, all scopes
         self.last_match_length = 0  # of the latest propose (0: nothing matched)
 
     # ---- the cache of recent answers -------------------------------------------------
-    @property
-    def cache_bytes(self) -> int:
-        """The estimated memory of the cached answers (BYTES_PER_TOKEN each)."""
-        return self.cache_tokens * BYTES_PER_TOKEN
-
     def add_finished(
         self, token_ids: Sequence[int], scope: str | None, num_prompt: int = 0
     ) -> None:
         """Cache a finished request's text (the last PROMPT_TAIL tokens of its prompt,
-        the first ``num_prompt`` of ``token_ids``, and its output) for ``scope``."""
-        tokens = list(token_ids[max(0, num_prompt - PROMPT_TAIL) :])
-        if len(tokens) < 2 or len(tokens) * BYTES_PER_TOKEN > self.max_cache_bytes:
-            return
-        text = self._scopes.get(scope)
-        if text is None:
-            text = self._scopes[scope] = SuffixText()
-        start = len(text.tokens)
-        text.extend(tokens)
-        segment = _Segment(scope, start, len(text.tokens))
-        self._segments.append(segment)
-        self._scope_segments.setdefault(scope, []).append(segment)
+        the first ``num_prompt`` of ``token_ids``, and its output) for ``scope``; the
+        oldest answers of any scope go until the cache fits ``max_cache_bytes``."""
+        tokens = token_ids[max(0, num_prompt - PROMPT_TAIL) :]
+        cost = len(tokens) * (BYTES_PER_TOKEN + 2 * BYTES_PER_KEY) + BYTES_PER_ANSWER
+        if len(tokens) < 2 or cost > self.max_cache_bytes:
+            return  # it could never fit
+        cached = self._scopes.get(scope)
+        if cached is None:
+            cached = self._scopes[scope] = _Scope()
+        before = cached.footprint()
+        cached.starts.append(cached.text.base + len(cached.text.tokens))
+        cached.text.extend(tokens)
+        cached.ends.append(cached.text.length)
+        self._order.append(scope)
         self.cache_tokens += len(tokens)
+        self.cache_bytes += cached.footprint() - before
         while self.cache_bytes > self.max_cache_bytes:
             self._evict_oldest()
 
     def _evict_oldest(self) -> None:
-        segment = self._segments.popleft()
-        segment.alive = False
-        self.cache_tokens -= segment.end - segment.start
-        text = self._scopes[segment.scope]
-        text.floor = segment.end
-        live = [s for s in self._scope_segments[segment.scope] if s.alive]
-        self._scope_segments[segment.scope] = live
-        if not live:
-            del self._scopes[segment.scope], self._scope_segments[segment.scope]
-        elif segment.end > len(text.tokens) // 2:
-            self._compact(segment.scope)
-
-    def _compact(self, scope: str | None) -> None:
-        """Rebuild a scope's text from its live answers once half of it is evicted:
-        the dead half's tokens and index entries go."""
-        old = self._scopes[scope]
-        text = self._scopes[scope] = SuffixText()
-        for segment in self._scope_segments[scope]:
-            start = len(text.tokens)
-            text.extend(old.tokens[segment.start : segment.end])
-            segment.start, segment.end = start, len(text.tokens)
-
-    def _segment_end(self, scope: str | None, pos: int) -> int:
-        """The end of the cached answer holding position ``pos`` of the scope's text."""
-        segments = self._scope_segments[scope]
-        lo, hi = 0, len(segments)
-        while lo < hi:
-            mid = (lo + hi) // 2
-            if segments[mid].end <= pos:
-                lo = mid + 1
-            else:
-                hi = mid
-        return segments[lo].end if lo < len(segments) else pos
+        scope = self._order.popleft()
+        cached = self._scopes[scope]
+        before = cached.footprint()
+        start, end = cached.starts.pop(0), cached.ends.pop(0)
+        cached.text.drop(start, end)
+        self.cache_tokens -= end - start
+        if cached.ends:
+            self.cache_bytes += cached.footprint() - before
+        else:
+            del self._scopes[scope]
+            self.cache_bytes -= before
 
     # ---- per request -----------------------------------------------------------------
     def _own(self, request_id: str, token_ids: list[int]) -> SuffixText:
-        entry = self._requests.get(request_id)
-        if entry is None or entry[0] is not token_ids or len(token_ids) < entry[1].length:
-            text = SuffixText()
-            text.tokens = token_ids  # the request's own list: indexed as it grows
-            entry = self._requests[request_id] = (token_ids, text)
+        text = self._requests.get(request_id)
+        if text is None or text.tokens is not token_ids or len(token_ids) < text.length:
+            text = self._requests[request_id] = SuffixText(token_ids)
             if len(self._requests) > MAX_INDEXED_REQUESTS:
                 self._requests.popitem(last=False)
         self._requests.move_to_end(request_id)
-        text = entry[1]
-        # the last token has no continuation yet: index up to it (its 1-gram and 4-gram
-        # end at len - 1 + 1 = len, pointing past the text)
+        # the last token has no continuation yet: its keys would end past the text
         text.index_to(len(token_ids) - 1)
         return text
 
@@ -258,93 +285,40 @@ class SuffixDecoder:
         max_depth: int,
     ) -> DraftTree:
         """A tree of up to ``max_nodes`` nodes, ``max_depth`` deep, continuing
-        ``token_ids`` (the request's prompt and output, growing call to call)."""
+        ``token_ids`` (the request's prompt and output, the same list from call to call,
+        growing): the longest match's continuations in the request's own text and in
+        ``scope``'s cache (both, when they match equally long), at most ``alpha`` times
+        the match length nodes. Empty when nothing matches."""
         self.last_match_length = 0
         if max_nodes <= 0 or max_depth <= 0 or len(token_ids) < 2:
             return DraftTree()
-        own = self._own(request_id, token_ids)
-        match = _Match(0)
-        self._collect(match, own, token_ids, len(token_ids))
+        tail = token_ids[-self.max_match :]
+        found = self._candidates(self._own(request_id, token_ids), tail, None)
         cached = self._scopes.get(scope)
         if cached is not None:
-            self._collect(match, cached, token_ids, None, scope)
-        if match.length < self.min_match:
+            found += self._candidates(cached.text, array("q", tail), cached)
+        length = max((c.length for c in found), default=0)
+        if length < max(1, self.min_match):
             return DraftTree()
-        self.last_match_length = match.length
-        trie = _Trie()
-        for text, pos, end in match.sources:
-            trie.add(text.tokens[pos : min(end, pos + max_depth)])
-        budget = min(max_nodes, max(1, math.ceil(self.alpha * match.length)))
-        return _best_first(trie, budget, pseudo_count=4.0 / match.length)
+        self.last_match_length = length
+        budget = min(max_nodes, max(1, math.ceil(self.alpha * length)))
+        depth = min(max_depth, budget)  # no deeper than the tree can reach
+        continuations = Counter(
+            tuple(c.text.tokens[c.end - c.text.base : min(c.stop, c.end + depth) - c.text.base])
+            for c in found
+            if c.length == length
+        )
+        return DraftTree.from_continuations(continuations.items(), budget, 4.0 / length)
 
-    def _collect(
-        self,
-        match: _Match,
-        text: SuffixText,
-        context: Sequence[int],
-        end: int | None,
-        scope: str | None = None,
-    ) -> None:
-        """Add ``text``'s occurrences of the context's longest suffix to ``match``
-        (replacing what it holds if these match longer). ``end``: where continuations
-        stop (the request's own text), None for the cache (each answer's own end)."""
-        positions, key = text.occurrences(context, MAX_CANDIDATES)
-        n = len(context)
-        tokens = text.tokens
-        for pos in positions:
-            stop = end if end is not None else self._segment_end(scope, pos)
-            if pos >= stop:
-                continue  # no continuation
-            length = key
-            floor = text.floor if end is None else 0
-            if end is None:  # a cached answer: the match stays inside it
-                floor = max(floor, self._segment_start(scope, pos))
-            while (
-                length < self.max_match
-                and pos - length - 1 >= floor
-                and n - length - 1 >= 0
-                and tokens[pos - length - 1] == context[n - length - 1]
-            ):
-                length += 1
-            if length > match.length:
-                match.length, match.sources = length, [(text, pos, stop)]
-            elif length == match.length:
-                match.sources.append((text, pos, stop))
-
-    def _segment_start(self, scope: str | None, pos: int) -> int:
-        segments = self._scope_segments[scope]
-        lo, hi = 0, len(segments)
-        while lo < hi:
-            mid = (lo + hi) // 2
-            if segments[mid].end <= pos:
-                lo = mid + 1
-            else:
-                hi = mid
-        return segments[lo].start if lo < len(segments) else pos
-
-
-def _best_first(trie: _Trie, max_nodes: int, pseudo_count: float) -> DraftTree:
-    """The ``max_nodes`` best trie nodes by score, each after its parent."""
-    children: dict[int, list[int]] = {}
-    for (parent, _), child in trie.children.items():
-        children.setdefault(parent, []).append(child)
-    tree = DraftTree()
-    index = {0: -1}
-    scores = {0: 1.0}
-    heap: list[tuple[float, int]] = []
-
-    def push(node: int) -> None:
-        for child in children.get(node, ()):
-            score = scores[node] * trie.counts[child] / (trie.counts[node] + pseudo_count)
-            scores[child] = score
-            heapq.heappush(heap, (-score, child))
-
-    push(0)
-    while heap and len(tree.tokens) < max_nodes:
-        neg, node = heapq.heappop(heap)
-        index[node] = len(tree.tokens)
-        tree.tokens.append(trie.tokens[node])
-        tree.parents.append(index[trie.parents[node]])
-        tree.scores.append(-neg)
-        push(node)
-    return tree
+    def _candidates(
+        self, text: SuffixText, tail: Sequence[int], cached: _Scope | None
+    ) -> list[_Candidate]:
+        """The text's recent occurrences of the context's tail that have a
+        continuation, with their match lengths (inside their own answer, for a cache)."""
+        out = []
+        for end in text.occurrences(tail, MAX_CANDIDATES):
+            start, stop = (0, text.length + 1) if cached is None else cached.bounds(end)
+            if end < stop:
+                length = text.match_length(end, start, tail, self.max_match)
+                out.append(_Candidate(length, text, end, stop))
+        return out

@@ -11,7 +11,7 @@ import pytest
 
 from engine.spec_decode import paths
 from engine.spec_decode.draft_tree import DraftTree
-from engine.spec_decode.ngram import NgramProposer, _OccurrenceIndex
+from engine.spec_decode.ngram import TREE_PSEUDO_COUNT, NgramProposer, _OccurrenceIndex
 
 
 def _paths(tree: DraftTree) -> set[tuple[int, ...]]:
@@ -63,12 +63,12 @@ def test_one_occurrence_is_propose_fors_chain():
         tree = trees.propose_tree_for("r", tokens, max_nodes, max_depth, max_occurrences=1)
         assert tree.tokens == chain and paths.is_chain(tree.parents)
         if n:  # a longer match is trusted more, and no guess is certain
-            assert 0 < tree.scores[0] == pytest.approx(n / (n + 1.0))
+            assert 0 < tree.scores[0] == pytest.approx(n / (n + TREE_PSEUDO_COUNT))
     # a context whose longest match occurred once: the chain, as propose_for has it
     tokens = [7, 1, 2, 3, 4, 5, 6, 9, 1, 8, 1, 9, 2, 3]
     tree = NgramProposer(1, 4).propose_tree_for("s", tokens, 8, 4)
     assert (tree.tokens, tree.parents) == ([4, 5, 6, 9], [-1, 0, 1, 2])
-    assert tree.scores == pytest.approx([(2 / 3) ** d for d in range(1, 5)])
+    assert tree.scores == pytest.approx([(2 / (2 + TREE_PSEUDO_COUNT)) ** d for d in range(1, 5)])
 
 
 def test_agreeing_occurrences_share_a_path_and_the_frequent_branch_scores_higher():

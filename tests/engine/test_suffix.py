@@ -6,13 +6,14 @@ bounded in memory, and trees priced to what pays."""
 from __future__ import annotations
 
 import random
+import tracemalloc
 from types import SimpleNamespace
 
 import pytest
 
 from engine.spec_decode import paths
 from engine.spec_decode.draft_tree import DraftTree
-from engine.spec_decode.suffix import BYTES_PER_TOKEN, SuffixDecoder, SuffixText
+from engine.spec_decode.suffix import BYTES_PER_KEY, BYTES_PER_TOKEN, SuffixDecoder, SuffixText
 from engine.spec_decode.tree_proposer import SuffixSpecProposer, price_tree
 
 
@@ -78,20 +79,22 @@ def test_a_longer_match_allows_a_larger_tree():
 
 
 def test_incremental_index_equals_one_built_at_once():
+    """Tokens appended a few at a time (a request's own list, and a cache's array)
+    index as they would all at once."""
     rng = random.Random(3)
     grown, tokens = SuffixText(), []
+    own = SuffixText(tokens)
     for _ in range(50):
         more = [rng.randrange(6) for _ in range(rng.randint(0, 9))]
         tokens += more
         grown.extend(more)
+        own.index_to(len(tokens) - rng.randint(0, 1))
+    own.index_to(len(tokens))
     whole = SuffixText()
     whole.extend(tokens)
-    assert {k: list(v) for k, v in grown.ones.items()} == {
-        k: list(v) for k, v in whole.ones.items()
-    }
-    assert {k: list(v) for k, v in grown.fours.items()} == {
-        k: list(v) for k, v in whole.fours.items()
-    }
+    for text in (grown, own):
+        assert text.last == whole.last and text.links == whole.links
+        assert text.length == len(tokens)
 
 
 def test_a_growing_request_proposes_what_a_fresh_decoder_proposes():
@@ -118,12 +121,13 @@ def test_a_scopes_answers_are_never_proposed_to_another_scope():
 
 def test_the_cache_stays_under_its_memory_cap_oldest_out_first():
     rng = random.Random(6)
-    cap = 300 * BYTES_PER_TOKEN
+    cap = 300 * (BYTES_PER_TOKEN + 2 * BYTES_PER_KEY)  # about 300 tokens of distinct text
     decoder = SuffixDecoder(max_cache_bytes=cap)
     answers = [[rng.randrange(10_000) for _ in range(50)] for _ in range(40)]
     for i, answer in enumerate(answers):
         decoder.add_finished(answer, f"s{i % 3}")
         assert decoder.cache_bytes <= cap
+        assert decoder.cache_bytes == _recount(decoder)
     # the newest are there, the oldest are gone
     newest, oldest = answers[-1], answers[0]
     assert decoder.propose("n", newest[:12], "s0", 8, 8).tokens[:3] == newest[12:15]
@@ -134,6 +138,54 @@ def test_the_cache_stays_under_its_memory_cap_oldest_out_first():
     assert SuffixDecoder(max_cache_bytes=0).cache_bytes == 0
     with pytest.raises(ValueError, match="max_cache_bytes"):
         SuffixDecoder(max_cache_bytes=-1)
+
+
+def _recount(decoder: SuffixDecoder) -> int:
+    """The cache's footprint counted from scratch."""
+    return sum(scope.footprint() for scope in decoder._scopes.values())
+
+
+def _cached(decoder: SuffixDecoder, scope: str, answer: list[int]) -> bool:
+    return decoder.propose("probe", answer[:8], scope, 4, 4).tokens[:2] == answer[8:10]
+
+
+def test_eviction_takes_the_oldest_answers_of_any_scope_first():
+    """Answers of three scopes, interleaved: once the cap bites, exactly a prefix of
+    the insertion order is gone, the rest all answer; an evicted answer's index
+    entries are gone with it (no stale key, no key left without a live occurrence)."""
+    rng = random.Random(9)
+    answers = [[rng.randrange(50_000) for _ in range(rng.randint(20, 60))] for _ in range(60)]
+    decoder = SuffixDecoder(max_cache_bytes=40 * 40 * (BYTES_PER_TOKEN + 2 * BYTES_PER_KEY))
+    for i, answer in enumerate(answers):
+        decoder.add_finished(answer, f"s{i % 3}")
+    alive = [_cached(decoder, f"s{i % 3}", answer) for i, answer in enumerate(answers)]
+    first = alive.index(True)
+    assert first > 0 and all(alive[first:])
+    assert decoder.cache_tokens == sum(len(a) for a in answers[first:])
+    for scope in decoder._scopes.values():
+        text = scope.text
+        live = text.tokens[scope.starts[0] - text.base :]
+        assert set(text.last[0]) == set(live)
+        assert all(end > text.floor for last in text.last for end in last.values())
+
+
+def test_the_cache_memory_estimate_is_honest():
+    """tracemalloc's count of a cache filled past its cap (so it evicts and drops dead
+    prefixes) stays within the cap, and the estimate is not far above it either."""
+    rng = random.Random(10)
+    text = [rng.randrange(32_000) for _ in range(30_000)]
+    pieces = [text[s : s + 150] for s in (rng.randrange(len(text) - 150) for _ in range(1_200))]
+    cap = 1 << 20
+    tracemalloc.start()
+    try:
+        decoder = SuffixDecoder(max_cache_bytes=cap)
+        for i, piece in enumerate(pieces):
+            decoder.add_finished(piece, f"s{i % 4}", num_prompt=20)
+        used = tracemalloc.get_traced_memory()[0]
+    finally:
+        tracemalloc.stop()
+    assert decoder.cache_bytes <= cap
+    assert 0.7 * decoder.cache_bytes <= used <= cap, (used, decoder.cache_bytes)
 
 
 def test_a_templated_answer_is_continued_from_the_cache_deeply():

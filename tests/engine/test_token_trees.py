@@ -7,6 +7,7 @@ against the plain engine, in float32 and bfloat16, beside chains and plain rows.
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import pytest
 
@@ -79,17 +80,22 @@ def test_seeded_and_greedy_trees_equal_plain_decoding(tiny_model_dir, tiny_gguf_
     prompts = _repetitive_prompts(6, seed=7) + prompts_of_lengths([12, 21], seed=9)
     requests = []
     for i, prompt in enumerate(prompts):
+        # a fixed k: trees of 6 nodes every step, whatever adaptive k makes of the timing
         if i % 2:
-            params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+            params = SamplingParams(
+                max_tokens=30, temperature=0.0, ignore_eos=True, num_speculative_tokens=6
+            )
         else:
             temperature, seed = rng.choice([0.7, 1.0]), rng.randrange(1 << 30)
             params = SamplingParams(
-                max_tokens=30, temperature=temperature, top_p=0.9, seed=seed, ignore_eos=True
-            )
+                max_tokens=30, temperature=temperature, top_p=0.9, seed=seed, ignore_eos=True,
+                num_speculative_tokens=6,
+            )  # fmt: skip
         requests.append((f"r{i}", prompt, params))
     for target in (tiny_model_dir, tiny_gguf_path):
+        unspeculated = [(r, p, replace(q, num_speculative_tokens=None)) for r, p, q in requests]
         plain = run_to_completion(
-            make_engine(target, dtype=dtype, num_kv_blocks=256), {0: requests}
+            make_engine(target, dtype=dtype, num_kv_blocks=256), {0: unspeculated}
         )
         engine, proposer = _tree_engine(target, seed=11, dtype=dtype)
         trees = run_to_completion(engine, {0: requests})
