@@ -109,43 +109,29 @@ def make_plan(metadata: AttentionMetadata) -> _Plan:
     write_token_idx, write_slots = write_plan(metadata)
     block_ids = context_block_ids(metadata)
     q_lens, s_lens = metadata.query_lens_cpu, metadata.seq_lens_cpu
-    if metadata.tree_masks is not None:  # a token tree: an explicit mask, always
-        kv_len = s_lens[0] if metadata.num_seqs == 1 else block_ids.shape[1] * metadata.block_size
-        device = metadata.seq_lens.device
-        mask = _tree_mask(metadata, kv_len).to(device)
-        query_pad_idx, out_idx = _query_padding(q_lens)
-        return _Plan(
-            write_token_idx,
-            write_slots,
-            block_ids,
-            kv_len,
-            mask,
-            False,
-            query_pad_idx.to(device),
-            out_idx.to(device),
-        )
-    if metadata.num_seqs == 1:
+    tree = metadata.tree_masks is not None  # a token tree: an explicit mask, always
+    if metadata.num_seqs == 1 and not tree:
         # No padding at all: slice the context exactly; mask only a partial causal prefill.
         q_len, s_len = q_lens[0], s_lens[0]
         is_causal = 1 < q_len == s_len
         mask = None if q_len == 1 or is_causal else _causal_mask([q_len], [s_len], s_len)
         mask = None if mask is None else mask.to(metadata.seq_lens.device)
         return _Plan(write_token_idx, write_slots, block_ids, s_len, mask, is_causal, None, None)
-    kv_len = block_ids.shape[1] * metadata.block_size
+    kv_len = s_lens[0] if metadata.num_seqs == 1 else block_ids.shape[1] * metadata.block_size
     device = metadata.seq_lens.device
     mask = None
-    if metadata.max_query_len == 1:
+    if metadata.max_query_len == 1 and not tree:
         if min(s_lens) != kv_len:  # keys past each context end are padding
             mask = _causal_mask(q_lens, s_lens, kv_len).to(device)
         return _Plan(write_token_idx, write_slots, block_ids, kv_len, mask, False, None, None)
-    mask = _causal_mask(q_lens, s_lens, kv_len).to(device)
+    mask = _tree_mask(metadata, kv_len) if tree else _causal_mask(q_lens, s_lens, kv_len)
     query_pad_idx, out_idx = _query_padding(q_lens)
     return _Plan(
         write_token_idx,
         write_slots,
         block_ids,
         kv_len,
-        mask,
+        mask.to(device),
         False,
         query_pad_idx.to(device),
         out_idx.to(device),

@@ -356,34 +356,39 @@ class Grammar:
         return torch.stack(rows)
 
     def _tree_masks(self, tokens: list[int], parents: list[int]) -> torch.Tensor:
-        """Each row's mask, walking the tree depth first: every node is consumed once
-        and rolled back once."""
-        children = paths.children(parents)
+        """Each row's mask, walking the tree depth first."""
         rows: list[torch.Tensor | None] = [None] * (1 + len(tokens))
 
-        def visit(row: int) -> None:
+        def at_row(row: int) -> None:
             rows[row] = self._mask()
-            for node in children[row]:
-                recorded = self._consume(tokens[node])
-                try:
-                    visit(node + 1)
-                finally:
-                    self._call(self._matcher.rollback, recorded)
 
-        visit(0)
+        self._walk(tokens, parents, at_row, lambda node: True)
         return torch.stack(rows)
 
     @_inert(lambda self, tokens, parents: [True] * len(tokens))
     def allowed_nodes(self, tokens: list[int], parents: list[int]) -> list[bool]:
         """Which nodes of a token tree the constraint allows, their path included."""
-        children = paths.children(parents)
         allowed = [False] * len(tokens)
 
+        def admit(node: int) -> bool:
+            ok = self._call(self._matcher.validate_tokens, [tokens[node]]) == 1
+            allowed[node] = ok
+            return ok
+
+        self._walk(tokens, parents, lambda row: None, admit)
+        return allowed
+
+    def _walk(self, tokens: list[int], parents: list[int], at_row, admit) -> None:
+        """Depth first over a token tree with the matcher following along: ``at_row(row)``
+        with the matcher after that row's path; a node is entered when ``admit(node)``
+        (asked with the matcher at its parent), consumed once and rolled back once."""
+        children = paths.children(parents)
+
         def visit(row: int) -> None:
+            at_row(row)
             for node in children[row]:
-                if self._call(self._matcher.validate_tokens, [tokens[node]]) != 1:
+                if not admit(node):
                     continue
-                allowed[node] = True
                 recorded = self._consume(tokens[node])
                 try:
                     visit(node + 1)
@@ -391,7 +396,6 @@ class Grammar:
                     self._call(self._matcher.rollback, recorded)
 
         visit(0)
-        return allowed
 
     def keep_dead_rows(self, rows: list[int], num_output_tokens: int) -> None:
         """After verification: ``rows`` are the rows whose samples the output kept, in

@@ -76,22 +76,29 @@ class DraftTree:
                     f"scores[{i}] = {score} exceeds its parent's {self.scores[parent]}"
                 )
 
-    def prune(self, max_nodes: int) -> DraftTree:
-        """The ``max_nodes`` best-scored nodes, every kept node's parent kept (ties: the
-        shallower first), in the same order."""
-        if len(self.tokens) <= max_nodes:
-            return self
+    def ranked(self, max_nodes: int) -> list[int]:
+        """Up to ``max_nodes`` nodes, best score first (ties: the shallower first), each
+        after its parent: a node whose parent is not among them is skipped."""
         depth = paths.depths(self.parents, len(self.tokens))
         order = sorted(range(len(self.tokens)), key=lambda i: (-self.scores[i], depth[i], i))
-        keep = [False] * len(self.tokens)
-        kept = 0
+        taken = [False] * len(self.tokens)
+        out: list[int] = []
         for i in order:
-            if kept == max_nodes:
+            if len(out) == max_nodes:
                 break
             parent = self.parents[i]
-            if parent < 0 or keep[parent]:
-                keep[i] = True
-                kept += 1
+            if parent < 0 or taken[parent]:
+                taken[i] = True
+                out.append(i)
+        return out
+
+    def prune(self, max_nodes: int) -> DraftTree:
+        """The ``max_nodes`` best-scored nodes (``ranked``), in the same order."""
+        if len(self.tokens) <= max_nodes:
+            return self
+        keep = [False] * len(self.tokens)
+        for i in self.ranked(max_nodes):
+            keep[i] = True
         return self.subtree(keep)
 
     def subtree(self, keep: list[bool]) -> DraftTree:

@@ -25,7 +25,6 @@ trees they size.
 
 from __future__ import annotations
 
-from engine.spec_decode import paths
 from engine.spec_decode.draft_tree import DraftTree
 from engine.spec_decode.suffix import SuffixDecoder
 
@@ -45,18 +44,7 @@ def price_tree(
     n = len(tree.tokens)
     if n == 0 or max_nodes <= 0:
         return None
-    depth = paths.depths(tree.parents, n)
-    order = sorted(range(n), key=lambda i: (-tree.scores[i], depth[i], i))
-    taken: set[int] = set()
-    ranked: list[int] = []
-    for i in order:
-        parent = tree.parents[i]
-        if parent >= 0 and parent not in taken:
-            continue
-        taken.add(i)
-        ranked.append(i)
-        if len(ranked) == max_nodes:
-            break
+    ranked = tree.ranked(max_nodes)
     best_n, best_value, gain = 0, 1.0, 1.0
     for count, i in enumerate(ranked, 1):
         gain += calibration * tree.scores[i]
