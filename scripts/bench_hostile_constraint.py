@@ -3,11 +3,11 @@
 
     .venv/bin/python scripts/bench_hostile_constraint.py --rounds 5
 
-The default model and configuration, in one process. Each round runs three modes in
+The default model and configuration, in one process. Each round runs four modes in
 turn: three free chat requests alone (greedy, --output-len tokens each); the same three
 beside a request whose grammar makes every mask cost more than the one before
-(temperature 1, min_tokens = max_tokens, so EOS cannot end it), with the default step
-budget; and the same with the budget out of reach (what the engine did before it had
+(temperature 1, min_tokens = max_tokens, so EOS cannot end it), with a 5 ms step budget
+and with the default 20 ms; and the same with the budget out of reach (what the engine did before it had
 one: the request runs to max_tokens). Prints the free requests' time per output token
 (TPOT, first token to last) per mode, the median (range) of the per-round ratios against
 alone, and where the hostile request ended.
@@ -83,8 +83,8 @@ def main() -> int:
     )  # fmt: skip
     modes = {
         "alone": (config, False),
-        "beside, default budget": (config, True),
-        "beside, 20 ms budget": (replace(config, structured_output_step_budget_ms=20.0), True),
+        "beside, 5 ms budget": (replace(config, structured_output_step_budget_ms=5.0), True),
+        "beside, 20 ms budget (the default)": (config, True),
         "beside, no budget": (replace(config, structured_output_step_budget_ms=6e4), True),
     }
     engines = {name: LLMEngine(c, loaded=loaded) for name, (c, _) in modes.items()}

@@ -72,7 +72,7 @@ class GrammarLimits:
     items of one mask computation (``step_max_items``), which bounds a single call the
     budget can only check after it returns."""
 
-    step_budget_ms: float = 5.0  # (both checked by EngineConfig)
+    step_budget_ms: float = 20.0  # (both checked by EngineConfig)
     max_items: int = 50_000
 
     def parser_limits(self):
