@@ -94,25 +94,36 @@ class LoadGenerator:
         self._transport = transport
         self._on_done = on_done
         self._t0 = 0.0
+        self._duration_s: float | None = None
 
     async def run(
         self, requests: Iterator[BenchRequest], shape: LoadShape
     ) -> tuple[list[RequestRecord], float]:
         self._t0 = time.perf_counter()
-        deadline = None if shape.duration_s is None else self._t0 + shape.duration_s
-        source = _bounded(requests, shape.num_requests, deadline)
+        self._duration_s = shape.duration_s
+        source = itertools.islice(requests, shape.num_requests)
         if shape.concurrency is not None:
             records = await self._closed_loop(source, shape.num_workers)
         else:
             records = await self._open_loop(source, shape)
         return sorted(records, key=lambda r: r.index), time.perf_counter() - self._t0
 
+    def _admit(self) -> float | None:
+        """The start time of a request made now, or None once the run's duration is
+        over (one clock reading for both: a request is never recorded as starting after
+        the duration it was admitted within)."""
+        now = self._now()
+        return None if self._duration_s is not None and now >= self._duration_s else now
+
     async def _closed_loop(self, source: Iterator[BenchRequest], num_workers: int):
         records: list[RequestRecord] = []
 
         async def worker() -> None:
             for req in source:  # a shared iterator: each request goes to one worker
-                records.append(await self.send(req))
+                start = self._admit()
+                if start is None:
+                    return
+                records.append(await self.send(req, start))
 
         await asyncio.gather(*(worker() for _ in range(num_workers)))
         return records
@@ -124,6 +135,8 @@ class LoadGenerator:
         next_arrival = time.perf_counter()
         for req in source:
             await asyncio.sleep(max(0.0, next_arrival - time.perf_counter()))
+            if self._admit() is None:  # arrivals end with the duration
+                break
             tasks.append(asyncio.create_task(self._send_capped(req, cap)))
             next_arrival += arrivals.next_gap()
         return list(await asyncio.gather(*tasks))
@@ -132,10 +145,12 @@ class LoadGenerator:
         async with cap if cap is not None else contextlib.nullcontext():
             return await self.send(req)
 
-    async def send(self, req: BenchRequest) -> RequestRecord:
-        """One streamed request; the clock starts when the call is made."""
+    async def send(self, req: BenchRequest, start: float | None = None) -> RequestRecord:
+        """One streamed request; the clock starts when the call is made (or at
+        ``start``, when it was admitted)."""
+        start = self._now() if start is None else start
         wire = self._transport.prepare(req)
-        record = RequestRecord(req.index, self._now(), req.num_prompt_tokens or 0)
+        record = RequestRecord(req.index, start, req.num_prompt_tokens or 0)
         record.json_schema = req.json_schema
         await self._transport.fill(wire, record, self._now)
         self._on_done(record)
@@ -183,16 +198,6 @@ def _observe(record: RequestRecord, delta, now: float) -> None:
         record.finish_reason = delta.finish_reason
     if record.json_schema is not None:
         record.text.append(delta.text)
-
-
-def _bounded(
-    requests: Iterator[BenchRequest], limit: int | None, deadline: float | None
-) -> Iterator[BenchRequest]:
-    """The first `limit` requests, or those drawn before `deadline` (perf_counter)."""
-    for req in itertools.islice(requests, limit):
-        if deadline is not None and time.perf_counter() >= deadline:
-            return
-        yield req
 
 
 def make_clients(

@@ -29,6 +29,7 @@ CPU server never uses).
 from __future__ import annotations
 
 import functools
+import gc
 import json
 import threading
 import time
@@ -67,7 +68,8 @@ class GrammarLimits:
     """What one request's constraint may cost the engine.
 
     ``step_budget_ms``: the CPU time its matcher may take in one engine step (forced
-    tokens, draft checks, masks, advancing; on whichever thread computes them); a
+    tokens, draft checks, masks, advancing; on whichever thread computes them; Python's
+    garbage collections that happen to run inside a matcher call do not count); a
     request over it ends with an error. ``max_items``: llguidance's cap on the Earley
     items of one mask computation (``step_max_items``), which bounds a single call the
     budget can only check after it returns."""
@@ -244,6 +246,30 @@ def _allow_all_rows(self, drafts, parents=None) -> torch.Tensor:
     return torch.full((1 + len(drafts), self.num_words), -1, dtype=torch.int32)
 
 
+class _GcClock(threading.local):
+    """The CPU time Python's garbage collector has taken on this thread. A collection
+    runs inside whichever call allocates when a generation fills up, a matcher call
+    among them; with thousands of requests alive a full one takes 100+ ms, which is not
+    the constraint's cost and must not end its request."""
+
+    seconds = 0.0
+    started: float | None = None
+
+
+_GC_CLOCK = _GcClock()
+
+
+def _on_gc(phase: str, info: dict) -> None:
+    if phase == "start":
+        _GC_CLOCK.started = time.thread_time()
+    elif _GC_CLOCK.started is not None:
+        _GC_CLOCK.seconds += time.thread_time() - _GC_CLOCK.started
+        _GC_CLOCK.started = None
+
+
+gc.callbacks.append(_on_gc)
+
+
 class Grammar:
     """One constrained request's matcher, at the end of its verified tokens."""
 
@@ -288,11 +314,12 @@ class Grammar:
     def _call(self, fn, *args):
         """``fn(*args)`` on the matcher, timed against the step budget; raises _Failed
         when the matcher is in its error state after it or the budget is spent."""
-        start = time.thread_time()
+        start, collected = time.thread_time(), _GC_CLOCK.seconds
         try:
             return fn(*args)
         finally:
-            self.step_seconds += time.thread_time() - start
+            spent = time.thread_time() - start - (_GC_CLOCK.seconds - collected)
+            self.step_seconds += max(0.0, spent)
             if self._matcher.is_error():
                 raise _Failed(self._matcher.get_error())
             if self.step_seconds > self._budget_s:

@@ -158,3 +158,64 @@ def test_the_constraint_limits_are_checked_naming_the_field(field, value, messag
 
     with pytest.raises(ValueError, match=message):
         EngineConfig(**{field: value})
+
+
+class _Stalling:
+    """A real matcher whose mask calls first run ``stall``."""
+
+    def __init__(self, matcher, stall) -> None:
+        self._matcher, self._stall = matcher, stall
+
+    def compute_bitmask(self):
+        self._stall()
+        return self._matcher.compute_bitmask()
+
+    def __getattr__(self, name):
+        return getattr(self._matcher, name)
+
+
+def _budgeted_grammar(budget_ms: float, stall):
+    from engine.sample.grammar import GrammarCompiler, GrammarLimits
+    from tests.tiny_models import make_tokenizer
+
+    tokenizer = make_tokenizer()
+    compiler = GrammarCompiler(
+        tokenizer, len(tokenizer), [tokenizer.eos_token_id], limits=GrammarLimits(budget_ms)
+    )
+    grammar = compiler.grammar(StructuredOutput(regex="[a-z]{3}"))
+    grammar._matcher = _Stalling(grammar._matcher, stall)
+    return grammar
+
+
+def test_a_garbage_collection_inside_a_matcher_call_is_not_the_constraints_cost():
+    """With thousands of requests alive a full collection takes 100+ ms and runs inside
+    whichever call allocates; one inside a matcher call ended a legitimate constrained
+    request over the step budget (CI, the statistical test's 4000 requests). The budget
+    counts the matcher's own CPU time: a collection is not billed, a busy matcher is."""
+    import gc
+    import time
+
+    heap = [[i] for i in range(400_000)]
+    for row in heap:
+        row.append(row)  # cycles: a collection must walk them
+    start = time.thread_time()
+    gc.collect()
+    collection_ms = 1e3 * (time.thread_time() - start)
+    budget_ms = collection_ms / 4  # a collection is 4 budgets: billed, it would end it
+
+    grammar = _budgeted_grammar(budget_ms, gc.collect)
+    for _ in range(3):
+        grammar.start_step()
+        assert grammar.masks([]).shape[0] == 1
+    assert grammar.failure is None
+
+    def busy():
+        end = time.thread_time() + 2 * budget_ms / 1e3
+        while time.thread_time() < end:
+            pass
+
+    grammar = _budgeted_grammar(budget_ms, busy)
+    grammar.start_step()
+    grammar.masks([])
+    assert grammar.failure is not None and "of CPU time in one engine step" in grammar.failure
+    del heap
