@@ -7,10 +7,10 @@ The default model and configuration, in one process. Each round runs four modes 
 turn: three free chat requests alone (greedy, --output-len tokens each); the same three
 beside a request whose grammar makes every mask cost more than the one before
 (temperature 1, min_tokens = max_tokens, so EOS cannot end it), with a 5 ms step budget
-and with the default 20 ms; and the same with the budget out of reach (what the engine did before it had
-one: the request runs to max_tokens). Prints the free requests' time per output token
-(TPOT, first token to last) per mode, the median (range) of the per-round ratios against
-alone, and where the hostile request ended.
+and with the default 20 ms; and the same with the budget out of reach (what the engine
+did before it had one: the request runs to max_tokens). Prints the free requests' time
+per output token (TPOT, first token to last) per mode, the median (range) of the
+per-round ratios against alone, and where the hostile request ended.
 """
 
 from __future__ import annotations
