@@ -13,6 +13,13 @@ class RequestFailedError(ValueError):
     gRPC callers get INVALID_ARGUMENT with this one-line message."""
 
 
+class ModelOutputError(EngineError):
+    """A request the model itself failed mid-output (its logits were not finite):
+    it ended alone, nothing sampled from those logits reached the caller; gRPC callers
+    get INTERNAL with this one-line message. Not the caller's fault, and not the
+    engine's death: other requests go on."""
+
+
 class EngineOverloadedError(EngineError):
     """The bounded waiting queue is full; the caller should retry later."""
 

@@ -148,12 +148,23 @@ class SpeculationGate:
         return self.begin_step(batch_size) and self.allow_lane(batch_size, lane)
 
     def begin_step(self, batch_size: int) -> bool:
-        """Called once per schedule; False for a plain step that keeps the plain rate
-        measured (while some lane is open: a closed lane's steps are plain anyway)."""
+        """Called once per schedule; False for a plain step: one that keeps the plain
+        rate measured while some lane is open, or one where every lane is closed and
+        none explores (the scheduler then asks no proposer which lane a request is in)."""
         bucket = self._bucket(batch_size)
         bucket.steps += 1
         if bucket.lanes and all(self.pays(batch_size, lane) is False for lane in bucket.lanes):
-            return True
+            if any(self._run_due(batch_size, bucket, lane) for lane in bucket.lanes.values()):
+                return True  # allow_lane answers each lane, exploring where its run is due
+            # Every lane closed and none exploring: the whole step is plain, and the
+            # proposer's lookups that would only learn each request's lane are skipped
+            # (issue 33: they made the n-gram engine's plain steps 1.5-2.4% slower than
+            # the plain engine's at 4 requests).
+            for lane in bucket.lanes.values():
+                lane.closed_for += 1
+                lane.skip_next_spec = True  # as allow_lane's refusal would
+            self.num_closed_steps += 1
+            return False
         explore = bucket.steps % self.explore_every == 0
         if explore or bucket.plain.steps < self.min_steps and bucket.steps % 4 == 0:
             self.num_closed_steps += 1
@@ -177,6 +188,12 @@ class SpeculationGate:
         state.skip_next_spec = True
         self.num_closed_steps += 1
         return False
+
+    def _run_due(self, batch_size: int, bucket: _Bucket, lane: _Lane) -> bool:
+        """Whether a closed lane explores if asked this step: in a run, or one starts."""
+        if lane.run_left > 0:
+            return True
+        return lane.closed_for + 1 >= self._closed_interval(batch_size, bucket, lane)
 
     def _closed_interval(self, batch_size: int, bucket: _Bucket, lane: _Lane) -> int:
         """Steps between exploring runs while closed: explore_every, or more where

@@ -32,6 +32,7 @@ from engine.errors import (
     EngineDeadError,
     EngineOverloadedError,
     EngineShutdownError,
+    ModelOutputError,
     RequestFailedError,
 )
 from engine.io.outputs import RequestOutput
@@ -289,8 +290,11 @@ class AsyncEngine:
                 item = await stream.queue.get()
                 if isinstance(item, BaseException):
                     raise item
-                if item.finish_reason == "error":  # its constraint failed: the caller's input
+                if item.finish_reason == "error":
                     stream.finished = True
+                    if item.error is not None:  # the model failed it (non-finite logits)
+                        raise ModelOutputError(item.error)
+                    # its constraint failed: the caller's input
                     raise RequestFailedError(item.finish_detail or "the request failed")
                 yield item
                 if item.finished:

@@ -43,6 +43,36 @@ class _RequestState:
     client_request_id: str  # the caller's label; request_id is the engine's key
     num_emitted_tokens: int = 0
     grammar: Grammar | None = None  # the output constraint's matcher, if any
+    # Why the engine ended the request with finish_reason "error" where the caller's
+    # input is not at fault (the model's logits were not finite), or None.
+    model_failure: str | None = None
+
+
+def _quarantine_nonfinite(logits: torch.Tensor, states: list, drafts: list) -> dict:
+    """The requests with verified rows that hold a NaN or +Inf logit (a row's sum is
+    then NaN or +Inf; -Inf alone is a token of probability 0, not an error), by id:
+    (state, output tokens before the step, the bad rows, 0 = the first verified row).
+    Their bad rows are zeroed so the sampler runs on numbers; whether what it drew from
+    them is kept is decided after the step (``_end_model_failures``). Unchecked, a NaN
+    row turns into a plausible token: argmax and the samplers take NaN for a value.
+    While every logit is finite (or -Inf) this is one sum over the logits and one
+    number read back: 7 us in a 5 ms decode step of the default model at 4 requests."""
+    total = float(logits.sum(dtype=torch.float32))
+    if total == total and total != float("inf"):
+        return {}
+    with torch.inference_mode():  # the logits are inference tensors: zeroed in place
+        sums = logits.sum(-1, dtype=torch.float32)
+        flags = (torch.isnan(sums) | (sums == float("inf"))).tolist()
+        broken, row = {}, 0
+        for state, request_drafts in zip(states, drafts, strict=True):
+            end = row + 1 + len(request_drafts)
+            rows = [r - row for r in range(row, end) if flags[r]]
+            if rows:
+                logits[row:end][rows] = 0.0
+                request = state.request
+                broken[request.request_id] = (state, request.num_output_tokens, rows)
+            row = end
+    return broken
 
 
 def _detokenize(state: _RequestState, new_ids: list[int]) -> tuple[str, str | None, list[int]]:
@@ -257,6 +287,7 @@ class LLMEngine:
         if self._feature_sink is not None:  # an EAGLE draft keeps the target's features
             self._feature_sink(sched.scheduled, seqs)
         masks = pending.result() if pending is not None else None
+        broken = _quarantine_nonfinite(logits, sample_states, drafts)
         runner_output = self.verifier.verify(
             logits, sched, sample_states, drafts, draft_probs, masks, trees
         )
@@ -270,6 +301,8 @@ class LLMEngine:
             self.proposer.on_verified(changed)
         if self._num_constrained:
             changed += self._end_failed_constraints(changed)
+        if broken:
+            changed += self._end_model_failures(broken, changed, runner_output)
         outputs = [self._emit(self._states[r.request_id], runner_output) for r in changed]
         timings = StepTimings(
             schedule_s=t1 - t0,
@@ -310,6 +343,40 @@ class LLMEngine:
             request.finish_reason, request.stop_reason = "error", None
             self.scheduler.finish(request, "error")
             if request.request_id not in seen:
+                extra.append(request)
+        return extra
+
+    def _end_model_failures(
+        self, broken: dict, changed: list[Request], runner_output: ModelRunnerOutput
+    ) -> list[Request]:
+        """End each request that kept a token drawn from a non-finite row this step
+        (finish_reason "error", why as its finish_detail), its output cut back to what
+        it had before the step. A bad row the verification never reached (after a
+        rejected draft, on a branch of a tree it did not take) is what plain decoding
+        would never have computed: that request goes on as if it were not there.
+        Returns the ended requests not in ``changed``."""
+        seen = {r.request_id for r in changed}
+        extra = []
+        for request_id, (state, num_output, bad_rows) in broken.items():
+            request = state.request
+            if request.is_finished and request.finish_reason == "error":
+                continue  # its constraint failed in the same step: that ended it
+            kept = request.num_output_tokens - num_output
+            nodes = runner_output.accepted_nodes.get(request_id)
+            # the row each kept token was drawn from: a chain's in order, a tree's
+            # along the accepted path
+            used = [0, *(1 + n for n in nodes)] if nodes else list(range(kept))
+            if not set(used[:kept]) & set(bad_rows):
+                continue
+            del request.all_token_ids[request.num_prompt_tokens + num_output :]
+            state.model_failure = (
+                f"the model's logits were not finite (NaN or +Inf) at output token "
+                f"{num_output}; nothing was sampled from them"
+            )
+            request.finish_reason, request.stop_reason = "error", None
+            self.scheduler.finish(request, "error")
+            logger.error("request %s: %s", state.client_request_id, state.model_failure)
+            if request_id not in seen:
                 extra.append(request)
         return extra
 
@@ -473,7 +540,10 @@ class LLMEngine:
             stop_reason=request.stop_reason if finished else None,
             logprobs=logprobs[: len(new_ids)] if logprobs else None,
             client_request_id=state.client_request_id,
-            finish_detail=structured.finish_detail(state) if finished else None,
+            finish_detail=(state.model_failure or structured.finish_detail(state))
+            if finished
+            else None,
+            error=state.model_failure if finished else None,
         )
 
     def _record_step(

@@ -57,6 +57,9 @@ class RequestOutput:
     # The stop string or stop token id that ended the request, if any.
     stop_reason: str | int | None = None
     logprobs: list[TokenLogprob] | None = None
+    # finish_reason "error" where the caller's input is not at fault (the model's
+    # logits were not finite): why, on the last output only. None for a constraint's
+    # failure, which is the caller's (finish_detail says why).
     error: str | None = None
     # The id the caller gave the request, a label for logs and replies; several requests
     # may share one. ``request_id`` is the engine's own key, unique among its requests.

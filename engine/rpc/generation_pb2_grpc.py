@@ -70,7 +70,9 @@ class GenerationServicer:
         """Streams the completion as it is generated: one GenerateResponse per engine step
         that produced tokens for this request; the last one carries finish_reason and usage.
         Cancelling the call (or letting its deadline expire) aborts the request and frees
-        its KV cache within one engine step.
+        its KV cache within one engine step. A request whose model logits turn NaN or +Inf
+        ends alone with INTERNAL "the model's logits were not finite ... at output token
+        N", after the tokens before that step; nothing drawn from those logits is sent.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

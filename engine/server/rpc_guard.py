@@ -21,6 +21,7 @@ from engine.errors import (
     EngineError,
     EngineOverloadedError,
     EngineShutdownError,
+    ModelOutputError,
 )
 from engine.server.lifecycle import Lifecycle
 
@@ -111,6 +112,9 @@ def to_rpc_error(exc: Exception) -> RpcError:
     if isinstance(exc, EngineShutdownError):
         return RpcError(grpc.StatusCode.UNAVAILABLE, one_line(exc))
     if isinstance(exc, EngineDeadError):
+        return RpcError(grpc.StatusCode.INTERNAL, one_line(exc))
+    if isinstance(exc, ModelOutputError):
+        logger.error("a request ended by its model: %s", one_line(exc))
         return RpcError(grpc.StatusCode.INTERNAL, one_line(exc))
     logger.error("internal error in handler: %s", one_line(exc))
     return RpcError(grpc.StatusCode.INTERNAL, f"internal error: {one_line(exc)}")

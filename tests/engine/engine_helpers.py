@@ -148,3 +148,35 @@ def greedy(max_tokens: int, **kw) -> SamplingParams:
 def prompts_of_lengths(lengths: list[int], vocab: int = 200, seed: int = 0) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
+class LogitPoison:
+    """Writes ``value`` into the logits rows ``rows(request, drafts)`` names (0 = the
+    request's first verified row, j = the row after its draft j - 1; all columns, or
+    ``column``) every step, before verification sees them: a model that produces NaN
+    or Inf for chosen requests at chosen steps."""
+
+    def __init__(self, engine: LLMEngine, rows, value: float = float("nan"), column=None):
+        self.rows, self.value = rows, value
+        self.columns = slice(None) if column is None else column
+        self.num_poisoned = 0
+        self._layout: tuple[list, list] = ([], [])
+        build, execute = engine._build_inputs, engine.runner.execute
+
+        def build_inputs(sched):
+            seqs, states, drafts, trees = build(sched)
+            self._layout = (states, drafts)
+            return seqs, states, drafts, trees
+
+        def run(prepared):
+            logits = execute(prepared)
+            row = 0
+            for state, request_drafts in zip(*self._layout, strict=True):
+                for j in self.rows(state.request, request_drafts):
+                    with torch.inference_mode():  # the logits are inference tensors
+                        logits[row + j, self.columns] = self.value
+                    self.num_poisoned += 1
+                row += 1 + len(request_drafts)
+            return logits
+
+        engine._build_inputs, engine.runner.execute = build_inputs, run
