@@ -236,9 +236,7 @@ def test_with_every_lane_closed_the_proposer_is_asked_only_in_exploring_runs():
     s.add_request(make_request("b", 5, max_tokens=2000))
     step(s)  # prefill
     asked.clear()
-    ks = [
-        sum(i.num_spec_tokens for i in step(s, num_accepted=0).scheduled) for _ in range(400)
-    ]
+    ks = [sum(i.num_spec_tokens for i in step(s, num_accepted=0).scheduled) for _ in range(400)]
     spec_steps = sum(k > 0 for k in ks)
     # asked only in the steps where a lane's exploring run is due (each lane about one
     # step in ten at a 10% loss), not in all 400
