@@ -6,13 +6,14 @@ from dataclasses import dataclass
 
 from engine.io.sampling_params import MAX_NUM_SPECULATIVE_TOKENS, check_int
 
-SPECULATIVE_METHODS = ("none", "draft", "ngram", "suffix", "hybrid", "eagle", "auto")
+SPECULATIVE_METHODS = ("none", "draft", "ngram", "suffix", "hybrid", "eagle", "eagle-tree", "auto")
 ATTENTION_BACKENDS = ("auto", "cpu", "torch", "xformers")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 QUANTIZATIONS = ("auto", "none", "int8")
 
-# The methods that run a draft model (eagle: one made by train-draft --method eagle).
-DRAFTED_METHODS = ("draft", "hybrid", "eagle")
+# The methods that run a draft model (eagle, eagle-tree: one made by train-draft
+# --method eagle).
+DRAFTED_METHODS = ("draft", "hybrid", "eagle", "eagle-tree")
 
 GiB = 1 << 30
 
@@ -26,7 +27,8 @@ class EngineConfig:
     # None picks a default: "draft" when a draft model is given, else "ngram". "hybrid":
     # n-gram drafts where the context repeats, the draft model's elsewhere. "draft" and
     # "hybrid" without a draft model use the default model's shipped draft
-    # (engine/drafts/), "eagle" its shipped EAGLE draft; "auto" is hybrid with the draft
+    # (engine/drafts/), "eagle" its shipped EAGLE draft ("eagle-tree": the same draft
+    # proposing dynamic token trees); "auto" is hybrid with the draft
     # there is (see resolved_speculative_method). None of them is the default: on this
     # project's CPUs n-gram lookup alone is as fast or faster (docs/benchmarks.md, "A
     # trained draft for the default model" and "EAGLE drafts").
@@ -126,7 +128,7 @@ class EngineConfig:
         if self.draft_model and self.speculative_method in ("none", "ngram", "suffix"):
             raise ValueError(
                 f"draft_model is set but speculative_method is {self.speculative_method!r}; "
-                "use 'draft', 'hybrid', 'eagle' or leave it unset"
+                "use 'draft', 'hybrid', 'eagle', 'eagle-tree' or leave it unset"
             )
 
     @property
@@ -153,7 +155,7 @@ class EngineConfig:
 
         if self.model not in (None, DEFAULT_MODEL_NAME):
             return None
-        path = default_draft_path(eagle=self.speculative_method in ("eagle", "auto"))
+        path = default_draft_path(eagle=self.speculative_method in ("eagle", "eagle-tree", "auto"))
         return None if path is None else str(path)
 
     @property

@@ -41,7 +41,7 @@ def add_workload_args(parser: argparse.ArgumentParser, num_prompts: int) -> None
     )
 
 
-SPEC_MODES = ("none", "ngram", "suffix", "draft", "hybrid", "eagle", "auto")
+SPEC_MODES = ("none", "ngram", "suffix", "draft", "hybrid", "eagle", "eagle-tree", "auto")
 NO_GATE = "-nogate"  # a mode's run without the speculation gate (scheduler/spec_gate.py)
 
 
@@ -118,7 +118,7 @@ def run(args: argparse.Namespace) -> int:
         draft = None
         if mode in ("draft", "hybrid"):
             draft = replace(base_config, speculative_method=mode).resolved_draft_model
-        elif mode in ("eagle", "auto"):
+        elif mode in ("eagle", "eagle-tree", "auto"):
             draft = (
                 args.eagle_draft
                 or replace(

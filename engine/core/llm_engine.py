@@ -116,7 +116,7 @@ class LLMEngine:
         self.tokenizer = self.loaded.tokenizer
         self.device = torch.device(self.loaded.device)
         method = config.resolved_speculative_method
-        if method in ("draft", "hybrid", "eagle") and draft_loaded is None:
+        if method in ("draft", "hybrid", "eagle", "eagle-tree") and draft_loaded is None:
             draft_loaded = load_draft(
                 config.resolved_draft_model, self.loaded, config.attn_backend, config.quantization
             )
@@ -478,6 +478,13 @@ class LLMEngine:
                     dst.append(table[b // bs] * bs + b % bs)
         if src:
             self.runner.move_kv(src, dst)
+        move_features = getattr(self.proposer, "on_accepted_nodes", None)
+        if move_features is not None:  # an EAGLE draft's features move with the KV
+            for item in sched.scheduled:
+                nodes = accepted.get(item.request_id)
+                if nodes:
+                    base = item.num_computed_tokens + item.num_scheduled_tokens
+                    move_features(item.request_id, base - len(item.spec_token_ids), nodes)
 
     # ---- outputs ----------------------------------------------------------------------
     def _emit(self, state: _RequestState, runner_output: ModelRunnerOutput) -> RequestOutput | None:

@@ -55,7 +55,8 @@ def add_engine_args(parser: argparse.ArgumentParser, *, with_seed: bool = True) 
     flag(
         "--speculative-method",
         "default: draft if --draft-model is given, else ngram; suffix: token trees from "
-        "suffix decoding over the request's text and recent answers",
+        "suffix decoding over the request's text and recent answers; eagle-tree: the "
+        "EAGLE draft's dynamic token trees",
         choices=SPECULATIVE_METHODS,
     )
     flag(
@@ -65,7 +66,7 @@ def add_engine_args(parser: argparse.ArgumentParser, *, with_seed: bool = True) 
     )
     flag(
         "--spec-tree-max-nodes",
-        "suffix decoding: the most token-tree nodes one request verifies in a step (1-63; "
+        "token trees (suffix, eagle-tree): the most nodes one request verifies in a step (1-63; "
         "the proposer keeps the nodes that pay at the measured cost of a verified token)",
         type=int,
     )

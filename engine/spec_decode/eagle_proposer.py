@@ -147,6 +147,21 @@ class EagleProposer(DraftModelProposer):
                 feats.start + drop, [feats.rows[drop:]], feats.end
             )
 
+    def on_accepted_nodes(self, request_id: str, base: int, nodes: list[int]) -> None:
+        """A token tree's accepted path: the target computed node ``nodes[k]``'s
+        features in the row of position ``base + nodes[k]`` (its slot); they belong to
+        position ``base + k``, where its KV moves (sources never lie below their
+        destinations, so moving in order reads nothing already overwritten)."""
+        feats = self._features.get(request_id)
+        if feats is None:
+            return
+        rows = feats.rows
+        with torch.inference_mode():  # the rows may be inference tensors
+            for k, node in enumerate(nodes):
+                dst, src = base + k - feats.start, base + node - feats.start
+                if node != k and dst >= 0 and src < len(rows):
+                    rows[dst] = rows[src]
+
     def _trim_features(self, ereq: _EagleRequest, valid_end: int) -> None:
         """Keep the features of positions [draft KV length - 1, valid_end)."""
         feats = self._features.get(ereq.request_id)

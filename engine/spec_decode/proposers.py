@@ -199,13 +199,19 @@ def build_proposer(method: str, config: EngineConfig, target_loaded, draft_loade
     from engine.spec_decode.eagle import EagleDraftForCausalLM
     from engine.spec_decode.eagle_proposer import EagleProposer
 
-    if isinstance(draft_loaded.model, EagleDraftForCausalLM):
-        draft = EagleProposer(config, draft_loaded, target_loaded, num_blocks)
-    elif method == "eagle":
+    if method in ("eagle", "eagle-tree") and not isinstance(
+        draft_loaded.model, EagleDraftForCausalLM
+    ):
         raise ValueError(
-            f"speculative_method 'eagle' needs an EAGLE draft (specserve train-draft "
+            f"speculative_method {method!r} needs an EAGLE draft (specserve train-draft "
             f"--method eagle); {draft_loaded.name} is a draft model"
         )
+    if method == "eagle-tree":
+        from engine.spec_decode.eagle_tree import EagleTreeProposer
+
+        return EagleTreeProposer(config, draft_loaded, target_loaded, num_blocks)
+    if isinstance(draft_loaded.model, EagleDraftForCausalLM):
+        draft = EagleProposer(config, draft_loaded, target_loaded, num_blocks)
     else:
         draft = DraftModelProposer(config, draft_loaded, target_loaded, num_blocks)
     if method == "hybrid":

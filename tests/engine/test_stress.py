@@ -1,5 +1,5 @@
 """Randomized engine stress: draft, EAGLE, n-gram and token-tree speculation (suffix
-decoding's trees, random trees) x preemption x chunked prefill x
+decoding's trees, EAGLE's dynamic trees, random trees) x preemption x chunked prefill x
 prefix hits x stop strings x aborts x greedy, seeded and unseeded rows x per-request k x
 penalties, logit bias, min_tokens, include_stop_str_in_output, truncate_prompt_tokens x
 structured-output constraints (one that fails mid-output among them) x a model whose
@@ -146,7 +146,9 @@ def _workload(rng: random.Random, max_k: int):
 
 
 def _engine_config(rng: random.Random, draft_dirs: dict[str, str]) -> dict:
-    method = rng.choice(["ngram", "draft", "hybrid", "eagle", "suffix", "random-trees"])
+    method = rng.choice(
+        ["ngram", "draft", "hybrid", "eagle", "suffix", "random-trees", "eagle-tree"]
+    )
     config = dict(
         speculative_method="ngram" if method == "random-trees" else method,
         num_speculative_tokens=rng.randint(1, 5),
@@ -160,7 +162,7 @@ def _engine_config(rng: random.Random, draft_dirs: dict[str, str]) -> dict:
         # position that depends on the machine's speed
         structured_output_step_budget_ms=6e4,
     )
-    draft = method
+    draft = "eagle" if method == "eagle-tree" else method
     if method == "hybrid" and rng.random() < 0.5:
         draft = "eagle"  # n-gram rows beside EAGLE rows
     if draft in draft_dirs:
