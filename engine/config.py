@@ -6,7 +6,9 @@ from dataclasses import dataclass
 
 from engine.io.sampling_params import MAX_NUM_SPECULATIVE_TOKENS, check_int
 
-SPECULATIVE_METHODS = ("none", "draft", "ngram", "suffix", "hybrid", "eagle", "eagle-tree", "auto")
+SPECULATIVE_METHODS = (
+    "none", "draft", "ngram", "ngram-tree", "suffix", "hybrid", "eagle", "eagle-tree", "auto"
+)  # fmt: skip
 ATTENTION_BACKENDS = ("auto", "cpu", "torch", "xformers")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 QUANTIZATIONS = ("auto", "none", "int8")
@@ -125,7 +127,8 @@ class EngineConfig:
             check_int("num_threads", self.num_threads, 1, 1024)
         if self.speculative_method in DRAFTED_METHODS and not self.resolved_draft_model:
             raise ValueError(f"speculative_method={self.speculative_method!r} needs draft_model")
-        if self.draft_model and self.speculative_method in ("none", "ngram", "suffix"):
+        undrafted = ("none", "ngram", "ngram-tree", "suffix")
+        if self.draft_model and self.speculative_method in undrafted:
             raise ValueError(
                 f"draft_model is set but speculative_method is {self.speculative_method!r}; "
                 "use 'draft', 'hybrid', 'eagle', 'eagle-tree' or leave it unset"

@@ -26,6 +26,17 @@ def main() -> int:
     widths = sub.add_parser("widths")
     widths.add_argument("--rounds", type=int, default=40)
     widths.add_argument("--context", type=int, default=300)
+    widths.add_argument(
+        "--quantization", default="none", help="none (bf16, dequantized) or auto (as served)"
+    )
+    widths.add_argument("--widths", default="1,2,3,5,9,17")
+    widths.add_argument(
+        "--amx",
+        default="auto",
+        choices=("auto", "off", "both"),
+        help="the quantized Linear's AMX path (where the build has one): by format, "
+        "never, or both side by side",
+    )
     phases = sub.add_parser("phases")
     phases.add_argument("--method", default="ngram", choices=("ngram", "eagle", "draft"))
     phases.add_argument("--ks", default="0,2,4")
@@ -40,25 +51,53 @@ def _widths(args) -> int:
     from engine.core.llm_engine import LLMEngine
     from engine.core.model_runner import SeqInput
 
-    engine = LLMEngine(EngineConfig(speculative_method="none", quantization="none",
+    engine = LLMEngine(EngineConfig(speculative_method="none", quantization=args.quantization,
                                     dtype="bfloat16"))  # fmt: skip
     runner = engine.runner
+    head = runner.model.lm_head
+    head_s: dict[int, list[float]] = {}
+    call = head.forward
+
+    def timed_head(x):  # the head's share of each forward
+        start = time.perf_counter()
+        out = call(x)
+        head_s.setdefault(x.shape[0], []).append(time.perf_counter() - start)
+        return out
+
+    head.forward = timed_head
     blocks = list(range(1, (args.context + 24) // 16 + 2))
     tokens = [100 + i % 1000 for i in range(args.context)]
     runner.forward([SeqInput(tokens, 0, blocks, 1)])  # the context, once
-    times: dict[int, list[float]] = {1: [], 2: [], 3: [], 5: []}
+    from engine.kernels.quant import quant_ops
+
+    ops = quant_ops()
+    modes = {"auto": [-1], "off": [0], "both": [0, -1]}[args.amx]
+    widths = [int(w) for w in args.widths.split(",")]
+    times = {(mode, w): [] for mode in modes for w in widths}
+    heads = {key: [] for key in times}
     for r in range(args.rounds):
-        for width, seconds in times.items():
+        for (mode, width), seconds in times.items():
+            if ops is not None:
+                ops.set_amx_min_rows(mode)
             prepared = runner.prepare([SeqInput(tokens[:width], args.context, blocks, width)])
+            head_s.clear()
             start = time.perf_counter()
             runner.execute(prepared)
             seconds.append(time.perf_counter() - start)
+            heads[(mode, width)].append(sum(head_s.get(width, [0.0])))
         print(f"\rround {r + 1}/{args.rounds}", end="", file=sys.stderr, flush=True)
     print(file=sys.stderr)
-    one = statistics.median(times[1])
-    for width, seconds in times.items():
-        ms = statistics.median(seconds)
-        print(f"forward over {width} token(s): {ms * 1e3:.2f} ms  {ms / one:.3f}x")
+    if ops is not None:
+        ops.set_amx_min_rows(-1)
+    for mode in modes:
+        label = {0: "AMX off", -1: "AMX by format"}[mode] if len(modes) > 1 else ""
+        one = statistics.median(times[(mode, 1)]) if (mode, 1) in times else None
+        for width in widths:
+            ms = statistics.median(times[(mode, width)])
+            ratio = f"  {ms / one:.3f}x" if one else ""
+            head_ms = 1e3 * statistics.median(heads[(mode, width)])
+            print(f"{label} forward over {width} token(s): {ms * 1e3:.2f} ms{ratio} "
+                  f"(the head {head_ms:.2f} ms)".strip())  # fmt: skip
     return 0
 
 

@@ -41,7 +41,9 @@ def add_workload_args(parser: argparse.ArgumentParser, num_prompts: int) -> None
     )
 
 
-SPEC_MODES = ("none", "ngram", "suffix", "draft", "hybrid", "eagle", "eagle-tree", "auto")
+SPEC_MODES = (
+    "none", "ngram", "ngram-tree", "suffix", "draft", "hybrid", "eagle", "eagle-tree", "auto"
+)  # fmt: skip
 NO_GATE = "-nogate"  # a mode's run without the speculation gate (scheduler/spec_gate.py)
 
 

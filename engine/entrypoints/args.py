@@ -55,8 +55,9 @@ def add_engine_args(parser: argparse.ArgumentParser, *, with_seed: bool = True) 
     flag(
         "--speculative-method",
         "default: draft if --draft-model is given, else ngram; suffix: token trees from "
-        "suffix decoding over the request's text and recent answers; eagle-tree: the "
-        "EAGLE draft's dynamic token trees",
+        "suffix decoding over the request's text and recent answers; ngram-tree: "
+        "n-gram lookup's last matches as a tree; eagle-tree: the EAGLE draft's dynamic "
+        "token trees",
         choices=SPECULATIVE_METHODS,
     )
     flag(
@@ -66,8 +67,9 @@ def add_engine_args(parser: argparse.ArgumentParser, *, with_seed: bool = True) 
     )
     flag(
         "--spec-tree-max-nodes",
-        "token trees (suffix, eagle-tree): the most nodes one request verifies in a step (1-63; "
-        "the proposer keeps the nodes that pay at the measured cost of a verified token)",
+        "token trees (suffix, ngram-tree, eagle-tree): the most nodes one request verifies "
+        "in a step (1-63; the proposer keeps the nodes that pay at the measured cost of a "
+        "verified token)",
         type=int,
     )
     flag(

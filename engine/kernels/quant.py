@@ -84,9 +84,32 @@ class QuantOps:
             embed = getattr(lib, "specserve_quant_embed" + suffix)
             embed.restype, embed.argtypes = ctypes.c_int, [_P, _P, _I64, _P, _I32, _I64, _I64]
             self._linear[dtype], self._embed[dtype] = linear, embed
+        amx = lib.specserve_quant_amx_min_rows
+        amx.restype, amx.argtypes = _I32, [_I32]
+        self._amx_min_rows = amx
+        calls = lib.specserve_quant_amx_calls
+        calls.restype, calls.argtypes = _I64, []
+        self._amx_calls = calls
         # Outputs per packed tile, and which of the kernel's paths this build runs.
         self.lanes = int(lib.specserve_quant_lanes())
         self.path = lib.specserve_quant_path().decode()
+
+    @property
+    def amx_min_rows(self) -> int:
+        """The fewest rows a call needs to run on AMX tiles: -1 by format (what measured
+        faster), 0 never (and always 0 in a build without the AMX path). Both paths give
+        the same bits; tests and benchmarks set it to compare them."""
+        return int(self._amx_min_rows(-2))
+
+    @property
+    def amx_calls(self) -> int:
+        """Calls that ran on AMX tiles so far, in this process."""
+        return int(self._amx_calls())
+
+    def set_amx_min_rows(self, rows: int) -> None:
+        if rows < -1:
+            raise ValueError(f"amx_min_rows must be >= -1, got {rows}")
+        self._amx_min_rows(rows)
 
     def packed_bytes(self, fmt: int, n: int, k: int) -> int:
         """Bytes of a packed [n, k] weight of format ``fmt``."""

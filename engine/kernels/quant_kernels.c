@@ -35,6 +35,9 @@
  *                AVX-VNNI (or AVX512-VNNI with VL); Q8_0 by the sign trick
  *                |q| * sign(xq, q), which never saturates for |q| <= 128, |xq| <= 127;
  *   portable     8 lanes, plain C: any CPU (x86-64-v2, Arm).
+ * Built with AMX-INT8 (-march=native on Sapphire Rapids and later, or the x86-64-v4-amx
+ * level), the avx512-vnni path also runs Q8_0 calls of 9 rows or more on the tile unit
+ * (tdpbssd), with the same bits (see q_tile_amx).
  */
 
 #define QK 32
@@ -181,12 +184,27 @@ struct qrows {
     int64_t k, nb;
 };
 
+/* Rows are allocated in multiples of Q_ROW_PAD, the rows past m zero: the AMX path
+ * loads 16 rows at a time. */
+#if defined(QPATH_AVX512) && defined(__AMX_INT8__) && defined(__AMX_TILE__) && defined(__linux__)
+#define Q_ROW_PAD 16
+#else
+#define Q_ROW_PAD 1
+#endif
 INLINE int qrows_alloc(struct qrows *a, int64_t m, int64_t k) {
+    const int64_t mp = (m + Q_ROW_PAD - 1) / Q_ROW_PAD * Q_ROW_PAD;
     a->k = k, a->nb = k / QK;
-    a->q = malloc((size_t)(m * k));
-    a->d = malloc(sizeof(float) * (size_t)(m * a->nb));
-    a->s = malloc(sizeof(int32_t) * (size_t)(m * a->nb));
-    if (a->q && a->d && a->s) return 0;
+    a->q = malloc((size_t)(mp * k));
+    a->d = malloc(sizeof(float) * (size_t)(mp * a->nb));
+    a->s = malloc(sizeof(int32_t) * (size_t)(mp * a->nb));
+    if (a->q && a->d && a->s) {
+        if (mp > m) {
+            memset(a->q + m * k, 0, (size_t)((mp - m) * k));
+            memset(a->d + m * a->nb, 0, sizeof(float) * (size_t)((mp - m) * a->nb));
+            memset(a->s + m * a->nb, 0, sizeof(int32_t) * (size_t)((mp - m) * a->nb));
+        }
+        return 0;
+    }
     free(a->q), free(a->d), free(a->s);
     return 3;
 }
@@ -271,6 +289,207 @@ INLINE void q_tile(qacc *acc, int32_t fmt, int rows, const uint8_t *const *tile,
 }
 
 INLINE void q_acc_to_lanes(float *lanes, qacc v) { _mm512_storeu_ps(lanes, v); }
+
+#if Q_ROW_PAD == 16
+/* AMX (Sapphire Rapids and later): the same sums on the tile unit, for calls with
+ * q_amx_min_rows rows or more. One tdpbssd per 32-input block multiplies 16 rows of
+ * int8 activations (tile A: 16 x 32 bytes, straight from the quantized rows) by one
+ * tile's 16 outputs of int8 weights (tile B: 8 x 64 bytes, the packed layout is
+ * already the [input / 4][output][4] order tdpbssd reads: Q8_0 as stored, Q4 with
+ * its nibbles split into 8 rows); C is the exact int32 block sum of each row and
+ * output, sum(q * xq), signed against signed, so no +128 offset. It is then scaled
+ * and accumulated exactly as the vpdpbusd path does, in the same order (Q4_0's
+ * - 8 * sum(xq) first): every output is bit for bit the one the other path gives,
+ * so which path a call takes (its row count) changes nothing. Linux lends a process
+ * the tile registers on request (arch_prctl ARCH_REQ_XCOMP_PERM); refused, the
+ * vpdpbusd path runs. */
+#define QPATH_AMX 1
+#include <sys/syscall.h>
+#include <unistd.h>
+#define Q_AMX_ROWS 16
+
+static int q_amx_state = 0; /* 0: not asked yet, 1: granted, -1: refused */
+/* The fewest rows a call needs to take the AMX path: -1 picks by format what measured
+ * faster (docs/benchmarks.md): Q8_0 from 9 rows (a [1536, 576] Linear alone is 1.1-2x
+ * from 5 rows, but inside the decoder 5 rows came out slower; an int8 model's forward
+ * over 17 and 33 tokens 1.15x, the default model's Q8_0 head 1.2-1.4x); Q4 never
+ * (1.04-1.06x alone from 16 rows, slower inside the decoder: its nibbles must be split
+ * into a tile in memory first, and each block's scaling, the same work as on
+ * vpdpbusd, bounds both paths). 0: never. */
+static int32_t q_amx_min_rows = -1;
+
+static int64_t q_amx_calls = 0; /* calls that ran on tiles: tests check the path ran */
+int64_t specserve_quant_amx_calls(void) { return __atomic_load_n(&q_amx_calls, __ATOMIC_RELAXED); }
+
+/* Sets the rule (rows >= -1) and returns it; rows < -1 only reads. */
+int32_t specserve_quant_amx_min_rows(int32_t rows) {
+    if (rows >= -1) q_amx_min_rows = rows;
+    return q_amx_min_rows;
+}
+
+INLINE int q_amx_ready(void) {
+    int state = __atomic_load_n(&q_amx_state, __ATOMIC_ACQUIRE);
+    if (state == 0) {
+        state = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */,
+                        18 /* XFEATURE_XTILEDATA */) == 0 ? 1 : -1;
+        __atomic_store_n(&q_amx_state, state, __ATOMIC_RELEASE);
+    }
+    return state > 0;
+}
+
+struct q_tilecfg {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+};
+
+INLINE void q_amx_config(void) {
+    struct q_tilecfg cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    cfg.rows[0] = Q_AMX_ROWS, cfg.colsb[0] = 64; /* C: 16 rows x 16 int32 */
+    cfg.rows[1] = Q_AMX_ROWS, cfg.colsb[1] = QK; /* A: 16 rows x 32 int8 */
+    cfg.rows[2] = QK / 4, cfg.colsb[2] = 64;     /* B: 8 x (16 outputs x 4 int8) */
+    cfg.rows[3] = Q_AMX_ROWS, cfg.colsb[3] = 64; /* the second C */
+    _tile_loadconfig(&cfg);
+}
+
+/* Tile B of block b: Q8_0's packed bytes as they are; Q4's nibbles split into bq. */
+INLINE const uint8_t *q_amx_weights(int32_t fmt, const uint8_t *qs, uint8_t *bq) {
+    if (fmt == QFMT_Q8_0) return qs;
+    const __m512i low4 = _mm512_set1_epi8(0x0f);
+    for (int ch = 0; ch < 4; ch++) {
+        const __m512i v = _mm512_loadu_si512(qs + ch * 64);
+        _mm512_store_si512(bq + ch * 64, _mm512_and_si512(v, low4));
+        _mm512_store_si512(bq + (4 + ch) * 64, _mm512_and_si512(_mm512_srli_epi16(v, 4), low4));
+    }
+    return bq;
+}
+
+/* Block b's products into C tile T (0 or 3; the tile number must be a constant). */
+#define Q_AMX_ISSUE(T, b)                                                                      \
+    do {                                                                                       \
+        const uint8_t *blk_ = tile + (b) * tb;                                                 \
+        const uint8_t *w_ = q_amx_weights(fmt, blk_ + QLANES * sb, bq + ((b) & 1) * 512);      \
+        _tile_zero(T);                                                                         \
+        _tile_loadd(1, a->q + r0 * a->k + (b) * QK, a->k);                                     \
+        _tile_loadd(2, w_, 64);                                                                \
+        _tile_dpbssd(T, 1, 2);                                                                 \
+    } while (0)
+
+/* Block b's sums (in c) scaled into the accumulators, as the vpdpbusd path does. */
+INLINE void q_amx_scale(qacc *acc, int32_t fmt, int rows, const uint8_t *blk,
+                        const struct qrows *a, int64_t r0, int64_t b, const int32_t *c) {
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)blk));
+    const __m512 m = fmt == QFMT_Q4_1
+                         ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + 32)))
+                         : _mm512_setzero_ps();
+    for (int r = 0; r < rows; r++) {
+        const int64_t i = (r0 + r) * a->nb + b;
+        const float xd = a->d[i];
+        const int32_t xs = a->s[i];
+        __m512i total = _mm512_load_si512(c + r * 16);
+        if (fmt == QFMT_Q4_0) total = _mm512_sub_epi32(total, _mm512_set1_epi32(8 * xs));
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(total), _mm512_mul_ps(d, _mm512_set1_ps(xd)),
+                                 acc[r]);
+        if (fmt == QFMT_Q4_1) acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(xd * (float)xs), acc[r]);
+    }
+}
+
+/* acc[r]: row r0 + r's 16 outputs of `tile`; bq (1024 bytes) and c (512 int32) are the
+ * caller's scratch, 64-byte aligned. Two C tiles take turns: block b + 1's products
+ * run on the tile unit while block b's are scaled. */
+INLINE void q_tile_amx(qacc *acc, int32_t fmt, int rows, const uint8_t *tile,
+                       const struct qrows *a, int64_t r0, uint8_t *bq, int32_t *c) {
+    const int64_t tb = q_tile_block_bytes(fmt), sb = q_scale_bytes(fmt), nb = a->nb;
+    for (int r = 0; r < rows; r++) acc[r] = _mm512_setzero_ps();
+    Q_AMX_ISSUE(0, 0);
+    for (int64_t b = 0; b < nb; b += 2) {
+        _tile_stored(0, c, 64);
+        if (b + 1 < nb) Q_AMX_ISSUE(3, b + 1);
+        q_amx_scale(acc, fmt, rows, tile + b * tb, a, r0, b, c);
+        if (b + 1 >= nb) break;
+        _tile_stored(3, c + 256, 64);
+        if (b + 2 < nb) Q_AMX_ISSUE(0, b + 2);
+        q_amx_scale(acc, fmt, rows, tile + (b + 1) * tb, a, r0, b + 1, c + 256);
+    }
+}
+
+#define Q_TILE_AMX_FMT(F)                                                                      \
+    static __attribute__((noinline)) void q_tile_amx_##F(qacc *acc, int rows,                 \
+                                                          const uint8_t *tile,                 \
+                                                          const struct qrows *a, int64_t r0,   \
+                                                          uint8_t *bq, int32_t *c) {           \
+        if (rows == Q_AMX_ROWS) q_tile_amx(acc, F, Q_AMX_ROWS, tile, a, r0, bq, c);            \
+        else q_tile_amx(acc, F, rows, tile, a, r0, bq, c);                                     \
+    }
+Q_TILE_AMX_FMT(QFMT_Q4_0)
+Q_TILE_AMX_FMT(QFMT_Q4_1)
+Q_TILE_AMX_FMT(QFMT_Q8_0)
+
+INLINE void q_tile_amx_rows(qacc *acc, int32_t fmt, int rows, const uint8_t *tile,
+                            const struct qrows *a, int64_t r0, uint8_t *bq, int32_t *c) {
+    if (fmt == QFMT_Q8_0) q_tile_amx_QFMT_Q8_0(acc, rows, tile, a, r0, bq, c);
+    else if (fmt == QFMT_Q4_1) q_tile_amx_QFMT_Q4_1(acc, rows, tile, a, r0, bq, c);
+    else q_tile_amx_QFMT_Q4_0(acc, rows, tile, a, r0, bq, c);
+}
+
+/* The AMX path of QUANT_LINEAR, for output type T (S its suffix): returns from it when
+ * taken. Row blocks of 16 run on tiles where they hold amx_rows_ rows or more, the
+ * others (a short last block) on vpdpbusd: the same bits either way. */
+#define Q_AMX_LINEAR(T, S)                                                                     \
+    const int64_t amx_rows_ = q_amx_min_rows >= 0 ? q_amx_min_rows                               \
+                              : fmt == QFMT_Q8_0  ? 9                                          \
+                                                  : 0;                                         \
+    if (amx_rows_ > 0 && m >= amx_rows_ && q_amx_ready()) {                                    \
+        __atomic_fetch_add(&q_amx_calls, 1, __ATOMIC_RELAXED);                                 \
+        const int64_t tiles = (n + QLANES - 1) / QLANES;                                       \
+        const int64_t groups = (tiles + QTILES - 1) / QTILES;                                  \
+        const int64_t tile_bytes = a.nb * q_tile_block_bytes(fmt);                             \
+        _Pragma("omp parallel num_threads(num_threads)") {                                     \
+            q_amx_config();                                                                    \
+            uint8_t bq[1024] __attribute__((aligned(64)));                                     \
+            int32_t c[512] __attribute__((aligned(64)));                                       \
+            qacc acc[Q_AMX_ROWS];                                                              \
+            _Pragma("omp for schedule(static)") for (int64_t g = 0; g < groups; g++) {        \
+                const uint8_t *group[QTILES];                                                  \
+                for (int j = 0; j < QTILES; j++) {                                             \
+                    const int64_t t = g * QTILES + j < tiles ? g * QTILES + j : tiles - 1;     \
+                    group[j] = packed + t * tile_bytes;                                        \
+                }                                                                              \
+                for (int64_t r0 = 0; r0 < m; r0 += Q_AMX_ROWS) {                               \
+                    const int rows = m - r0 < Q_AMX_ROWS ? (int)(m - r0) : Q_AMX_ROWS;         \
+                    for (int j = 0; j < QTILES && g * QTILES + j < tiles; j++) {               \
+                        const int64_t c0 = (g * QTILES + j) * QLANES;                          \
+                        const int64_t cols = n - c0 < QLANES ? n - c0 : QLANES;                \
+                        const T *bb = bias == NULL ? NULL : bias + c0;                         \
+                        if (rows >= amx_rows_) {                                               \
+                            q_tile_amx_rows(acc, fmt, rows, group[j], &a, r0, bq, c);          \
+                            for (int r = 0; r < rows; r++)                                     \
+                                q_store_##S(out + (r0 + r) * n + c0, acc[r], bb, cols);        \
+                        }                                                                      \
+                    }                                                                          \
+                    if (rows >= amx_rows_) continue;                                           \
+                    for (int64_t r1 = r0; r1 < r0 + rows; r1 += QROWS) {                       \
+                        const int rr = r0 + rows - r1 < QROWS ? (int)(r0 + rows - r1) : QROWS; \
+                        q_tile_rows(acc, fmt, rr, group, &a, r1);                              \
+                        for (int j = 0; j < QTILES && g * QTILES + j < tiles; j++) {           \
+                            const int64_t c0 = (g * QTILES + j) * QLANES;                      \
+                            const int64_t cols = n - c0 < QLANES ? n - c0 : QLANES;            \
+                            const T *bb = bias == NULL ? NULL : bias + c0;                     \
+                            for (int r = 0; r < rr; r++)                                       \
+                                q_store_##S(out + (r1 + r) * n + c0, acc[r * QTILES + j], bb,  \
+                                            cols);                                             \
+                        }                                                                      \
+                    }                                                                          \
+                }                                                                              \
+            }                                                                                  \
+            _tile_release();                                                                   \
+        }                                                                                      \
+        qrows_free(&a);                                                                        \
+        return 0;                                                                              \
+    }
+#endif /* Q_ROW_PAD == 16 */
 
 #elif defined(QPATH_AVX2)
 typedef __m256 qacc;
@@ -383,6 +602,12 @@ INLINE void q_acc_to_lanes(float *lanes, qacc v) { memcpy(lanes, v.v, sizeof(v.v
 
 /* ---- out = x @ W^T (+ bias) ---- */
 
+#ifndef QPATH_AMX
+#define Q_AMX_LINEAR(T, S)
+int32_t specserve_quant_amx_min_rows(int32_t rows) { return (void)rows, 0; } /* no AMX */
+int64_t specserve_quant_amx_calls(void) { return 0; }
+#endif
+
 #define QUANT_LINEAR(T, S, NAME)                                                               \
     INLINE void q_store_##S(T *out, qacc acc, const T *bias, int64_t cols) {                    \
         float lanes[QLANES];                                                                   \
@@ -399,6 +624,7 @@ INLINE void q_acc_to_lanes(float *lanes, qacc v) { memcpy(lanes, v.v, sizeof(v.v
         struct qrows a;                                                                        \
         if (qrows_alloc(&a, m, k)) return 3;                                                   \
         FOR_ROWS_OF(m, k, num_threads, QUANTIZE_ONE_##S);                                      \
+        Q_AMX_LINEAR(T, S)                                                                     \
         const int64_t tiles = (n + QLANES - 1) / QLANES;                                       \
         const int64_t groups = (tiles + QTILES - 1) / QTILES;                                  \
         const int64_t tile_bytes = a.nb * q_tile_block_bytes(fmt);                             \

@@ -10,7 +10,9 @@ draft's several best guesses where it is unsure:
    root's ``TOP_K`` most likely children, each scored by its draft probability.
 2. Each further depth expands the ``TOP_K`` best-scoring nodes of the depth before
    (a node's score: the product of the draft's probabilities down its path, the draft's
-   own estimate of the chance that the path is the target's): one forward feeds every
+   own estimate of the chance that the path is the target's), while their scores,
+   calibrated, promise more tokens than the draft forward costs (``draft_cost``, in
+   plain decode steps, measured): one forward feeds every
    node expanded so far with a tree mask (each sees the context and its ancestors, at
    position context + depth - 1; re-feeding the earlier depths, which the one-layer
    draft does for almost nothing, keeps the kernels' rule that a step's tokens see the
@@ -128,7 +130,18 @@ class EagleTreeProposer(EagleProposer):
             trees.append(tree)
             frontiers.append([n for n, node in enumerate(tree) if node.token not in stops])
         for depth in range(2, max(depths, default=0) + 1):
-            growing = [r for r in range(len(active)) if depth <= depths[r] and frontiers[r]]
+            # A depth costs a draft forward (shared by the requests that grow); its
+            # nodes can add at most what their parents' scores promise. A request
+            # stops growing where that no longer pays: a draft unsure of its guesses
+            # gets a shallow, wide tree, a sure one a deep tree.
+            growing = [
+                r
+                for r in range(len(active))
+                if depth <= depths[r]
+                and frontiers[r]
+                and self.calibration * sum(trees[r][n].score for n in frontiers[r])
+                > self.draft_cost / len(active)
+            ]
             if not growing:
                 break
             seqs, inputs = [], []

@@ -107,6 +107,7 @@ class NgramProposer:
     def __init__(self, ngram_min: int = 1, ngram_max: int = 4) -> None:
         self.ngram_min = ngram_min
         self.ngram_max = ngram_max
+        self.last_match_length = 0  # of the last propose_tree_for
         self._indexes: OrderedDict[str, _Index] = OrderedDict()
         self._tree_indexes: OrderedDict[str, _OccurrenceIndex] = OrderedDict()
 
@@ -164,7 +165,9 @@ class NgramProposer:
 
         A node's score is the share of those occurrences that went through it, shrunk
         by ``TREE_PSEUDO_COUNT / n``. With one occurrence the tree is ``propose_for``'s
-        chain of ``min(max_nodes, max_depth)`` tokens."""
+        chain of ``min(max_nodes, max_depth)`` tokens. ``last_match_length``: the n
+        matched (0: none)."""
+        self.last_match_length = 0
         if max_nodes <= 0 or max_depth <= 0 or len(token_ids) < self.ngram_min + 1:
             return DraftTree()
         index = self._tree_index(request_id, token_ids)
@@ -173,6 +176,7 @@ class NgramProposer:
             suffix = token_ids[-1] if n == 1 else tuple(token_ids[length - n :])
             starts = index.starts(n, suffix, max_occurrences)
             if starts:
+                self.last_match_length = n
                 depth = min(max_depth, max_nodes)  # no deeper than the tree can reach
                 continuations = [(token_ids[s + n : s + n + depth], 1.0) for s in starts]
                 return DraftTree.from_continuations(

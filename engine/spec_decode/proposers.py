@@ -195,6 +195,10 @@ def build_proposer(method: str, config: EngineConfig, target_loaded, draft_loade
         from engine.spec_decode.tree_proposer import SuffixSpecProposer
 
         return SuffixSpecProposer(config.spec_tree_max_nodes, config.suffix_cache_mib)
+    if method == "ngram-tree":
+        from engine.spec_decode.tree_proposer import NgramTreeSpecProposer
+
+        return NgramTreeSpecProposer(config.spec_tree_max_nodes, config.ngram_min, config.ngram_max)
     from engine.spec_decode.draft_model import DraftModelProposer
     from engine.spec_decode.eagle import EagleDraftForCausalLM
     from engine.spec_decode.eagle_proposer import EagleProposer

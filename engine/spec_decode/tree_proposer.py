@@ -158,3 +158,37 @@ class SuffixSpecProposer:
 
     def pool_stats(self):
         return None
+
+
+class NgramTreeSpecProposer(SuffixSpecProposer):
+    """``--speculative-method ngram-tree``: n-gram lookup whose last few matches are the
+    branches of a token tree (``NgramProposer.propose_tree_for``: what followed each of
+    the last 4 occurrences of the longest n-gram ending the context, merged, each node
+    scored by the share of occurrences through it), priced and calibrated as suffix
+    decoding's trees are. The request's own text only: no cache of other answers."""
+
+    tree_sources = ("ngram", "ngram-short")
+
+    def __init__(self, max_nodes: int, ngram_min: int, ngram_max: int) -> None:
+        super().__init__(max_nodes, cache_mib=0.0)
+        from engine.spec_decode.ngram import NgramProposer
+
+        self._ngram = NgramProposer(ngram_min, ngram_max)
+
+    def _tree_for(self, request) -> tuple[int, DraftTree, str]:
+        proposed = self._proposed.get(request.request_id)
+        if proposed is None or proposed[0] != request.num_tokens:
+            budget = self.max_nodes
+            tree = self._ngram.propose_tree_for(
+                request.request_id, request.all_token_ids, budget, budget
+            )
+            long = self._ngram.last_match_length >= LONG_MATCH
+            proposed = (request.num_tokens, tree, "ngram" if long else "ngram-short")
+            self._proposed[request.request_id] = proposed
+        return proposed
+
+    def free(self, request_id: str) -> None:
+        self._pending.pop(request_id, None)
+        self._proposed.pop(request_id, None)
+        self._requests.pop(request_id, None)
+        self._ngram.forget(request_id)

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 
 from engine.kernels import build as build_mod
 from engine.kernels.cpu import CpuKernels, build_library, cpu_kernels
+from engine.kernels.quant import QuantOps
 
 _PLANTED_C = r"""
 #include <stdio.h>
@@ -427,6 +428,12 @@ def test_the_bf16_level_has_the_linear_kernel_and_v4_does_not(prebuilt, monkeypa
     _cpu_with(monkeypatch, build_mod._X86_64_V4_VNNI_BF16)
     v4_bf16 = build_library(out)
     assert v4_bf16.name.endswith("-x86-64-v4-vnni-bf16.so")
+    _cpu_with(monkeypatch, build_mod._X86_64_V4_AMX)  # and with AMX, the AMX level
+    v4_amx = build_library(out)
+    assert v4_amx.name.endswith("-x86-64-v4-amx.so")
+    if have >= build_mod._X86_64_V4_AMX:  # its Q8_0 Linear has the tile path
+        assert QuantOps(CpuKernels(v4_amx).lib).amx_min_rows == -1
+        assert QuantOps(CpuKernels(v4_bf16).lib).amx_min_rows == 0
     if have >= build_mod._X86_64_V4:
         assert not CpuKernels(v4).has_bf16_linear
     if have >= build_mod._X86_64_V4_VNNI_BF16:

@@ -107,6 +107,40 @@ def test_rows_are_bit_identical_in_any_batch_and_thread_count(ops, name):
         torch.set_num_threads(threads)
 
 
+def _cpu_has_amx() -> bool:
+    from engine.kernels import build
+
+    return {"amx_int8", "amx_tile"} <= build.cpu_flags()
+
+
+@pytest.mark.parametrize("name", FORMAT_NAMES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_amx_path_gives_the_same_bits_as_vpdpbusd(ops, name, dtype):
+    """Where the build has the AMX path (a CPU with AMX-INT8; elsewhere this checks the
+    rule is inert): every output of every row is bit for bit what the vpdpbusd path
+    gives, whichever rows take the tiles (16-row blocks, a short last block on either
+    path), so the row count a call has changes nothing (batch invariance)."""
+    weight, x, rows = _case(83, 192, 40, name, seed=5)
+    x = x.to(dtype)
+    packed = ops.pack(FORMATS[name], rows, 192)
+    bias = torch.randn(83).to(dtype)
+    rule = ops.amx_min_rows
+    try:
+        ops.set_amx_min_rows(0)
+        plain = {m: ops.linear(x[:m], packed, bias) for m in (1, 5, 16, 17, 33, 40)}
+        before = ops.amx_calls
+        for amx_rule in (1, 5, 16, -1):
+            ops.set_amx_min_rows(amx_rule)
+            for m, want in plain.items():
+                assert torch.equal(ops.linear(x[:m], packed, bias), want), (amx_rule, m)
+        ran = ops.amx_calls - before
+    finally:
+        ops.set_amx_min_rows(rule)
+    if _cpu_has_amx() and ops.path == "avx512-vnni" and rule != 0:
+        assert ran > 0, "a CPU with AMX ran no call on its tiles"
+    assert (ran > 0) <= _cpu_has_amx()
+
+
 @pytest.mark.parametrize("name", FORMAT_NAMES)
 def test_bf16_is_the_fp32_result_rounded_once(ops, name):
     weight, x, rows = _case(48, 96, 6, name, seed=4)
