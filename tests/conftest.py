@@ -146,3 +146,16 @@ def close_eagle_targets(tiny_model_factory, tiny_gguf_factory, tmp_path_factory)
         ))
         for kind, target in (("float", float_dir), ("gguf", gguf_path))
     }  # fmt: skip
+
+
+@pytest.fixture(scope="session")
+def prebuilt_kernel_levels(tmp_path_factory) -> dict:
+    """level -> the compiled library of every prebuilt level of this architecture (once
+    a session: each build of them all takes a minute or more)."""
+    import platform
+
+    from engine.kernels import build as build_mod
+
+    out = tmp_path_factory.mktemp("kernel-levels")
+    levels = [level for level, _ in build_mod.PREBUILT_LEVELS[platform.machine()]]
+    return dict(zip(levels, build_mod.prebuild(out), strict=True))

@@ -13,19 +13,16 @@ bf16 attention's vdpbf16ps path, the logits mask's AVX-512 loop.
 
 from __future__ import annotations
 
-import platform
-from pathlib import Path
-
 import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.kernels import build as build_mod
 from engine.kernels.cpu import CpuKernels, cpu_kernels
 from engine.kernels.quant import FORMATS, GGUF_BLOCK_BYTES, QuantOps
 from engine.loader import load_model
 from engine.models.layers import RMSNorm, apply_rope
 from engine.sample.grammar import mask_logits
+from tests.engine.kernel_levels import runnable_levels
 from tests.engine.simple_runner import SimplePagedRunner
 from tests.engine.test_quant_kernels import dequantize_rows, quantize_rows
 
@@ -41,28 +38,14 @@ DTYPES = [pytest.param(torch.float32, id="fp32"), pytest.param(torch.bfloat16, i
 CLOSE = {torch.float32: {"rtol": 1e-5, "atol": 1e-5}, torch.bfloat16: {"rtol": 4e-3, "atol": 1e-5}}
 
 
-def _levels() -> list[str]:
-    """The native build, then every prebuilt level this CPU can run, best first."""
-    have = build_mod.cpu_flags()
-    levels = build_mod.PREBUILT_LEVELS.get(platform.machine(), [])
-    return ["native"] + [level for level, needs in levels if needs <= have]
-
-
-@pytest.fixture(scope="module")
-def prebuilt(tmp_path_factory) -> dict[str, Path]:
-    out = tmp_path_factory.mktemp("kernel-levels")
-    levels = [level for level, _ in build_mod.PREBUILT_LEVELS[platform.machine()]]
-    return dict(zip(levels, build_mod.prebuild(out), strict=True))
-
-
-@pytest.fixture(scope="module", params=_levels())
+@pytest.fixture(scope="module", params=runnable_levels())
 def kernels(request) -> CpuKernels:
     if request.param == "native":
         found = cpu_kernels()
         if found is None:
             pytest.fail("CPU kernels failed to build; see the warning logged by cpu_kernels()")
         return found
-    return CpuKernels(request.getfixturevalue("prebuilt")[request.param])
+    return CpuKernels(request.getfixturevalue("prebuilt_kernel_levels")[request.param])
 
 
 @pytest.fixture(scope="module")

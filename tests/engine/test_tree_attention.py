@@ -16,7 +16,6 @@ place by ``ModelRunner.move_kv``.
 
 from __future__ import annotations
 
-import platform
 import random
 
 import pytest
@@ -25,12 +24,12 @@ import torch
 from engine.attention import cpu_backend
 from engine.attention.metadata import as_mask_tensor
 from engine.core.model_runner import ModelRunner, SeqInput
-from engine.kernels import build as build_mod
 from engine.kernels import cpu as cpu_mod
 from engine.kernels.cpu import CpuKernels, cpu_kernels
 from engine.loader import load_model
 from engine.models import layers as layers_mod
 from engine.spec_decode import paths
+from tests.engine.kernel_levels import runnable_levels
 
 BLOCK = 16
 
@@ -44,24 +43,11 @@ TREES = {
 }
 
 
-def _levels() -> list[str]:
-    have = build_mod.cpu_flags()
-    levels = build_mod.PREBUILT_LEVELS.get(platform.machine(), [])
-    return ["native"] + [level for level, needs in levels if needs <= have]
-
-
-@pytest.fixture(scope="module")
-def prebuilt(tmp_path_factory):
-    out = tmp_path_factory.mktemp("kernel-levels")
-    levels = [level for level, _ in build_mod.PREBUILT_LEVELS[platform.machine()]]
-    return dict(zip(levels, build_mod.prebuild(out), strict=True))
-
-
-@pytest.fixture(scope="module", params=_levels())
+@pytest.fixture(scope="module", params=runnable_levels())
 def kernels(request) -> CpuKernels:
     if request.param == "native":
         return cpu_kernels()
-    return CpuKernels(request.getfixturevalue("prebuilt")[request.param])
+    return CpuKernels(request.getfixturevalue("prebuilt_kernel_levels")[request.param])
 
 
 def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
