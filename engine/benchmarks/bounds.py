@@ -8,8 +8,9 @@ moment. Two bounds, measured in under a second on torch's thread count:
   the ceiling of a batch-1 decode step, which reads every weight once.
 - **multiply-add peaks** (G multiply-adds/s) of the instructions the CPU kernels use:
   fp32 FMA, bf16 ``vdpbf16ps`` and int8 ``vpdpbusd`` (the better of its 512- and 256-bit
-  forms), each a register-only loop of independent chains on every thread: the ceiling
-  of a large batch's Linear layers.
+  forms; on AVX2 without VNNI the ``vpmaddubsw`` + ``vpmaddwd`` pair the quantized kernel
+  uses there), and on a CPU with AMX its int8 ``tdpbssd``, each a register-only loop of
+  independent chains on every thread: the ceiling of a large batch's Linear layers.
 
 A result's share of its bound: batch-1 tok/s x bytes read per token / read GB/s, or
 step multiply-adds / peak.
@@ -33,6 +34,10 @@ class Bounds:
     fp32_fma_gmacs: float | None
     bf16_gmacs: float | None
     int8_gmacs: float | None
+    # the instruction int8_gmacs measured (AVX2 without VNNI: the vpmaddubsw pair the
+    # quantized kernel uses there), and AMX's tdpbssd where the CPU and build have it
+    int8_instruction: str = "vpdpbusd"
+    amx_int8_gmacs: float | None = None
 
     def line(self) -> str:
         """One line for the top of a table."""
@@ -44,8 +49,9 @@ class Bounds:
             [
                 peak("fp32 FMA", self.fp32_fma_gmacs),
                 peak("bf16 vdpbf16ps", self.bf16_gmacs),
-                peak("int8 vpdpbusd", self.int8_gmacs),
+                peak(f"int8 {self.int8_instruction}", self.int8_gmacs),
             ]
+            + ([peak("int8 AMX tdpbssd", self.amx_int8_gmacs)] if self.amx_int8_gmacs else [])
         )
         return (
             f"machine bounds ({self.num_threads} threads): read {self.read_gbps:.1f} GB/s; "
@@ -73,7 +79,17 @@ def measure(num_threads: int | None = None) -> Bounds | None:
         fp32_fma_gmacs=kernels.peak_gmacs(0, _ITERS, threads),
         bf16_gmacs=kernels.peak_gmacs(1, _ITERS, threads),
         int8_gmacs=max(int8) if int8 else None,
+        int8_instruction=int8_instruction(kernels),
+        amx_int8_gmacs=kernels.peak_gmacs(4, _ITERS, threads),
     )
+
+
+def int8_instruction(kernels) -> str:
+    """What the int8 peak of ``kernels``' build measures: vpdpbusd, or on AVX2 without
+    VNNI the vpmaddubsw + vpmaddwd pair its quantized kernel uses."""
+    from engine.kernels.quant import QuantOps
+
+    return "vpmaddubsw" if QuantOps(kernels.lib).path == "avx2" else "vpdpbusd"
 
 
 def line(num_threads: int | None = None) -> str:

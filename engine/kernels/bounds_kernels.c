@@ -44,7 +44,9 @@ double specserve_read_gbps(const uint64_t *buf, int64_t bytes, int32_t reps,
 /* Multiply-adds per second (G) of one instruction on `num_threads` threads, best of
  * three: kind 0 fp32 FMA (vfmadd, 1 multiply-add per fp32 lane), 1 bf16 vdpbf16ps (2
  * per fp32 lane), 2 int8 vpdpbusd (4 per int32 lane; the 256-bit form where it is
- * faster). -1 when this build's target lacks the instruction. */
+ * faster; on AVX2 without VNNI the quantized kernel's vpmaddubsw + vpmaddwd pair), 4
+ * int8 AMX tdpbssd (tiles of 16 x 16 x 64, where the build and Linux allow AMX). -1
+ * when this build's target lacks the instruction. */
 double specserve_peak_gmacs(int32_t kind, int64_t iters, int32_t num_threads) {
     double best = -1.0;
     for (int32_t r = 0; r < 3; r++) {
@@ -175,6 +177,65 @@ double specserve_peak_gmacs(int32_t kind, int64_t iters, int32_t num_threads) {
                     _mm256_storeu_si256((__m256i *)lanes, a[c]);
                     isink += lanes[0];
                 }
+            }
+            break;
+        }
+#elif defined(__AVX2__)
+        case 2: { /* AVX2 without VNNI: the quantized kernel's vpmaddubsw + vpmaddwd + vpaddd */
+            macs_per_iter = 32.0 * BOUNDS_CHAINS;
+            ran = 1;
+#pragma omp parallel num_threads(num_threads) reduction(+ : isink)
+            {
+                __m256i a[BOUNDS_CHAINS];
+                for (int c = 0; c < BOUNDS_CHAINS; c++) a[c] = _mm256_set1_epi32(c);
+                __m256i u = _mm256_set1_epi8(3), v = _mm256_set1_epi8(5);
+                const __m256i ones = _mm256_set1_epi16(1);
+                __asm__ volatile("" : "+x"(u), "+x"(v));
+                for (int64_t it = 0; it < iters; it++) {
+#pragma GCC unroll 24
+                    for (int c = 0; c < BOUNDS_CHAINS; c++)
+                        a[c] = _mm256_add_epi32(
+                            a[c], _mm256_madd_epi16(_mm256_maddubs_epi16(u, v), ones));
+                }
+                int32_t lanes[8];
+                for (int c = 0; c < BOUNDS_CHAINS; c++) {
+                    _mm256_storeu_si256((__m256i *)lanes, a[c]);
+                    isink += lanes[0];
+                }
+            }
+            break;
+        }
+#endif
+#if defined(QPATH_AMX)
+        case 4: { /* AMX tdpbssd: 4 C tiles, 16 x 16 int32 each, K = 64 bytes */
+            if (!q_amx_ready()) break;
+            macs_per_iter = 4.0 * 16 * 16 * 64;
+            ran = 1;
+#pragma omp parallel num_threads(num_threads) reduction(+ : isink)
+            {
+                struct q_tilecfg cfg;
+                memset(&cfg, 0, sizeof cfg);
+                cfg.palette = 1;
+                for (int t = 0; t < 6; t++) cfg.rows[t] = 16, cfg.colsb[t] = 64;
+                _tile_loadconfig(&cfg);
+                int8_t src[16 * 64] __attribute__((aligned(64)));
+                int32_t out[16 * 16] __attribute__((aligned(64)));
+                for (int i = 0; i < 16 * 64; i++) src[i] = (int8_t)(i % 7 - 3);
+                _tile_zero(0);
+                _tile_zero(1);
+                _tile_zero(2);
+                _tile_zero(3);
+                _tile_loadd(4, src, 64);
+                _tile_loadd(5, src, 64);
+                for (int64_t it = 0; it < iters; it++) {
+                    _tile_dpbssd(0, 4, 5);
+                    _tile_dpbssd(1, 4, 5);
+                    _tile_dpbssd(2, 4, 5);
+                    _tile_dpbssd(3, 4, 5);
+                }
+                _tile_stored(0, out, 64);
+                isink += out[0];
+                _tile_release();
             }
             break;
         }

@@ -343,8 +343,9 @@ class CpuKernels:
 
     def peak_gmacs(self, kind: int, iters: int, num_threads: int) -> float | None:
         """Multiply-adds per second (G) of one instruction kind (0 fp32 FMA, 1 bf16
-        vdpbf16ps, 2 int8 vpdpbusd, 3 vpdpbusd on 256-bit registers) in a register-only
-        loop on ``num_threads`` threads; None when this build lacks it."""
+        vdpbf16ps, 2 int8 vpdpbusd, or vpmaddubsw + vpmaddwd on AVX2 without VNNI, 3
+        vpdpbusd on 256-bit registers, 4 AMX tdpbssd) in a register-only loop on
+        ``num_threads`` threads; None when this build lacks it."""
         value = self._peak_gmacs(kind, iters, num_threads)
         return None if value < 0 else value
 

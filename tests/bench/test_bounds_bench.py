@@ -42,3 +42,26 @@ def test_a_missing_instruction_says_n_a_and_bad_flags_are_one_line(capsys):
     )
     assert main(["bench", "bounds", "--num-threads", "0"]) == 2
     assert capsys.readouterr().err.strip() == "--num-threads must be >= 1, got 0"
+
+
+def test_amx_and_avx2_int8_peaks_are_measured_where_they_exist(prebuilt_kernel_levels):
+    """Issue 35: `bench bounds` measured no int8 peak on AVX2 without VNNI, and none for
+    AMX. The AVX2 level (run here on whatever x86-64 CPU has AVX2) measures the
+    vpmaddubsw pair and says so; a CPU with AMX and a build with the tile path measures
+    tdpbssd, well above vpdpbusd."""
+    from engine.benchmarks.bounds import int8_instruction, measure
+    from engine.kernels.cpu import CpuKernels
+    from engine.kernels.quant import quant_ops
+
+    if platform.machine() != "x86_64" or "avx2" not in cpu_flags():
+        pytest.skip("the AVX2 level needs an x86-64 CPU with AVX2")
+    v3 = CpuKernels(prebuilt_kernel_levels["x86-64-v3"])
+    assert int8_instruction(v3) == "vpmaddubsw"
+    assert (v3.peak_gmacs(2, 200_000, 1) or 0) > 1
+    assert v3.peak_gmacs(4, 1000, 1) is None  # no AMX in an AVX2 build
+    ops = quant_ops()
+    has_amx = {"amx_int8", "amx_tile"} <= cpu_flags() and ops is not None
+    if has_amx and ops.amx_min_rows != 0:
+        b = measure(1)
+        assert b.amx_int8_gmacs is not None and b.amx_int8_gmacs > 2 * b.int8_gmacs
+        assert "int8 AMX tdpbssd" in b.line()
