@@ -51,7 +51,7 @@ def kernel_cache_dir() -> Path:
 
 
 def fused_decoder() -> bool:
-    """``SPECSERVE_FUSED_DECODER=0`` runs a bf16 CPU model's decoder layers one Python
+    """``SPECSERVE_FUSED_DECODER=0`` runs a CPU model's decoder layers one Python
     call at a time instead of in one call into the kernels (engine/kernels/decoder.py;
     the same result, slower; for profiling each kernel on its own)."""
     return os.environ.get("SPECSERVE_FUSED_DECODER", "1") != "0"

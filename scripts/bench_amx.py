@@ -36,7 +36,7 @@ def main() -> int:
         return 1
     torch.manual_seed(0)
     n, k = 1536, 576
-    print(f"| format | rows | vpdpbusd us | AMX us | AMX vs vpdpbusd | GMAC/s (faster) |")
+    print("| format | rows | vpdpbusd us | AMX us | AMX vs vpdpbusd | GMAC/s (faster) |")
     print("|---|---|---|---|---|---|")
     for name in ("Q4_1", "Q8_0"):
         weight = ops.pack(FORMATS[name], _random_rows(torch, name, n, k), k)

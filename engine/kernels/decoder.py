@@ -1,18 +1,19 @@
-"""Every bf16 decoder layer of a Llama-family model in one call into cpu_kernels.c.
+"""Every decoder layer of a Llama-family model in one call into cpu_kernels.c.
 
 At batch 1 on CPU the Python around each layer's six kernel calls (module calls,
 wrapper checks, views, the attention plan) cost about as much as the layer's own work:
 ~5 of 12 ms per token on the default model, because each layer's weight stream has
-flushed the caches that Python's objects live in. ``specserve_decoder_layers_bf16``
-makes the same calls in the same order on the same buffers, so the hidden states are
-bit-identical to the Python forward (tested), and Python is left with the embedding,
-the final norm and the LM head.
+flushed the caches that Python's objects live in. ``specserve_decoder_layers_bf16`` (and
+``specserve_decoder_layers`` in float32) makes the same calls in the same order on the
+same buffers, so the hidden states are bit-identical to the Python forward (tested),
+and Python is left with the embedding, the final norm and the LM head.
 
-Used by ``LlamaModel.forward`` when every piece of a layer runs on these kernels: a
-bf16 CPU model whose every Linear is either packed for ``specserve_linear_bf16``
-(kernels built with AVX512-BF16) or quantized (``specserve_quant_linear_bf16``), only
-qkv with a bias, the ``cpu`` attention backend with every query on the kernel (always
-so in bf16), KV caches bound.
+Used by ``LlamaModel.forward`` when every piece of a layer runs on these kernels: a CPU
+model whose every Linear is quantized (the quantized Linear kernel: any x86-64 level,
+fp32 or bf16 activations) or, in bf16, packed for ``specserve_linear_bf16`` (kernels
+built with AVX512-BF16); only qkv with a bias; the ``cpu`` attention backend with every
+query on the kernel; KV caches bound. fp32 models with float Linear layers stay layer
+by layer (their GEMMs are oneDNN's).
 ``SPECSERVE_FUSED_DECODER=0`` keeps the layer-by-layer Python forward (what
 ``specserve bench step`` times component by component).
 """
@@ -33,7 +34,7 @@ _LAYER_FIELDS = (
 _FORMAT_FIELDS = ("qkv_fmt", "o_fmt", "gate_up_fmt", "down_fmt")
 
 
-class _Layer(ctypes.Structure):  # struct specserve_layer_bf16
+class _Layer(ctypes.Structure):  # struct specserve_layer
     _fields_ = [(name, _P) for name in _LAYER_FIELDS] + [(name, _I32) for name in _FORMAT_FIELDS]
 
 
@@ -51,6 +52,9 @@ class FusedDecoderLayers:
 
     def __init__(self, kernels: CpuKernels, model, kv_caches: list[torch.Tensor]) -> None:
         config = model.config
+        self.dtype = model.norm.weight.dtype
+        if self.dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError(f"fused decoder: no kernels for {self.dtype}")
         self.num_heads, self.num_kv_heads = config.num_heads, config.num_kv_heads
         self.head_dim, self.hidden_size = config.head_dim, config.hidden_size
         self.inter = config.intermediate_size
@@ -80,7 +84,8 @@ class FusedDecoderLayers:
             )
         self.layers = (_Layer * len(rows))(*rows)
         self.num_layers = len(rows)
-        fn = kernels.lib.specserve_decoder_layers_bf16
+        name = "specserve_decoder_layers" + ("_bf16" if self.dtype is torch.bfloat16 else "")
+        fn = getattr(kernels.lib, name)
         fn.restype, fn.argtypes = ctypes.c_int, _ARGTYPES
         self._fn = fn
 
@@ -89,6 +94,8 @@ class FusedDecoderLayers:
         layout, the GGML type id of a quantized one."""
         weight_q = getattr(linear, "weight_q", None)
         if weight_q is None:
+            if self.dtype is not torch.bfloat16:
+                raise ValueError("fused decoder: float32 takes quantized Linear layers only")
             return self._ptr(linear.packed_weight), 0
         data = weight_q.data
         if data.dtype is not torch.uint8 or not data.is_contiguous() or not data.is_cpu:
@@ -98,16 +105,18 @@ class FusedDecoderLayers:
 
     def _ptr(self, t: torch.Tensor) -> int:
         t = t.detach()
-        if t.dtype is not torch.bfloat16 or not t.is_contiguous() or not t.is_cpu:
-            raise ValueError(f"fused decoder: a {t.dtype} tensor is not dense bf16 on the CPU")
+        if t.dtype is not self.dtype or not t.is_contiguous() or not t.is_cpu:
+            raise ValueError(
+                f"fused decoder: a {t.dtype} tensor is not dense {self.dtype} on the CPU"
+            )
         self._keep.append(t)
         return t.data_ptr()
 
     def __call__(
         self,
-        hidden: torch.Tensor,  # [n, hidden_size] bf16 embeddings, overwritten
+        hidden: torch.Tensor,  # [n, hidden_size] embeddings (the model's dtype), overwritten
         positions: torch.Tensor,  # [n] int64
-        cos_sin: torch.Tensor,  # [max_positions, 2, head_dim // 2] bf16
+        cos_sin: torch.Tensor,  # [max_positions, 2, head_dim // 2], the model's dtype
         metadata,  # AttentionMetadata of this step
         seq_ids: torch.Tensor,  # [num_selected] int32: every sequence (all on the kernel)
         max_query_len: int,
@@ -119,12 +128,12 @@ class FusedDecoderLayers:
         run in segments between them, continuing the residual, so the result is what
         one call computes."""
         n = hidden.shape[0]
-        if hidden.dtype is not torch.bfloat16 or not hidden.is_contiguous():
-            raise ValueError("hidden must be dense bf16")
+        if hidden.dtype is not self.dtype or not hidden.is_contiguous():
+            raise ValueError(f"hidden must be dense {self.dtype}")
         if hidden.shape[1] != self.hidden_size:
             raise ValueError(f"hidden {tuple(hidden.shape)} must be [n, {self.hidden_size}]")
-        if cos_sin.dtype is not torch.bfloat16 or not cos_sin.is_contiguous():
-            raise ValueError("cos_sin must be dense bf16")
+        if cos_sin.dtype is not self.dtype or not cos_sin.is_contiguous():
+            raise ValueError(f"cos_sin must be dense {self.dtype}")
         if cos_sin.shape[1:] != (2, self.head_dim // 2):
             raise ValueError(
                 f"cos_sin {tuple(cos_sin.shape)} does not fit head_dim {self.head_dim}"
@@ -188,6 +197,8 @@ def _error(status: int, num_positions: int, num_slots: int) -> Exception:
         return ValueError(f"a slot in slot_mapping is past the cache's {num_slots} slots")
     if status == 3:
         return MemoryError("a quantized Linear could not allocate its scratch buffers")
+    if status == 4:
+        return ValueError("a float Linear in a float32 one-call decoder (quantized only)")
     if status == 11:
         return MemoryError("paged attention could not allocate its scratch buffers")
     if status == 12:

@@ -214,18 +214,20 @@ class LlamaForCausalLM(nn.Module):
 def fused_decoder_for(
     model: LlamaModel, kv_caches: list[torch.Tensor]
 ) -> FusedDecoderLayers | None:
-    """The one-call decoder for ``model`` when every piece of its layers runs on the bf16
-    kernels (engine/kernels/decoder.py), else None: the layer-by-layer forward."""
+    """The one-call decoder for ``model`` when every piece of its layers runs on the
+    kernels (engine/kernels/decoder.py: bf16, or fp32 with quantized Linear layers), else
+    None: the layer-by-layer forward."""
     from engine.attention.cpu_backend import CpuAttentionBackend
 
     weight = model.norm.weight
     kernels = kernels_for(weight.device, weight.dtype)
-    if not envs.fused_decoder() or weight.dtype is not torch.bfloat16 or kernels is None:
+    dtypes = (torch.bfloat16, torch.float32)
+    if not envs.fused_decoder() or weight.dtype not in dtypes or kernels is None:
         return None
     for layer in model.layers:
         attn, mlp = layer.self_attn, layer.mlp
         linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-        if not all(_on_the_kernels(m) for m in linears):
+        if not all(_on_the_kernels(m, weight.dtype) for m in linears):
             return None
         if any(m.bias is not None for m in linears[1:]):
             return None
@@ -233,15 +235,18 @@ def fused_decoder_for(
             return None
     try:
         return FusedDecoderLayers(kernels, model, kv_caches)
-    except ValueError:  # a tensor that is not dense bf16: the layer-by-layer path copes
+    except ValueError:  # a tensor not dense in the model's dtype: layer by layer copes
         return None
 
 
-def _on_the_kernels(linear: nn.Module) -> bool:
-    """A Linear the one-call decoder runs: quantized, or packed for the bf16 kernel."""
+def _on_the_kernels(linear: nn.Module, dtype: torch.dtype) -> bool:
+    """A Linear the one-call decoder runs: quantized, or in bf16 packed for the bf16
+    kernel."""
     from engine.models.quant import QuantizedLinear
     from engine.models.weights import PackedLinear
 
     if isinstance(linear, QuantizedLinear):
         return True
+    if dtype is not torch.bfloat16:
+        return False
     return isinstance(linear, PackedLinear) and linear.kernels is not None

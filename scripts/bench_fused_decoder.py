@@ -1,0 +1,112 @@
+"""The one-call decoder against the layer-by-layer forward, at a chosen kernel level.
+
+    .venv/bin/python scripts/bench_fused_decoder.py --dtype float32 --levels native,x86-64-v3
+
+The default model as served (the .gguf's Q4_1 layers as stored), one sequence with a
+300-token context, one decode step's forward (embedding to logits) timed with the
+decoder in one C call and layer by layer, alternated call by call; per level the median
+of each, their ratio, and the weight stream's share of the read bound (the bytes a
+token reads / the step time, against `bench bounds`' read GB/s measured with that
+level's kernels). A prebuilt level runs this machine's CPU with that level's code: the
+AVX2 level here shows what the AVX2 code does, on this machine's memory and cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    parser.add_argument("--levels", default="native,x86-64-v3")
+    parser.add_argument("--rounds", type=int, default=60)
+    parser.add_argument("--context", type=int, default=300)
+    args = parser.parse_args()
+
+    from engine.benchmarks import bounds as bounds_mod
+    from engine.core.model_runner import ModelRunner, SeqInput
+    from engine.kernels import build as build_mod
+    from engine.kernels import cpu as cpu_mod
+    from engine.kernels import quant as quant_mod
+    from engine.kernels.cpu import CpuKernels
+    from engine.loader import load_model
+    from engine.models import layers as layers_mod
+
+    levels = [level.strip() for level in args.levels.split(",") if level.strip()]
+    built: dict[str, Path] = {}
+    if any(level != "native" for level in levels):
+        print("building the prebuilt kernel levels (a minute or two) ...", file=sys.stderr)
+        out = Path(tempfile.mkdtemp(prefix="specserve-levels-"))
+        names = [name for name, _ in build_mod.PREBUILT_LEVELS[build_mod.platform.machine()]]
+        built = dict(zip(names, build_mod.prebuild(out), strict=True))
+    print("| level | one call ms | layer by layer ms | one call vs layers | "
+          "weight stream GB/s (share of read bound) |")  # fmt: skip
+    print("|---|---|---|---|---|")
+    for level in levels:
+        kernels = cpu_mod.cpu_kernels() if level == "native" else CpuKernels(built[level])
+        for module in (cpu_mod, layers_mod, quant_mod):  # bounds imports it from cpu_mod
+            module.cpu_kernels = lambda k=kernels: k
+        loaded = load_model(None, dtype=args.dtype, device="cpu")
+        runner = ModelRunner(loaded, num_blocks=64, block_size=16)
+        fused = runner.model.model.fused
+        if fused is None:
+            print(f"| {level} | - | - | (no one-call decoder at this level) | - |")
+            continue
+        blocks = list(range(1, (args.context + 24) // 16 + 2))
+        tokens = [100 + i % 1000 for i in range(args.context + 1)]
+        runner.forward([SeqInput(tokens[:-1], 0, blocks, 1)])
+        times = {True: [], False: []}
+        for r in range(args.rounds):
+            for one_call in (True, False):
+                runner.model.model.fused = fused if one_call else None
+                prepared = runner.prepare([SeqInput(tokens[-1:], args.context, blocks, 1)])
+                start = time.perf_counter()
+                runner.execute(prepared)
+                times[one_call].append(time.perf_counter() - start)
+            if r % 10 == 9:
+                print(f"{level}: round {r + 1}/{args.rounds}", file=sys.stderr, flush=True)
+        runner.model.model.fused = fused
+        one, layers = (statistics.median(times[k]) for k in (True, False))
+        streamed = _streamed_bytes(loaded.model)
+        bound = bounds_mod.measure()
+        gbps = streamed / one / 1e9
+        share = f"{gbps:.1f} ({gbps / bound.read_gbps:.0%} of {bound.read_gbps:.1f})"
+        print(f"| {level} | {1e3 * one:.2f} | {1e3 * layers:.2f} | {layers / one:.2f}x | "
+              f"{share} |", flush=True)  # fmt: skip
+    return 0
+
+
+def _streamed_bytes(model) -> int:
+    import torch
+
+    """Bytes of weights one decode step reads: every parameter and packed weight but the
+    embedding table (a lookup of one row), plus the head's when it is tied."""
+    seen, total = set(), 0
+    for name, tensor in list(model.named_parameters()) + list(model.named_buffers()):
+        if tensor.data_ptr() in seen or "rotary" in name:
+            continue
+        seen.add(tensor.data_ptr())
+        total += tensor.numel() * tensor.element_size()
+    for module in model.modules():
+        for attr in ("weight_q", "packed_weight"):
+            w = getattr(module, attr, None)
+            data = getattr(w, "data", w)
+            if isinstance(data, torch.Tensor) and data.data_ptr() not in seen:
+                seen.add(data.data_ptr())
+                total += data.numel() * data.element_size()
+    embed = model.model.embed_tokens
+    table = getattr(getattr(embed, "weight_q", None), "data", getattr(embed, "weight", None))
+    tied = getattr(model.lm_head, "weight_q", None) is getattr(embed, "weight_q", object())
+    if table is not None and not tied:
+        total -= table.numel() * table.element_size()
+    return total
+
+
+if __name__ == "__main__":
+    sys.exit(main())
