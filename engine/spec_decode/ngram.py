@@ -52,13 +52,18 @@ class _Index:
             first, stop = self.next_start[n], end - n  # starts first .. stop - 1
             if stop <= first:
                 continue
-            if n == 1:
-                keys = tokens[first:stop]
-            else:
-                keys = zip(*(tokens[first + i : stop + i] for i in range(n)))
+            keys = _windows(tokens, first, stop, n)
             table.update(zip(keys, range(first, stop)))  # later starts overwrite
             self.next_start[n] = stop
         self.length = end
+
+
+def _windows(tokens: list[int], first: int, stop: int, n: int):
+    """The n-grams of ``tokens`` starting at first .. stop - 1, in order: a token itself
+    for n = 1, else a tuple."""
+    if n == 1:
+        return tokens[first:stop]
+    return zip(*(tokens[first + i : stop + i] for i in range(n)))
 
 
 class _OccurrenceIndex:
@@ -83,10 +88,7 @@ class _OccurrenceIndex:
             first, stop = len(previous), end - n  # windows with a continuation only
             if stop <= first:
                 continue
-            if n == 1:
-                keys = tokens[first:stop]
-            else:
-                keys = zip(*(tokens[first + i : stop + i] for i in range(n)))
+            keys = _windows(tokens, first, stop, n)
             get = table.get
             for start, key in enumerate(keys, first):
                 previous.append(get(key, -1))
