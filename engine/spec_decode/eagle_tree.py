@@ -122,10 +122,10 @@ class EagleTreeProposer(EagleProposer):
         frontiers: list[list[int]] = []
         depths = [min(MAX_DEPTH, nodes) for _, _, nodes in active]
         started = time.perf_counter()
+        top_ids, top_probs = self._top(logits)
         for row, (i, _, _) in enumerate(active):
             stops = states[i].request.stop_token_ids
-            children = self._children(logits[row], 1.0)
-            tree = [_Node(t, -1, s, 1) for t, s in children]
+            tree = [_Node(t, -1, p, 1) for t, p in zip(top_ids[row], top_probs[row])]
             roots.append(out[row])  # a depth-1 node's hidden input
             trees.append(tree)
             frontiers.append([n for n, node in enumerate(tree) if node.token not in stops])
@@ -150,6 +150,7 @@ class EagleTreeProposer(EagleProposer):
                 seqs.append(seq)
                 inputs.append(hidden)
             logits, out = self._forward(seqs, inputs)
+            top_ids, top_probs = self._top(logits)
             row = 0
             for r in growing:
                 tree, stops = trees[r], states[active[r][0]].request.stop_token_ids
@@ -157,9 +158,9 @@ class EagleTreeProposer(EagleProposer):
                 for parent in frontiers[r]:
                     node = tree[parent]
                     node.out = out[row]
-                    for token, p in self._children(logits[row], node.score):
+                    for token, p in zip(top_ids[row], top_probs[row]):
                         candidates.append(len(tree))
-                        tree.append(_Node(token, parent, p, depth))
+                        tree.append(_Node(token, parent, node.score * p, depth))
                     row += 1
                 best = sorted(candidates, key=lambda n: -tree[n].score)[:TOP_K]
                 frontiers[r] = sorted(n for n in best if tree[n].token not in stops)
@@ -171,12 +172,12 @@ class EagleTreeProposer(EagleProposer):
             for tree in trees
         ]
 
-    def _children(self, logits: torch.Tensor, score: float) -> list[tuple[int, float]]:
-        """The TOP_K most likely next tokens under the draft and their path scores."""
-        probs = torch.softmax(logits.float(), dim=-1)
-        top = torch.topk(probs, TOP_K)
+    def _top(self, logits: torch.Tensor) -> tuple[list[list[int]], list[list[float]]]:
+        """Per row of ``logits`` [rows, draft vocab]: the TOP_K most likely next tokens
+        under the draft and their probabilities (one softmax and top-k for all rows)."""
+        top = torch.topk(torch.softmax(logits.float(), dim=-1), TOP_K, dim=-1)
         ids = top.indices if self.vocab is None else self.vocab[top.indices]
-        return [(t, score * p) for t, p in zip(ids.tolist(), top.values.tolist())]
+        return ids.tolist(), top.values.tolist()
 
     def _depth_input(self, ereq, tree: list[_Node], frontier: list[int], root: torch.Tensor):
         """One request's input to a depth's forward: every node expanded before this
