@@ -59,6 +59,8 @@ PROPOSERS = {
     "random-trees": ("ngram", None),
     # EAGLE's dynamic trees: the draft's best guesses, several per position
     "eagle-tree": ("eagle-tree", "eagle"),
+    # n-gram lookup's last matches merged into a tree
+    "ngram-tree": ("ngram-tree", None),
 }
 
 # 16 outcomes, 4000 samples: a correct sampler's TV distance is about 0.02-0.03; a

@@ -1,11 +1,11 @@
 """Randomized engine stress: draft, EAGLE, n-gram and token-tree speculation (suffix
-decoding's trees, EAGLE's dynamic trees, random trees) x preemption x chunked prefill x
-prefix hits x stop strings x aborts x greedy, seeded and unseeded rows x per-request k x
-penalties, logit bias, min_tokens, include_stop_str_in_output, truncate_prompt_tokens x
-structured-output constraints (one that fails mid-output among them) x a model whose
-logits turn NaN for a request from some output token on x a float target or
-a quantized one (the tiny model as a .gguf served as stored) x the speculation gate on or
-off (its lanes choosing k by timing).
+decoding's trees, EAGLE's dynamic trees, n-gram lookup's trees, random trees) x
+preemption x chunked prefill x prefix hits x stop strings x aborts x greedy, seeded and
+unseeded rows x per-request k x penalties, logit bias, min_tokens,
+include_stop_str_in_output, truncate_prompt_tokens x structured-output constraints (one
+that fails mid-output among them) x a model whose logits turn NaN for a request from
+some output token on x a float target or a quantized one (the tiny model as a .gguf
+served as stored) x the speculation gate on or off (its lanes choosing k by timing).
 
 Every step: both pools pass check_integrity and no request holds a block beyond its KV
 length (check_pools); the draft cache never covers a request's last verified token.
@@ -147,7 +147,7 @@ def _workload(rng: random.Random, max_k: int):
 
 def _engine_config(rng: random.Random, draft_dirs: dict[str, str]) -> dict:
     method = rng.choice(
-        ["ngram", "draft", "hybrid", "eagle", "suffix", "random-trees", "eagle-tree"]
+        ["ngram", "draft", "hybrid", "eagle", "suffix", "random-trees", "eagle-tree", "ngram-tree"]
     )
     config = dict(
         speculative_method="ngram" if method == "random-trees" else method,
