@@ -181,6 +181,7 @@ struct qrows {
     int8_t *q;
     float *d;
     int32_t *s;
+    float *ms; /* d * (float)s: Q4_1's minimum term, once per row and block, not per tile */
     int64_t k, nb;
 };
 
@@ -197,18 +198,20 @@ INLINE int qrows_alloc(struct qrows *a, int64_t m, int64_t k) {
     a->q = malloc((size_t)(mp * k));
     a->d = malloc(sizeof(float) * (size_t)(mp * a->nb));
     a->s = malloc(sizeof(int32_t) * (size_t)(mp * a->nb));
-    if (a->q && a->d && a->s) {
+    a->ms = malloc(sizeof(float) * (size_t)(mp * a->nb));
+    if (a->q && a->d && a->s && a->ms) {
         if (mp > m) {
             memset(a->q + m * k, 0, (size_t)((mp - m) * k));
             memset(a->d + m * a->nb, 0, sizeof(float) * (size_t)((mp - m) * a->nb));
             memset(a->s + m * a->nb, 0, sizeof(int32_t) * (size_t)((mp - m) * a->nb));
+            memset(a->ms + m * a->nb, 0, sizeof(float) * (size_t)((mp - m) * a->nb));
         }
         return 0;
     }
-    free(a->q), free(a->d), free(a->s);
+    free(a->q), free(a->d), free(a->s), free(a->ms);
     return 3;
 }
-INLINE void qrows_free(struct qrows *a) { free(a->q), free(a->d), free(a->s); }
+INLINE void qrows_free(struct qrows *a) { free(a->q), free(a->d), free(a->s), free(a->ms); }
 
 /* ---- one tile of outputs for rows [r0, r0 + rows): per-path dot products ---- */
 
@@ -275,7 +278,7 @@ INLINE void q_tile(qacc *acc, int32_t fmt, int rows, const uint8_t *const *tile,
             const int64_t i = (r0 + r) * a->nb + b;
             const float xd = a->d[i];
             const int32_t xs = a->s[i];
-            const __m512 vxd = _mm512_set1_ps(xd), vms = _mm512_set1_ps(xd * (float)xs);
+            const __m512 vxd = _mm512_set1_ps(xd), vms = _mm512_set1_ps(a->ms[i]);
             const __m512i off = _mm512_set1_epi32((fmt == QFMT_Q8_0 ? 128 : 8) * xs);
             for (int j = 0; j < QTILES; j++) {
                 __m512i total = dot[r * QTILES + j];
@@ -392,7 +395,7 @@ INLINE void q_amx_scale(qacc *acc, int32_t fmt, int rows, const uint8_t *blk,
         if (fmt == QFMT_Q4_0) total = _mm512_sub_epi32(total, _mm512_set1_epi32(8 * xs));
         acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(total), _mm512_mul_ps(d, _mm512_set1_ps(xd)),
                                  acc[r]);
-        if (fmt == QFMT_Q4_1) acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(xd * (float)xs), acc[r]);
+        if (fmt == QFMT_Q4_1) acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(a->ms[i]), acc[r]);
     }
 }
 
@@ -548,7 +551,7 @@ INLINE void q_tile(qacc *acc, int32_t fmt, int rows, const uint8_t *const *tiles
             const __m256 scale = _mm256_mul_ps(d, _mm256_set1_ps(xd));
             acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(total), scale, acc[r]);
             if (fmt == QFMT_Q4_1)
-                acc[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(xd * (float)xs), acc[r]);
+                acc[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(a->ms[i]), acc[r]);
         }
     }
 }
@@ -591,7 +594,7 @@ INLINE void q_tile(qacc *acc, int32_t fmt, int rows, const uint8_t *const *tiles
                 const int32_t xs = a->s[idx];
                 if (fmt == QFMT_Q4_0) dot -= 8 * xs;
                 acc[r].v[lane] = fmaf((float)dot, d * xd, acc[r].v[lane]);
-                if (fmt == QFMT_Q4_1) acc[r].v[lane] = fmaf(m, xd * (float)xs, acc[r].v[lane]);
+                if (fmt == QFMT_Q4_1) acc[r].v[lane] = fmaf(m, a->ms[idx], acc[r].v[lane]);
             }
         }
     }
@@ -624,6 +627,7 @@ int64_t specserve_quant_amx_calls(void) { return 0; }
         struct qrows a;                                                                        \
         if (qrows_alloc(&a, m, k)) return 3;                                                   \
         FOR_ROWS_OF(m, k, num_threads, QUANTIZE_ONE_##S);                                      \
+        for (int64_t i = 0; i < m * a.nb; i++) a.ms[i] = a.d[i] * (float)a.s[i];              \
         Q_AMX_LINEAR(T, S)                                                                     \
         const int64_t tiles = (n + QLANES - 1) / QLANES;                                       \
         const int64_t groups = (tiles + QTILES - 1) / QTILES;                                  \
