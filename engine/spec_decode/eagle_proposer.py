@@ -196,6 +196,20 @@ class EagleProposer(DraftModelProposer):
     def propose(self, items, states):
         drafts: list[list[int]] = [[] for _ in items]
         probs: list[list[torch.Tensor]] = [[] for _ in items]
+        active, logits, self._out = self._catch_up(items, states, lambda k: k)
+        if logits is not None:
+            self._burst(active, logits, states, drafts, probs)
+            self._out = None
+        draft_probs = [torch.stack(p) if p else None for p in probs]
+        return drafts, draft_probs
+
+    def _catch_up(self, items, states, slots):
+        """The burst's first forward: each speculating request's draft fed the verified
+        tokens it has not seen, with the target's features, ``slots(k)`` - 1 lookahead
+        slots reserved for what it drafts after (k: the item's num_spec_tokens).
+        Returns (the requests whose catch-up was whole: (item index, draft request, k),
+        their rows' logits, the draft's outputs o there), logits and o None when nothing
+        was fed."""
         active: list[tuple[int, _EagleRequest, int]] = []
         first: list[SeqInput] = []
         hidden: list[torch.Tensor] = []
@@ -208,7 +222,7 @@ class EagleProposer(DraftModelProposer):
             self._trim_features(ereq, request.num_computed_tokens)
             if ereq.num_computed_tokens >= ereq.num_tokens:  # nothing new: feed the last again
                 ereq.num_computed_tokens = self.kv.rollback(ereq, ereq.num_tokens - 1)
-            num_fed = self._reserve(ereq, item.num_spec_tokens, budget)
+            num_fed = self._reserve(ereq, slots(item.num_spec_tokens), budget)
             if not num_fed:
                 continue
             budget -= num_fed
@@ -220,12 +234,10 @@ class EagleProposer(DraftModelProposer):
             hidden.append(self._hidden_for(ereq, ereq.fed_start - 1, num_fed))
             if whole:
                 active.append((i, ereq, item.num_spec_tokens))
-        if first:
-            logits, self._out = self._forward(first, hidden)
-            self._burst(active, logits, states, drafts, probs)
-            self._out = None
-        draft_probs = [torch.stack(p) if p else None for p in probs]
-        return drafts, draft_probs
+        if not first:
+            return active, None, None
+        logits, out = self._forward(first, hidden)
+        return active, logits, out
 
     def _next_logits(self, active, rows, drafts) -> torch.Tensor:
         """Each active request's last draft, with h = the draft's own output at the

@@ -81,35 +81,11 @@ class EagleTreeProposer(EagleProposer):
     # ---- the tree -------------------------------------------------------------------
     def propose(self, items, states):
         trees: list = [[] for _ in items]
-        active: list[tuple[int, object, int]] = []  # (item index, draft request, nodes)
-        first: list[SeqInput] = []
-        hidden: list[torch.Tensor] = []
-        budget = self.max_num_batched_tokens
-        self.max_catchup = 0
-        for i, (item, state) in enumerate(zip(items, states)):
-            request = state.request
-            ereq = self._draft_request(request)
-            self._settle(ereq)
-            self._trim_features(ereq, request.num_computed_tokens)
-            if ereq.num_computed_tokens >= ereq.num_tokens:  # nothing new: feed the last again
-                ereq.num_computed_tokens = self.kv.rollback(ereq, ereq.num_tokens - 1)
-            nodes = item.num_spec_tokens
-            depth = min(MAX_DEPTH, nodes)
-            # slots for the deepest forward: every expanded node, re-fed
-            num_fed = self._reserve(ereq, TOP_K * (depth - 1) + 1, budget)
-            if not num_fed:
-                continue
-            budget -= num_fed
-            self.max_catchup = max(self.max_catchup, num_fed)
-            ereq.num_catchup = num_fed
-            whole = ereq.fed_start + num_fed == ereq.num_tokens
-            block_ids = self.kv.get_block_ids(ereq.request_id)
-            first.append(SeqInput(list(ereq.fed), ereq.fed_start, block_ids, int(whole)))
-            hidden.append(self._hidden_for(ereq, ereq.fed_start - 1, num_fed))
-            if whole:
-                active.append((i, ereq, nodes))
-        if first:
-            logits, out = self._forward(first, hidden)
+        # slots for the deepest forward: every expanded node, re-fed
+        active, logits, out = self._catch_up(
+            items, states, lambda nodes: TOP_K * (min(MAX_DEPTH, nodes) - 1) + 1
+        )
+        if logits is not None:
             grown = self._grow(active, logits, out, states)
             for (i, _, nodes), tree in zip(active, grown):
                 trees[i] = self._priced(items[i], states[i].request, tree, nodes)

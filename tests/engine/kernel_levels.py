@@ -14,3 +14,18 @@ def runnable_levels() -> list[str]:
     have = build_mod.cpu_flags()
     levels = build_mod.PREBUILT_LEVELS.get(platform.machine(), [])
     return ["native"] + [level for level, needs in levels if needs <= have]
+
+
+def kernels_at_level(request):
+    """The kernels of a fixture's level param: the native build (one that failed to
+    build fails the test), or the session's prebuilt library of that level."""
+    import pytest
+
+    from engine.kernels.cpu import CpuKernels, cpu_kernels
+
+    if request.param == "native":
+        found = cpu_kernels()
+        if found is None:
+            pytest.fail("CPU kernels failed to build; see the warning logged by cpu_kernels()")
+        return found
+    return CpuKernels(request.getfixturevalue("prebuilt_kernel_levels")[request.param])

@@ -36,6 +36,13 @@ def test_fused_decoder_is_the_layer_by_layer_forward_bit_for_bit(
     tiny_model_factory, arch, monkeypatch
 ):
     fused, plain = _runners(tiny_model_factory(arch))
+    check_one_call_matches_layers(fused, plain, monkeypatch)
+
+
+def check_one_call_matches_layers(fused, plain, monkeypatch) -> None:
+    """Mixed steps (prompts, decodes beside prefill chunks, a verification-sized query,
+    a chunk after a cached prefix) through ``fused`` (one call, no Python layer runs)
+    and ``plain`` (layer by layer): the same logits bit for bit."""
     rng = random.Random(0)
     vocab = fused.model.config.vocab_size
     for runner in (fused, plain):

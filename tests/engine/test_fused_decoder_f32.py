@@ -8,29 +8,22 @@ oneDNN's)."""
 
 from __future__ import annotations
 
-import random
-
 import pytest
 import torch
 
 from engine.kernels import cpu as cpu_mod
 from engine.kernels import quant as quant_mod
-from engine.kernels.cpu import CpuKernels, cpu_kernels
+from engine.kernels.cpu import CpuKernels
 from engine.loader import load_model
 from engine.models import layers as layers_mod
-from engine.models.llama import LlamaDecoderLayer
-from tests.engine.kernel_levels import runnable_levels
+from tests.engine.kernel_levels import kernels_at_level, runnable_levels
 from tests.engine.simple_runner import SimplePagedRunner
+from tests.engine.test_fused_decoder import check_one_call_matches_layers
 
 
 @pytest.fixture(scope="module", params=runnable_levels())
 def kernels(request) -> CpuKernels:
-    if request.param == "native":
-        found = cpu_kernels()
-        if found is None:
-            pytest.fail("CPU kernels failed to build; see the warning logged by cpu_kernels()")
-        return found
-    return CpuKernels(request.getfixturevalue("prebuilt_kernel_levels")[request.param])
+    return kernels_at_level(request)
 
 
 @pytest.fixture()
@@ -54,33 +47,7 @@ def test_fp32_one_call_decoder_is_the_layer_by_layer_forward_bit_for_bit(
 ):
     fused, plain = _runners(tiny_gguf_path)
     assert fused.model.model.fused.dtype is torch.float32
-    rng = random.Random(0)
-    vocab = fused.model.config.vocab_size
-    for runner in (fused, plain):
-        for seq in range(5):
-            runner.add_sequence(seq)
-    steps = [
-        [(0, 37), (1, 1), (2, 20)],  # prompts, one of a single token
-        [(0, 1), (1, 30), (3, 5), (4, 16)],  # decode beside prefill chunks
-        [(0, 5), (1, 1), (2, 1), (3, 1), (4, 1)],  # a 1 + k verification beside decodes
-        [(2, 40), (0, 1)],  # a long chunk after a cached prefix
-    ]
-    calls = {"n": 0}
-    real = LlamaDecoderLayer.forward
-
-    def counted(self, *args, **kwargs):
-        calls["n"] += 1
-        return real(self, *args, **kwargs)
-
-    monkeypatch.setattr(LlamaDecoderLayer, "forward", counted)
-    for chunks in steps:
-        chunks = [(seq, [rng.randrange(vocab) for _ in range(n)]) for seq, n in chunks]
-        before = calls["n"]
-        ours = fused.step(chunks, all_logits=True)
-        assert calls["n"] == before  # no Python layer ran: the one call did it all
-        theirs = plain.step(chunks, all_logits=True)
-        assert calls["n"] > before
-        assert torch.equal(ours, theirs)
+    check_one_call_matches_layers(fused, plain, monkeypatch)
 
 
 def test_fp32_greedy_output_is_the_same_in_one_call_or_not(at_level, tiny_gguf_path):

@@ -22,7 +22,7 @@ from engine.kernels.quant import FORMATS, GGUF_BLOCK_BYTES, QuantOps
 from engine.loader import load_model
 from engine.models.layers import RMSNorm, apply_rope
 from engine.sample.grammar import mask_logits
-from tests.engine.kernel_levels import runnable_levels
+from tests.engine.kernel_levels import kernels_at_level, runnable_levels
 from tests.engine.simple_runner import SimplePagedRunner
 from tests.engine.test_quant_kernels import dequantize_rows, quantize_rows
 
@@ -40,12 +40,7 @@ CLOSE = {torch.float32: {"rtol": 1e-5, "atol": 1e-5}, torch.bfloat16: {"rtol": 4
 
 @pytest.fixture(scope="module", params=runnable_levels())
 def kernels(request) -> CpuKernels:
-    if request.param == "native":
-        found = cpu_kernels()
-        if found is None:
-            pytest.fail("CPU kernels failed to build; see the warning logged by cpu_kernels()")
-        return found
-    return CpuKernels(request.getfixturevalue("prebuilt_kernel_levels")[request.param])
+    return kernels_at_level(request)
 
 
 @pytest.fixture(scope="module")

@@ -29,7 +29,7 @@ from engine.kernels.cpu import CpuKernels, cpu_kernels
 from engine.loader import load_model
 from engine.models import layers as layers_mod
 from engine.spec_decode import paths
-from tests.engine.kernel_levels import runnable_levels
+from tests.engine.kernel_levels import kernels_at_level, runnable_levels
 
 BLOCK = 16
 
@@ -45,9 +45,7 @@ TREES = {
 
 @pytest.fixture(scope="module", params=runnable_levels())
 def kernels(request) -> CpuKernels:
-    if request.param == "native":
-        return cpu_kernels()
-    return CpuKernels(request.getfixturevalue("prebuilt_kernel_levels")[request.param])
+    return kernels_at_level(request)
 
 
 def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
