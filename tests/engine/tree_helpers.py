@@ -8,20 +8,20 @@ from __future__ import annotations
 import random
 
 from engine.spec_decode.draft_tree import DraftTree
-from engine.spec_decode.ngram import NgramProposer
+from engine.spec_decode.proposers import NgramSpecProposer
 
 
-class RandomTreeProposer:
+class RandomTreeProposer(NgramSpecProposer):
     """Trees of up to ``num_spec_tokens`` nodes: n-gram lookup's continuation placed at
-    a random sibling position, the rest random tokens of ``vocab`` in random shapes."""
+    a random sibling position, the rest random tokens of ``vocab`` in random shapes
+    (the n-gram proposer's bookkeeping, its own proposals)."""
 
-    draft_cost = 0.01
     tree_sources = ("tree",)
 
     def __init__(self, seed: int, vocab: range = range(3, 200)) -> None:
+        super().__init__(1, 4)
         self.rng = random.Random(seed)
         self.vocab = vocab
-        self._ngram = NgramProposer(1, 4)
         self.num_trees = 0
 
     def source_for(self, request, max_k: int = 0):
@@ -71,15 +71,6 @@ class RandomTreeProposer:
             return []
         self.num_trees += 1
         return DraftTree(tokens, parents, [0.5] * len(tokens))
-
-    def on_verified(self, requests) -> None:
-        pass
-
-    def free(self, request_id: str) -> None:
-        self._ngram.forget(request_id)
-
-    def pool_stats(self):
-        return None
 
 
 def install_tree_proposer(engine, seed: int) -> RandomTreeProposer:
