@@ -627,7 +627,8 @@ int64_t specserve_quant_amx_calls(void) { return 0; }
         struct qrows a;                                                                        \
         if (qrows_alloc(&a, m, k)) return 3;                                                   \
         FOR_ROWS_OF(m, k, num_threads, QUANTIZE_ONE_##S);                                      \
-        for (int64_t i = 0; i < m * a.nb; i++) a.ms[i] = a.d[i] * (float)a.s[i];              \
+        if (fmt == QFMT_Q4_1) /* the only format whose scaling reads it */                    \
+            for (int64_t i = 0; i < m * a.nb; i++) a.ms[i] = a.d[i] * (float)a.s[i];          \
         Q_AMX_LINEAR(T, S)                                                                     \
         const int64_t tiles = (n + QLANES - 1) / QLANES;                                       \
         const int64_t groups = (tiles + QTILES - 1) / QTILES;                                  \
