@@ -115,21 +115,24 @@ def _cpu_has_amx() -> bool:
 
 @pytest.mark.parametrize("name", FORMAT_NAMES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_amx_path_gives_the_same_bits_as_vpdpbusd(ops, name, dtype):
+@pytest.mark.parametrize("k", [192, 224])
+def test_the_amx_path_gives_the_same_bits_as_vpdpbusd(ops, name, dtype, k):
     """Where the build has the AMX path (a CPU with AMX-INT8; elsewhere this checks the
     rule is inert): every output of every row is bit for bit what the vpdpbusd path
-    gives, whichever rows take the tiles (16-row blocks, a short last block on either
-    path), so the row count a call has changes nothing (batch invariance)."""
-    weight, x, rows = _case(83, 192, 40, name, seed=5)
+    gives, whichever rows take the tiles (chunks of 64 rows, 16-row blocks inside them,
+    a short last chunk on either path; an even and an odd number of 32-input blocks,
+    which the tile pipeline takes in turns), so the row count a call has changes
+    nothing (batch invariance)."""
+    weight, x, rows = _case(83, k, 131, name, seed=5)
     x = x.to(dtype)
-    packed = ops.pack(FORMATS[name], rows, 192)
+    packed = ops.pack(FORMATS[name], rows, k)
     bias = torch.randn(83).to(dtype)
     rule = ops.amx_min_rows
     try:
         ops.set_amx_min_rows(0)
-        plain = {m: ops.linear(x[:m], packed, bias) for m in (1, 5, 16, 17, 33, 40)}
+        plain = {m: ops.linear(x[:m], packed, bias) for m in (1, 5, 16, 17, 33, 40, 64, 65, 80, 131)}
         before = ops.amx_calls
-        for amx_rule in (1, 5, 16, -1):
+        for amx_rule in (1, 5, 16, 20, -1):
             ops.set_amx_min_rows(amx_rule)
             for m, want in plain.items():
                 assert torch.equal(ops.linear(x[:m], packed, bias), want), (amx_rule, m)
