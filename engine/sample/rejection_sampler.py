@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import torch
 
+from engine.sample.sampler import row_argmax
+
 
 def rejection_sample(
     target_probs: torch.Tensor,  # [n, k_max + 1, vocab_size] processed target distributions
@@ -55,9 +57,9 @@ def rejection_sample(
     residual = torch.where(has_mass, residual, final_p)
     final_dist = torch.where(rejected.unsqueeze(1), residual, final_p)
     if noise is None:
-        final_token = final_dist.argmax(dim=1)
+        final_token = row_argmax(final_dist)
     else:
-        final_token = (final_dist / noise).argmax(dim=1)
+        final_token = row_argmax(final_dist / noise)
 
     positions = torch.arange(k_max + 1, device=device).unsqueeze(0)
     padded_drafts = torch.cat([draft_token_ids, draft_token_ids.new_zeros((n, 1))], dim=1)

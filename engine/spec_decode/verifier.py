@@ -37,6 +37,7 @@ from engine.sample.sampler import (
     compute_logprobs,
     exponential_noise,
     processed_probs,
+    row_argmax,
     uniform_noise,
 )
 from engine.spec_decode import paths
@@ -221,7 +222,7 @@ class Verifier:
 def _greedy_verify(logits: torch.Tensor, drafts: list[list[int]], parents):
     """All-greedy batches: coupling where every sample is the argmax, without building
     one-hot distributions."""
-    argmax = logits.argmax(dim=-1).tolist()  # [sum(1 + drafts)], the only host sync
+    argmax = row_argmax(logits).tolist()  # [sum(1 + drafts)], the only host sync
     out_tokens, accepted, offset = [], [], 0
     for draft, tree in zip(drafts, parents):
         tokens, nodes = paths.walk(draft, tree, argmax[offset : offset + len(draft) + 1])

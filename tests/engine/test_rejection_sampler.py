@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from engine.sample.rejection_sampler import rejection_sample
+from engine.sample.sampler import row_argmax
 from scheduler.spec_length import expected_tokens_per_step
 
 V = 4
@@ -169,3 +170,24 @@ def test_tokens_per_step_follows_the_leviathan_expectation():
     )
     mean_tokens = float((num_acc + 1).float().mean())
     assert mean_tokens == pytest.approx(expected_tokens_per_step(a, k), rel=0.03)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_row_argmax_takes_the_first_maximal_index_as_argmax_does(dtype):
+    """Greedy tokens come from row_argmax (torch's max(dim), faster than argmax): on rows
+    full of ties, with NaNs (maximal) and rows of -inf, it must pick exactly the index
+    argmax picks, the first maximal one, or greedy outputs would drift from
+    transformers' on tied logits."""
+    g = torch.Generator().manual_seed(11)
+    for trial in range(60):
+        rows = int(torch.randint(1, 40, (1,), generator=g))
+        cols = int(torch.randint(1, 50_000, (1,), generator=g))
+        x = torch.randint(-2, 3, (rows, cols), generator=g).float()  # many ties
+        if trial % 3 == 0:
+            x[0, int(torch.randint(0, cols, (1,), generator=g))] = float("nan")
+        if trial % 4 == 0:
+            x[-1] = float("-inf")
+        x = x.to(dtype)
+        assert torch.equal(row_argmax(x), x.argmax(dim=-1)), (trial, rows, cols)
+    tied = torch.tensor([[1.0, 3.0, 3.0, 0.0], [5.0, 5.0, 5.0, 5.0]], dtype=dtype)
+    assert row_argmax(tied).tolist() == [1, 0]
