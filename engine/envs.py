@@ -50,6 +50,16 @@ def kernel_cache_dir() -> Path:
     return cache_dir() / "kernels"
 
 
+def kernel_level() -> str | None:
+    """``SPECSERVE_KERNEL_LEVEL=<level>`` (one of ``build.PREBUILT_LEVELS``, e.g.
+    ``x86-64-v3``) runs the CPU kernels built for that instruction-set level instead of
+    for this CPU (``-march=native``): what a CPU of that level runs, on this machine's
+    cores and memory (reproducing an AVX2 machine's code path on a newer one, or pinning
+    one build across a fleet). Unset, empty or ``native``: this CPU's own build."""
+    value = os.environ.get("SPECSERVE_KERNEL_LEVEL", "").strip()
+    return None if value in ("", "native") else value
+
+
 def fused_decoder() -> bool:
     """``SPECSERVE_FUSED_DECODER=0`` runs a CPU model's decoder layers one Python
     call at a time instead of in one call into the kernels (engine/kernels/decoder.py;

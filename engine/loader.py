@@ -27,7 +27,7 @@ from engine import envs
 from engine.attention import get_attention_backend, xformers_available
 from engine.config import QUANTIZATIONS
 from engine.default_model import DEFAULT_MODEL_NAME, ModelLoadError, default_gguf_path
-from engine.kernels.build import cpu_flags
+from engine.kernels.build import cpu_flags, level_flags
 from engine.kernels.cpu import kernels_for, serves
 from engine.kernels.quant import quant_ops
 from engine.model_config import ModelArchConfig, architectures_of
@@ -126,8 +126,13 @@ def cpu_has_native_bf16(cpuinfo: str | None = None) -> bool:
     """Whether this CPU (or the given /proc/cpuinfo text) has bf16 dot-product
     instructions (x86 AVX512-BF16 or AMX-BF16, Arm BF16): where oneDNN's bf16 GEMMs beat
     fp32 ones, so ``--dtype auto`` picks bf16. Without them torch emulates bf16 and fp32
-    is as fast and exact."""
-    return bool(cpu_flags(cpuinfo) & {"avx512_bf16", "amx_bf16", "bf16"})
+    is as fast and exact. With ``SPECSERVE_KERNEL_LEVEL`` set (and no cpuinfo given),
+    only the flags that level's code may use count: the dtype a CPU of that level gets."""
+    flags = cpu_flags(cpuinfo)
+    level = envs.kernel_level() if cpuinfo is None else None
+    if level is not None:
+        flags = flags & level_flags(level)
+    return bool(flags & {"avx512_bf16", "amx_bf16", "bf16"})
 
 
 def resolve_attn_backend(name: str, device: torch.device, dtype: torch.dtype) -> str:

@@ -105,6 +105,9 @@ def build_library(out_dir: Path | None = None) -> Path:
     cc = _compiler()
     source = read_source()
     cache = _canonical(out_dir or envs.kernel_cache_dir())
+    level = envs.kernel_level()
+    if level is not None:
+        return _build_level(cc, source, cache, level)
     problem: tuple[int, str] | None = None
     refused = ""  # "not loading PATH: why; " when the cached build failed the rule
     if cc is not None:
@@ -138,6 +141,51 @@ def build_library(out_dir: Path | None = None) -> Path:
     level = max(level, logging.WARNING) if refused else level
     logger.log(level, "%skernel cache %s %s; building a private copy", refused, cache, why)
     return _build_private(cc, source, name)
+
+
+def level_flags(level: str) -> frozenset[str]:
+    """The /proc/cpuinfo flags code built for ``level`` (a ``PREBUILT_LEVELS`` name of
+    this architecture) may use; KernelBuildError naming the levels for any other."""
+    levels = dict(PREBUILT_LEVELS.get(platform.machine(), []))
+    if level not in levels:
+        known = ", ".join(["native", *levels])
+        raise KernelBuildError(
+            f"SPECSERVE_KERNEL_LEVEL={level!r} is not a kernel level of "
+            f"{platform.machine()}; expected one of: {known}"
+        )
+    return levels[level]
+
+
+def _build_level(cc: str | None, source: bytes, cache: Path, level: str) -> Path:
+    """The build for ``level`` ($SPECSERVE_KERNEL_LEVEL): its trusted prebuilt variant
+    in ``cache``, else compiled into ``cache`` when that passes the rule and is
+    writable, else privately. Refused (one line naming the levels, or the CPU flags the
+    level needs and this CPU lacks) for a level this CPU cannot run."""
+    missing = level_flags(level) - cpu_flags()
+    if missing:
+        raise KernelBuildError(
+            f"SPECSERVE_KERNEL_LEVEL={level} needs CPU flags this CPU lacks: "
+            + ", ".join(sorted(missing))
+        )
+    name = prebuilt_name(source, level)
+    if os.path.lexists(cache / name):
+        reason = untrusted_reason(cache / name)
+        if reason is None:
+            return cache / name
+        logger.warning("not loading %s: %s", cache / name, reason)
+    if cc is None:
+        raise KernelBuildError(
+            f"no C compiler found (set $CC or install gcc), and {cache} holds no trusted "
+            f"prebuilt kernels for SPECSERVE_KERNEL_LEVEL={level}"
+        )
+    if _cache_problem(cache) is None:
+        logger.info("building specserve's CPU kernels for %s into %s", level, cache)
+        with _build_dir(cache) as build_dir:
+            _compile(cc, source, build_dir, name, march=level)
+            os.close(_open_build(build_dir[1], name))
+            os.replace(name, cache / name, src_dir_fd=build_dir[1])
+        return cache / name
+    return _build_private(cc, source, name, march=level)
 
 
 def prebuild(out_dir: Path, machine: str | None = None) -> list[Path]:
@@ -196,7 +244,7 @@ def _build_cached(cc: str, source: bytes, cache: Path, name: str) -> Path:
     return cache / name
 
 
-def _build_private(cc: str, source: bytes, name: str) -> Path:
+def _build_private(cc: str, source: bytes, name: str, march: str = "native") -> Path:
     """A build for this process alone, in a new 0700 directory under the system temp
     directory that is removed again. The path returned, ``/proc/self/fd/N``, names the
     built file itself (held open for the life of the process), so nobody who can write
@@ -206,7 +254,7 @@ def _build_private(cc: str, source: bytes, name: str) -> Path:
         raise KernelBuildError("no trusted, writable kernel cache, and no /proc to load from")
     logger.info("building specserve's CPU kernels for this process (about a second)")
     with _build_dir(Path(tempfile.gettempdir())) as build_dir:
-        _compile(cc, source, build_dir, name)
+        _compile(cc, source, build_dir, name, march=march)
         fd = _open_build(build_dir[1], name)
     return _PROC_FD / str(fd)
 

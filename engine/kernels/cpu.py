@@ -514,12 +514,17 @@ def cpu_kernels_enabled(enabled: bool) -> Iterator[None]:
 
 @functools.cache
 def cpu_kernels() -> CpuKernels | None:
-    """The process-wide kernels, or None (logged once) when they cannot be used."""
+    """The process-wide kernels, or None (logged once) when they cannot be used. A
+    level asked for by name (``SPECSERVE_KERNEL_LEVEL``) that cannot be had is an error,
+    not a silent fall back to torch ops."""
     if not envs.cpu_kernels():
         return None
     try:
         return CpuKernels(build_library())
     except (KernelBuildError, OSError, AttributeError) as exc:
+        if envs.kernel_level() is not None:
+            raise
+
         logger.warning("CPU kernels unavailable, using torch ops (slower): %s", exc)
         return None
 

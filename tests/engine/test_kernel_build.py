@@ -482,3 +482,75 @@ def test_with_a_compiler_a_writable_cache_still_gets_a_native_build(prebuilt, mo
     chosen = build_library(out)
     assert chosen not in built and chosen.name == _library_name()
     chosen.unlink()
+
+
+# --- SPECSERVE_KERNEL_LEVEL: a named level's code on this CPU ---------------------------
+
+
+def _lowest_level() -> tuple[str, frozenset[str]]:
+    levels = build_mod.PREBUILT_LEVELS.get(build_mod.platform.machine())
+    if not levels:
+        pytest.skip(f"no kernel levels for {build_mod.platform.machine()}")
+    return levels[-1]
+
+
+def test_a_named_level_is_built_loaded_and_reused(prebuilt, tmp_path, monkeypatch):
+    """The lowest level (every CPU of the kind runs it; on x86-64 the portable
+    x86-64-v2 code) is what gets loaded, not the native build: its quantized Linear is
+    the portable one, it still computes what torch does, and a second start takes the
+    trusted file from the cache (the prebuilt one when the cache has it)."""
+    level, _ = _lowest_level()
+    monkeypatch.setenv("SPECSERVE_KERNEL_LEVEL", level)
+    cache = tmp_path / "kernels"
+    first = build_library(cache)
+    assert first.parent == cache and first.name.endswith(f"-{level}.so")
+    assert first.name == build_mod.prebuilt_name(build_mod.read_source(), level)
+    kernels = CpuKernels(first)
+    _assert_works(kernels)
+    if build_mod.platform.machine() == "x86_64":
+        assert QuantOps(kernels.lib).path == "portable"
+    mtime = first.stat().st_mtime_ns
+    assert build_library(cache) == first and first.stat().st_mtime_ns == mtime
+    out, built = prebuilt  # a baked cache without a compiler: its prebuilt file
+    monkeypatch.setattr(build_mod, "_compiler", lambda: None)
+    assert build_library(out) == next(p for p in built if p.name.endswith(f"-{level}.so"))
+
+
+def test_an_unknown_level_is_one_line_naming_the_levels_and_no_fallback(monkeypatch, tmp_path):
+    """A level the operator named and cannot have fails, in one line: no silent fall
+    back to the native build or to torch ops."""
+    level, _ = _lowest_level()
+    monkeypatch.setenv("SPECSERVE_KERNEL_LEVEL", "x86-64-v9")
+    with pytest.raises(build_mod.KernelBuildError, match=f"expected one of: native, .*{level}"):
+        build_library(tmp_path / "kernels")
+    cpu_kernels.cache_clear()
+    try:
+        with pytest.raises(build_mod.KernelBuildError, match="x86-64-v9"):
+            cpu_kernels()
+    finally:
+        cpu_kernels.cache_clear()
+
+
+def test_a_level_this_cpu_cannot_run_names_the_missing_flags(monkeypatch, tmp_path):
+    if build_mod.platform.machine() != "x86_64":
+        pytest.skip("the levels are x86-64's")
+    monkeypatch.setenv("SPECSERVE_KERNEL_LEVEL", "x86-64-v3")
+    _cpu_with(monkeypatch, build_mod._X86_64_V3 - {"avx2", "fma"})
+    with pytest.raises(build_mod.KernelBuildError, match="lacks: avx2, fma$"):
+        build_library(tmp_path / "kernels")
+
+
+def test_auto_dtype_follows_the_named_level(monkeypatch):
+    """--dtype auto picks bf16 only where the kernels in use have native bf16: a CPU
+    with AVX512-BF16 running the x86-64-v3 code is served like an AVX2 machine."""
+    from engine.loader import cpu_has_native_bf16
+
+    if build_mod.platform.machine() != "x86_64":
+        pytest.skip("the levels are x86-64's")
+    _cpu_with(monkeypatch, build_mod._X86_64_V4_VNNI_BF16)
+    monkeypatch.delenv("SPECSERVE_KERNEL_LEVEL", raising=False)
+    assert cpu_has_native_bf16()
+    monkeypatch.setenv("SPECSERVE_KERNEL_LEVEL", "x86-64-v3")
+    assert not cpu_has_native_bf16()
+    monkeypatch.setenv("SPECSERVE_KERNEL_LEVEL", "x86-64-v4-vnni-bf16")
+    assert cpu_has_native_bf16()
