@@ -303,16 +303,14 @@ INLINE void q_acc_to_lanes(float *lanes, qacc v) { _mm512_storeu_ps(lanes, v); }
  * output, sum(q * xq), signed against signed, so no +128 offset. It is then scaled
  * and accumulated exactly as the vpdpbusd path does, in the same order (Q4_0's
  * - 8 * sum(xq) first): every output is bit for bit the one the other path gives,
- * so which path a call takes (its row count) changes nothing. A thread takes one
- * tile of outputs through every block for up to 64 rows at a time (4 row blocks
- * share each block's tile B), and scales block b while block b + 1 runs on the tile
- * unit. On this project's Xeon VM a tile op (loads, tdpbssd, the store of C) and the
- * vector scaling of its 16 x 16 sums hardly overlap (scripts/bench_amx_overlap.c:
- * 10.7-11.0 and 6.7-6.8 ns a block alone, 15.5-21.5 together), so the 32-input
- * blocks' scaling bounds the path at about twice vpdpbusd's rate; Q8_0 reaches
- * 1.2-1.45x from 16 rows. Linux lends a process
- * the tile registers on request (arch_prctl ARCH_REQ_XCOMP_PERM); refused, the
- * vpdpbusd path runs. */
+ * so which path a call takes (its row count) changes nothing. On this project's Xeon
+ * VM the tile unit's work and the vector scaling hardly overlap
+ * (scripts/bench_amx_overlap.c: 10.7-11.0 and 6.7-6.8 ns a block alone, 15.5-21.5
+ * together), which bounds this path near twice vpdpbusd's rate. (A variant carrying
+ * 64 rows through each block, sharing the unpacked weights, measured 1.08x on Q4_1 at
+ * 64-128 rows but 10-15% slower on Q8_0 than this one: not kept.) Linux lends a
+ * process the tile registers on request (arch_prctl ARCH_REQ_XCOMP_PERM); refused,
+ * the vpdpbusd path runs. */
 #define QPATH_AMX 1
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -320,11 +318,12 @@ INLINE void q_acc_to_lanes(float *lanes, qacc v) { _mm512_storeu_ps(lanes, v); }
 
 static int q_amx_state = 0; /* 0: not asked yet, 1: granted, -1: refused */
 /* The fewest rows a call needs to take the AMX path: -1 picks by format what measured
- * faster (docs/benchmarks.md): Q8_0 from 9 rows (a [1536, 576] Linear alone 1.2-1.45x
- * from 16 rows; an int8 model's forward over 17 and 33 tokens 1.15x, the default
- * model's Q8_0 head 1.2-1.4x); Q4 never (0.85-1.07x per layer from 32 rows: its
- * nibbles must be split into a tile in memory first, and each block's scaling bounds
- * both paths; a 256-token prefill came out 4% slower). 0: never. */
+ * faster (docs/benchmarks.md): Q8_0 from 9 rows (a [1536, 576] Linear alone is 1.1-2x
+ * from 5 rows, but inside the decoder 5 rows came out slower; an int8 model's forward
+ * over 17 and 33 tokens 1.15x, the default model's Q8_0 head 1.2-1.4x); Q4 never
+ * (1.04-1.06x alone from 16 rows, slower inside the decoder: its nibbles must be split
+ * into a tile in memory first, and each block's scaling, the same work as on
+ * vpdpbusd, bounds both paths). 0: never. */
 static int32_t q_amx_min_rows = -1;
 
 static int64_t q_amx_calls = 0; /* calls that ran on tiles: tests check the path ran */
@@ -360,7 +359,6 @@ INLINE void q_amx_config(void) {
     cfg.rows[1] = Q_AMX_ROWS, cfg.colsb[1] = QK; /* A: 16 rows x 32 int8 */
     cfg.rows[2] = QK / 4, cfg.colsb[2] = 64;     /* B: 8 x (16 outputs x 4 int8) */
     cfg.rows[3] = Q_AMX_ROWS, cfg.colsb[3] = 64; /* the second C */
-    cfg.rows[4] = Q_AMX_ROWS, cfg.colsb[4] = QK; /* the second A */
     _tile_loadconfig(&cfg);
 }
 
@@ -376,36 +374,19 @@ INLINE const uint8_t *q_amx_weights(int32_t fmt, const uint8_t *qs, uint8_t *bq)
     return bq;
 }
 
-/* Rows a thread carries through every block of one tile of outputs: up to this many
- * rows (4 row blocks of 16) share each block's weights, unpacked and loaded once. */
-#define Q_AMX_CHUNK 64
-
-/* One row block's products of the block whose weights are in tile B (2): C tiles 0
- * and 3 take turns (A tiles 1 and 4), each stored to c when done. */
-#define Q_AMX_ROWBLOCK(CT, AT, rb)                                                             \
+/* Block b's products into C tile T (0 or 3; the tile number must be a constant). */
+#define Q_AMX_ISSUE(T, b)                                                                      \
     do {                                                                                       \
-        _tile_loadd(AT, xq + (int64_t)(rb) * Q_AMX_ROWS * k, k);                               \
-        _tile_zero(CT);                                                                        \
-        _tile_dpbssd(CT, AT, 2);                                                               \
-        _tile_stored(CT, c + (rb) * Q_AMX_ROWS * 16, 64);                                      \
+        const uint8_t *blk_ = tile + (b) * tb;                                                 \
+        const uint8_t *w_ = q_amx_weights(fmt, blk_ + QLANES * sb, bq + ((b) & 1) * 512);      \
+        _tile_zero(T);                                                                         \
+        _tile_loadd(1, a->q + r0 * a->k + (b) * QK, a->k);                                     \
+        _tile_loadd(2, w_, 64);                                                                \
+        _tile_dpbssd(T, 1, 2);                                                                 \
     } while (0)
 
-/* The int32 sums of one block (weights qs, activations xq: the block's first input
- * of the chunk's first row, rows k apart) for nrb row blocks, into c. */
-INLINE void q_amx_products(int32_t fmt, const uint8_t *qs, const int8_t *xq, int64_t k,
-                           int nrb, uint8_t *bq, int32_t *c) {
-    _tile_loadd(2, q_amx_weights(fmt, qs, bq), 64);
-    int rb = 0;
-    for (; rb + 1 < nrb; rb += 2) {
-        Q_AMX_ROWBLOCK(0, 1, rb);
-        Q_AMX_ROWBLOCK(3, 4, rb + 1);
-    }
-    if (rb < nrb) Q_AMX_ROWBLOCK(0, 1, rb);
-}
-
-/* Block b's sums (c, 16 int32 a row) scaled into acc (16 floats a row) for rows
- * [r0, r0 + rows), as the vpdpbusd path does, op for op. */
-INLINE void q_amx_scale(float *acc, int32_t fmt, int rows, const uint8_t *blk,
+/* Block b's sums (in c) scaled into the accumulators, as the vpdpbusd path does. */
+INLINE void q_amx_scale(qacc *acc, int32_t fmt, int rows, const uint8_t *blk,
                         const struct qrows *a, int64_t r0, int64_t b, const int32_t *c) {
     const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)blk));
     const __m512 m = fmt == QFMT_Q4_1
@@ -413,47 +394,48 @@ INLINE void q_amx_scale(float *acc, int32_t fmt, int rows, const uint8_t *blk,
                          : _mm512_setzero_ps();
     for (int r = 0; r < rows; r++) {
         const int64_t i = (r0 + r) * a->nb + b;
+        const float xd = a->d[i];
+        const int32_t xs = a->s[i];
         __m512i total = _mm512_load_si512(c + r * 16);
-        if (fmt == QFMT_Q4_0) total = _mm512_sub_epi32(total, _mm512_set1_epi32(8 * a->s[i]));
-        __m512 o = _mm512_load_ps(acc + r * 16);
-        o = _mm512_fmadd_ps(_mm512_cvtepi32_ps(total), _mm512_mul_ps(d, _mm512_set1_ps(a->d[i])), o);
-        if (fmt == QFMT_Q4_1) o = _mm512_fmadd_ps(m, _mm512_set1_ps(a->ms[i]), o);
-        _mm512_store_ps(acc + r * 16, o);
+        if (fmt == QFMT_Q4_0) total = _mm512_sub_epi32(total, _mm512_set1_epi32(8 * xs));
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(total), _mm512_mul_ps(d, _mm512_set1_ps(xd)),
+                                 acc[r]);
+        if (fmt == QFMT_Q4_1) acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(a->ms[i]), acc[r]);
     }
 }
 
-/* acc (rows x 16 floats): rows [r0, r0 + rows) (at most Q_AMX_CHUNK) against the 16
- * outputs of `tile`. bq (1024 bytes) and c (2 x Q_AMX_CHUNK x 16 int32) are the
- * caller's scratch, 64-byte aligned. Block b + 1's products run on the tile unit
- * while block b's, stored the step before, are scaled on the vector units. */
-INLINE void q_tile_amx(float *acc, int32_t fmt, int rows, const uint8_t *tile,
+/* acc[r]: row r0 + r's 16 outputs of `tile`; bq (1024 bytes) and c (512 int32) are the
+ * caller's scratch, 64-byte aligned. Two C tiles take turns: block b + 1's products
+ * run on the tile unit while block b's are scaled. */
+INLINE void q_tile_amx(qacc *acc, int32_t fmt, int rows, const uint8_t *tile,
                        const struct qrows *a, int64_t r0, uint8_t *bq, int32_t *c) {
-    const int64_t tb = q_tile_block_bytes(fmt), sb = q_scale_bytes(fmt), nb = a->nb, k = a->k;
-    const int nrb = (rows + Q_AMX_ROWS - 1) / Q_AMX_ROWS;
-    const int8_t *xq = a->q + r0 * k;
-    int32_t *const cs[2] = {c, c + Q_AMX_CHUNK * 16};
-    memset(acc, 0, sizeof(float) * 16 * (size_t)rows);
-    q_amx_products(fmt, tile + QLANES * sb, xq, k, nrb, bq, cs[0]);
-    for (int64_t b = 0; b < nb; b++) {
-        if (b + 1 < nb)
-            q_amx_products(fmt, tile + (b + 1) * tb + QLANES * sb, xq + (b + 1) * QK, k, nrb,
-                           bq + ((b + 1) & 1) * 512, cs[(b + 1) & 1]);
-        q_amx_scale(acc, fmt, rows, tile + b * tb, a, r0, b, cs[b & 1]);
+    const int64_t tb = q_tile_block_bytes(fmt), sb = q_scale_bytes(fmt), nb = a->nb;
+    for (int r = 0; r < rows; r++) acc[r] = _mm512_setzero_ps();
+    Q_AMX_ISSUE(0, 0);
+    for (int64_t b = 0; b < nb; b += 2) {
+        _tile_stored(0, c, 64);
+        if (b + 1 < nb) Q_AMX_ISSUE(3, b + 1);
+        q_amx_scale(acc, fmt, rows, tile + b * tb, a, r0, b, c);
+        if (b + 1 >= nb) break;
+        _tile_stored(3, c + 256, 64);
+        if (b + 2 < nb) Q_AMX_ISSUE(0, b + 2);
+        q_amx_scale(acc, fmt, rows, tile + (b + 1) * tb, a, r0, b + 1, c + 256);
     }
 }
 
 #define Q_TILE_AMX_FMT(F)                                                                      \
-    static __attribute__((noinline)) void q_tile_amx_##F(float *acc, int rows,                \
+    static __attribute__((noinline)) void q_tile_amx_##F(qacc *acc, int rows,                 \
                                                           const uint8_t *tile,                 \
                                                           const struct qrows *a, int64_t r0,   \
                                                           uint8_t *bq, int32_t *c) {           \
-        q_tile_amx(acc, F, rows, tile, a, r0, bq, c);                                          \
+        if (rows == Q_AMX_ROWS) q_tile_amx(acc, F, Q_AMX_ROWS, tile, a, r0, bq, c);            \
+        else q_tile_amx(acc, F, rows, tile, a, r0, bq, c);                                     \
     }
 Q_TILE_AMX_FMT(QFMT_Q4_0)
 Q_TILE_AMX_FMT(QFMT_Q4_1)
 Q_TILE_AMX_FMT(QFMT_Q8_0)
 
-INLINE void q_tile_amx_rows(float *acc, int32_t fmt, int rows, const uint8_t *tile,
+INLINE void q_tile_amx_rows(qacc *acc, int32_t fmt, int rows, const uint8_t *tile,
                             const struct qrows *a, int64_t r0, uint8_t *bq, int32_t *c) {
     if (fmt == QFMT_Q8_0) q_tile_amx_QFMT_Q8_0(acc, rows, tile, a, r0, bq, c);
     else if (fmt == QFMT_Q4_1) q_tile_amx_QFMT_Q4_1(acc, rows, tile, a, r0, bq, c);
@@ -461,8 +443,8 @@ INLINE void q_tile_amx_rows(float *acc, int32_t fmt, int rows, const uint8_t *ti
 }
 
 /* The AMX path of QUANT_LINEAR, for output type T (S its suffix): returns from it when
- * taken. Chunks of up to Q_AMX_CHUNK rows run on tiles where they hold amx_rows_ rows
- * or more, the others (a short last chunk) on vpdpbusd: the same bits either way. */
+ * taken. Row blocks of 16 run on tiles where they hold amx_rows_ rows or more, the
+ * others (a short last block) on vpdpbusd: the same bits either way. */
 #define Q_AMX_LINEAR(T, S)                                                                     \
     const int64_t amx_rows_ = q_amx_min_rows >= 0 ? q_amx_min_rows                               \
                               : fmt == QFMT_Q8_0  ? 9                                          \
@@ -475,29 +457,27 @@ INLINE void q_tile_amx_rows(float *acc, int32_t fmt, int rows, const uint8_t *ti
         _Pragma("omp parallel num_threads(num_threads)") {                                     \
             q_amx_config();                                                                    \
             uint8_t bq[1024] __attribute__((aligned(64)));                                     \
-            int32_t c[2 * Q_AMX_CHUNK * 16] __attribute__((aligned(64)));                      \
-            float tacc[Q_AMX_CHUNK * 16] __attribute__((aligned(64)));                         \
-            qacc acc[QROWS * QTILES];                                                          \
+            int32_t c[512] __attribute__((aligned(64)));                                       \
+            qacc acc[Q_AMX_ROWS];                                                              \
             _Pragma("omp for schedule(static)") for (int64_t g = 0; g < groups; g++) {        \
                 const uint8_t *group[QTILES];                                                  \
                 for (int j = 0; j < QTILES; j++) {                                             \
                     const int64_t t = g * QTILES + j < tiles ? g * QTILES + j : tiles - 1;     \
                     group[j] = packed + t * tile_bytes;                                        \
                 }                                                                              \
-                for (int64_t r0 = 0; r0 < m; r0 += Q_AMX_CHUNK) {                              \
-                    const int rows = m - r0 < Q_AMX_CHUNK ? (int)(m - r0) : Q_AMX_CHUNK;       \
-                    if (rows >= amx_rows_) {                                                   \
-                        for (int j = 0; j < QTILES && g * QTILES + j < tiles; j++) {           \
-                            const int64_t c0 = (g * QTILES + j) * QLANES;                      \
-                            const int64_t cols = n - c0 < QLANES ? n - c0 : QLANES;            \
-                            const T *bb = bias == NULL ? NULL : bias + c0;                     \
-                            q_tile_amx_rows(tacc, fmt, rows, group[j], &a, r0, bq, c);         \
+                for (int64_t r0 = 0; r0 < m; r0 += Q_AMX_ROWS) {                               \
+                    const int rows = m - r0 < Q_AMX_ROWS ? (int)(m - r0) : Q_AMX_ROWS;         \
+                    for (int j = 0; j < QTILES && g * QTILES + j < tiles; j++) {               \
+                        const int64_t c0 = (g * QTILES + j) * QLANES;                          \
+                        const int64_t cols = n - c0 < QLANES ? n - c0 : QLANES;                \
+                        const T *bb = bias == NULL ? NULL : bias + c0;                         \
+                        if (rows >= amx_rows_) {                                               \
+                            q_tile_amx_rows(acc, fmt, rows, group[j], &a, r0, bq, c);          \
                             for (int r = 0; r < rows; r++)                                     \
-                                q_store_##S(out + (r0 + r) * n + c0,                           \
-                                            _mm512_load_ps(tacc + r * 16), bb, cols);          \
+                                q_store_##S(out + (r0 + r) * n + c0, acc[r], bb, cols);        \
                         }                                                                      \
-                        continue;                                                              \
                     }                                                                          \
+                    if (rows >= amx_rows_) continue;                                           \
                     for (int64_t r1 = r0; r1 < r0 + rows; r1 += QROWS) {                       \
                         const int rr = r0 + rows - r1 < QROWS ? (int)(r0 + rows - r1) : QROWS; \
                         q_tile_rows(acc, fmt, rr, group, &a, r1);                              \
