@@ -12,7 +12,9 @@
 #                        .baselines/llamacpp/bin; about 15 minutes on 2 cores
 # Safe to re-run: a venv whose package already imports is left alone.
 #
-#   ./scripts/install_baselines.sh [vllm] [llamacpp]     (default: both)
+#   .baselines/llamacpp-avx2  the same built as for an AVX2-only CPU (only on request)
+#
+#   ./scripts/install_baselines.sh [vllm] [llamacpp] [llamacpp-avx2]  (default: the first two)
 #   PYTHON=python3.11                                    interpreter for the venvs
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -64,9 +66,19 @@ llamacpp_cmake_args() {
   echo "$args"
 }
 
+# llama.cpp as an AVX2-only machine builds it (AVX, AVX2, FMA, F16C; no AVX-512 or
+# VNNI of either width): on a newer CPU, the code path of the AVX2 machines issue 35's
+# targets are set on, beside specserve's own AVX2 kernels (SPECSERVE_KERNEL_LEVEL=x86-64-v3).
+llamacpp_avx2_cmake_args() {
+  local args="-DGGML_NATIVE=OFF -DLLAMA_CURL=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON"
+  args="$args -DGGML_F16C=ON -DGGML_AVX512=OFF -DGGML_AVX512_VNNI=OFF -DGGML_AVX512_BF16=OFF"
+  args="$args -DGGML_AVX512_VBMI=OFF -DGGML_AVX_VNNI=OFF"
+  echo "$args -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF"
+}
+
 install_llamacpp() {
-  local dir=.baselines/llamacpp cmake_args
-  cmake_args=$(llamacpp_cmake_args)
+  local dir=${1:-.baselines/llamacpp} cmake_args=${2:-}
+  [ -n "$cmake_args" ] || cmake_args=$(llamacpp_cmake_args)
   make_venv "$dir"
   if "$dir/bin/python" -c "import llama_cpp" 2>/dev/null && [ -x "$dir/bin/llama-bench" ]; then
     log "llama.cpp already installed in $dir"
@@ -100,7 +112,8 @@ for t in "${targets[@]}"; do
   case "$t" in
     vllm) install_vllm ;;
     llamacpp) install_llamacpp ;;
-    *) log "unknown baseline '$t': expected vllm or llamacpp"; exit 2 ;;
+    llamacpp-avx2) install_llamacpp .baselines/llamacpp-avx2 "$(llamacpp_avx2_cmake_args)" ;;
+    *) log "unknown baseline '$t': expected vllm, llamacpp or llamacpp-avx2"; exit 2 ;;
   esac
 done
 
@@ -110,5 +123,6 @@ for t in "${targets[@]}"; do
   case "$t" in
     vllm) echo "export SPECSERVE_VLLM_PYTHON=$root/.baselines/vllm/bin/python" ;;
     llamacpp) echo "export SPECSERVE_LLAMACPP_PYTHON=$root/.baselines/llamacpp/bin/python" ;;
+    llamacpp-avx2) echo "export SPECSERVE_LLAMACPP_PYTHON=$root/.baselines/llamacpp-avx2/bin/python" ;;
   esac
 done
