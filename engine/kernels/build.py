@@ -179,12 +179,7 @@ def _build_level(cc: str | None, source: bytes, cache: Path, level: str) -> Path
             f"prebuilt kernels for SPECSERVE_KERNEL_LEVEL={level}"
         )
     if _cache_problem(cache) is None:
-        logger.info("building specserve's CPU kernels for %s into %s", level, cache)
-        with _build_dir(cache) as build_dir:
-            _compile(cc, source, build_dir, name, march=level)
-            os.close(_open_build(build_dir[1], name))
-            os.replace(name, cache / name, src_dir_fd=build_dir[1])
-        return cache / name
+        return _build_cached(cc, source, cache, name, march=level)
     return _build_private(cc, source, name, march=level)
 
 
@@ -233,10 +228,10 @@ def _prebuilt(cache: Path, source: bytes) -> Path | None:
     return None
 
 
-def _build_cached(cc: str, source: bytes, cache: Path, name: str) -> Path:
-    logger.info("building specserve's CPU kernels into %s (once per CPU kind)", cache)
+def _build_cached(cc: str, source: bytes, cache: Path, name: str, march: str = "native") -> Path:
+    logger.info("building specserve's CPU kernels (%s) into %s (once per CPU kind)", march, cache)
     with _build_dir(cache) as build_dir:
-        _compile(cc, source, build_dir, name)
+        _compile(cc, source, build_dir, name, march=march)
         dir_fd = build_dir[1]
         os.close(_open_build(dir_fd, name))
         # atomic: concurrent builders agree on one file, and an untrusted one is replaced
