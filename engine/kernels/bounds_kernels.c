@@ -41,6 +41,39 @@ double specserve_read_gbps(const uint64_t *buf, int64_t bytes, int32_t reps,
 
 #define BOUNDS_CHAINS 24 /* independent accumulators: more than latency x ports */
 
+/* One register-only peak loop (a case of specserve_peak_gmacs): every thread runs
+ * BOUNDS_CHAINS independent chains of acc = STEP(acc, u, v) on vectors of type VT,
+ * chain c starting at ACC0(c); u = U0 and v = V0 (of type OT) are hidden from the
+ * compiler by an empty asm (register constraint R: "+v" for AVX-512 registers, "+x"
+ * for AVX2) so the steps are not folded, and each chain's LANE(acc) goes into `sink` so none is dead.
+ * MACS: multiply-adds per step and chain. */
+#define BOUNDS_PEAK(MACS, VT, OT, ACC0, U0, V0, R, STEP, LANE)                                 \
+    do {                                                                                       \
+        macs_per_iter = (MACS) * BOUNDS_CHAINS;                                                \
+        ran = 1;                                                                               \
+        _Pragma("omp parallel num_threads(num_threads) reduction(+ : sink)") {                 \
+            VT a[BOUNDS_CHAINS];                                                               \
+            for (int c = 0; c < BOUNDS_CHAINS; c++) a[c] = ACC0(c);                            \
+            OT u = (U0), v = (V0);                                                             \
+            __asm__ volatile("" : R(u), R(v));                                                 \
+            for (int64_t it = 0; it < iters; it++) {                                           \
+                _Pragma("GCC unroll 24") for (int c = 0; c < BOUNDS_CHAINS; c++)               \
+                    a[c] = STEP(a[c], u, v);                                                   \
+            }                                                                                  \
+            for (int c = 0; c < BOUNDS_CHAINS; c++) sink += (double)LANE(a[c]);                \
+        }                                                                                      \
+    } while (0)
+#define BOUNDS_R512 "+v"
+#define BOUNDS_R256 "+x"
+#define BOUNDS_PS512(c) _mm512_set1_ps((float)(c))
+#define BOUNDS_PS256(c) _mm256_set1_ps((float)(c))
+#define BOUNDS_EPI512(c) _mm512_set1_epi32(c)
+#define BOUNDS_EPI256(c) _mm256_set1_epi32(c)
+/* the AVX2 quantized kernel's int8 step without VNNI: vpmaddubsw, vpmaddwd by 1, vpaddd */
+#define BOUNDS_MADDUBS(acc, u, v)                                                              \
+    _mm256_add_epi32((acc), _mm256_madd_epi16(_mm256_maddubs_epi16((u), (v)),                  \
+                                              _mm256_set1_epi16(1)))
+
 /* Multiply-adds per second (G) of one instruction on `num_threads` threads, best of
  * three: kind 0 fp32 FMA (vfmadd, 1 multiply-add per fp32 lane), 1 bf16 vdpbf16ps (2
  * per fp32 lane), 2 int8 vpdpbusd (4 per int32 lane; the 256-bit form where it is
@@ -52,166 +85,55 @@ double specserve_peak_gmacs(int32_t kind, int64_t iters, int32_t num_threads) {
     for (int32_t r = 0; r < 3; r++) {
         double macs_per_iter = 0.0, t0 = bounds_now_s();
         int32_t ran = 0;
-        float fsink = 0.0f;
-        int32_t isink = 0;
-        (void)fsink, (void)isink;
+        double sink = 0.0;
         switch (kind) {
 #if defined(__AVX512F__)
-        case 0: {
-            macs_per_iter = 16.0 * BOUNDS_CHAINS;
-            ran = 1;
-#pragma omp parallel num_threads(num_threads) reduction(+ : fsink)
-            {
-                __m512 a[BOUNDS_CHAINS];
-                for (int c = 0; c < BOUNDS_CHAINS; c++) a[c] = _mm512_set1_ps((float)c);
-                __m512 u = _mm512_set1_ps(1.0001f), v = _mm512_set1_ps(0.999f);
-                __asm__ volatile("" : "+v"(u), "+v"(v));
-                for (int64_t it = 0; it < iters; it++) {
-#pragma GCC unroll 24
-                    for (int c = 0; c < BOUNDS_CHAINS; c++) a[c] = _mm512_fmadd_ps(a[c], u, v);
-                }
-                for (int c = 0; c < BOUNDS_CHAINS; c++) fsink += _mm512_reduce_add_ps(a[c]);
-            }
+        case 0:
+            BOUNDS_PEAK(16.0, __m512, __m512, BOUNDS_PS512, _mm512_set1_ps(1.0001f),
+                        _mm512_set1_ps(0.999f), BOUNDS_R512, _mm512_fmadd_ps,
+                        _mm512_reduce_add_ps);
             break;
-        }
 #elif defined(__FMA__)
-        case 0: {
-            macs_per_iter = 8.0 * BOUNDS_CHAINS;
-            ran = 1;
-#pragma omp parallel num_threads(num_threads) reduction(+ : fsink)
-            {
-                __m256 a[BOUNDS_CHAINS];
-                for (int c = 0; c < BOUNDS_CHAINS; c++) a[c] = _mm256_set1_ps((float)c);
-                __m256 u = _mm256_set1_ps(1.0001f), v = _mm256_set1_ps(0.999f);
-                __asm__ volatile("" : "+x"(u), "+x"(v));
-                for (int64_t it = 0; it < iters; it++) {
-#pragma GCC unroll 24
-                    for (int c = 0; c < BOUNDS_CHAINS; c++) a[c] = _mm256_fmadd_ps(a[c], u, v);
-                }
-                float lanes[8];
-                for (int c = 0; c < BOUNDS_CHAINS; c++) {
-                    _mm256_storeu_ps(lanes, a[c]);
-                    fsink += lanes[0];
-                }
-            }
+        case 0:
+            BOUNDS_PEAK(8.0, __m256, __m256, BOUNDS_PS256, _mm256_set1_ps(1.0001f),
+                        _mm256_set1_ps(0.999f), BOUNDS_R256, _mm256_fmadd_ps, _mm256_cvtss_f32);
             break;
-        }
 #endif
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
-        case 1: {
-            macs_per_iter = 32.0 * BOUNDS_CHAINS;
-            ran = 1;
-#pragma omp parallel num_threads(num_threads) reduction(+ : fsink)
-            {
-                __m512 a[BOUNDS_CHAINS];
-                for (int c = 0; c < BOUNDS_CHAINS; c++) a[c] = _mm512_set1_ps((float)c);
-                __m512bh u = (__m512bh)_mm512_set1_epi32(0x3f803f80), v = u;
-                __asm__ volatile("" : "+v"(u), "+v"(v));
-                for (int64_t it = 0; it < iters; it++) {
-#pragma GCC unroll 24
-                    for (int c = 0; c < BOUNDS_CHAINS; c++) a[c] = _mm512_dpbf16_ps(a[c], u, v);
-                }
-                for (int c = 0; c < BOUNDS_CHAINS; c++) fsink += _mm512_reduce_add_ps(a[c]);
-            }
+        case 1:
+            BOUNDS_PEAK(32.0, __m512, __m512bh, BOUNDS_PS512, (__m512bh)_mm512_set1_epi32(0x3f803f80),
+                        (__m512bh)_mm512_set1_epi32(0x3f803f80), BOUNDS_R512, _mm512_dpbf16_ps,
+                        _mm512_reduce_add_ps);
             break;
-        }
 #endif
 #if defined(__AVX512VNNI__) && defined(__AVX512F__)
-        case 2: {
-            macs_per_iter = 64.0 * BOUNDS_CHAINS;
-            ran = 1;
-#pragma omp parallel num_threads(num_threads) reduction(+ : isink)
-            {
-                __m512i a[BOUNDS_CHAINS];
-                for (int c = 0; c < BOUNDS_CHAINS; c++) a[c] = _mm512_set1_epi32(c);
-                __m512i u = _mm512_set1_epi8(3), v = _mm512_set1_epi8(5);
-                __asm__ volatile("" : "+v"(u), "+v"(v));
-                for (int64_t it = 0; it < iters; it++) {
-#pragma GCC unroll 24
-                    for (int c = 0; c < BOUNDS_CHAINS; c++) a[c] = _mm512_dpbusd_epi32(a[c], u, v);
-                }
-                for (int c = 0; c < BOUNDS_CHAINS; c++) isink += _mm512_reduce_add_epi32(a[c]);
-            }
+        case 2:
+            BOUNDS_PEAK(64.0, __m512i, __m512i, BOUNDS_EPI512, _mm512_set1_epi8(3), _mm512_set1_epi8(5),
+                        BOUNDS_R512, _mm512_dpbusd_epi32, _mm512_reduce_add_epi32);
             break;
-        }
-        case 3: { /* vpdpbusd on 256-bit registers (AVX512-VL) */
+        case 3: /* vpdpbusd on 256-bit registers (AVX512-VL) */
 #if defined(__AVX512VL__)
-            macs_per_iter = 32.0 * BOUNDS_CHAINS;
-            ran = 1;
-#pragma omp parallel num_threads(num_threads) reduction(+ : isink)
-            {
-                __m256i a[BOUNDS_CHAINS];
-                for (int c = 0; c < BOUNDS_CHAINS; c++) a[c] = _mm256_set1_epi32(c);
-                __m256i u = _mm256_set1_epi8(3), v = _mm256_set1_epi8(5);
-                __asm__ volatile("" : "+v"(u), "+v"(v));
-                for (int64_t it = 0; it < iters; it++) {
-#pragma GCC unroll 24
-                    for (int c = 0; c < BOUNDS_CHAINS; c++) a[c] = _mm256_dpbusd_epi32(a[c], u, v);
-                }
-                int32_t lanes[8];
-                for (int c = 0; c < BOUNDS_CHAINS; c++) {
-                    _mm256_storeu_si256((__m256i *)lanes, a[c]);
-                    isink += lanes[0];
-                }
-            }
+            BOUNDS_PEAK(32.0, __m256i, __m256i, BOUNDS_EPI256, _mm256_set1_epi8(3), _mm256_set1_epi8(5),
+                        BOUNDS_R512, _mm256_dpbusd_epi32, _mm256_cvtsi256_si32);
 #endif
             break;
-        }
 #elif defined(__AVXVNNI__)
-        case 2: {
-            macs_per_iter = 32.0 * BOUNDS_CHAINS;
-            ran = 1;
-#pragma omp parallel num_threads(num_threads) reduction(+ : isink)
-            {
-                __m256i a[BOUNDS_CHAINS];
-                for (int c = 0; c < BOUNDS_CHAINS; c++) a[c] = _mm256_set1_epi32(c);
-                __m256i u = _mm256_set1_epi8(3), v = _mm256_set1_epi8(5);
-                __asm__ volatile("" : "+x"(u), "+x"(v));
-                for (int64_t it = 0; it < iters; it++) {
-#pragma GCC unroll 24
-                    for (int c = 0; c < BOUNDS_CHAINS; c++)
-                        a[c] = _mm256_dpbusd_avx_epi32(a[c], u, v);
-                }
-                int32_t lanes[8];
-                for (int c = 0; c < BOUNDS_CHAINS; c++) {
-                    _mm256_storeu_si256((__m256i *)lanes, a[c]);
-                    isink += lanes[0];
-                }
-            }
+        case 2:
+            BOUNDS_PEAK(32.0, __m256i, __m256i, BOUNDS_EPI256, _mm256_set1_epi8(3), _mm256_set1_epi8(5),
+                        BOUNDS_R256, _mm256_dpbusd_avx_epi32, _mm256_cvtsi256_si32);
             break;
-        }
 #elif defined(__AVX2__)
-        case 2: { /* AVX2 without VNNI: the quantized kernel's vpmaddubsw + vpmaddwd + vpaddd */
-            macs_per_iter = 32.0 * BOUNDS_CHAINS;
-            ran = 1;
-#pragma omp parallel num_threads(num_threads) reduction(+ : isink)
-            {
-                __m256i a[BOUNDS_CHAINS];
-                for (int c = 0; c < BOUNDS_CHAINS; c++) a[c] = _mm256_set1_epi32(c);
-                __m256i u = _mm256_set1_epi8(3), v = _mm256_set1_epi8(5);
-                const __m256i ones = _mm256_set1_epi16(1);
-                __asm__ volatile("" : "+x"(u), "+x"(v));
-                for (int64_t it = 0; it < iters; it++) {
-#pragma GCC unroll 24
-                    for (int c = 0; c < BOUNDS_CHAINS; c++)
-                        a[c] = _mm256_add_epi32(
-                            a[c], _mm256_madd_epi16(_mm256_maddubs_epi16(u, v), ones));
-                }
-                int32_t lanes[8];
-                for (int c = 0; c < BOUNDS_CHAINS; c++) {
-                    _mm256_storeu_si256((__m256i *)lanes, a[c]);
-                    isink += lanes[0];
-                }
-            }
+        case 2: /* AVX2 without VNNI: the quantized kernel's vpmaddubsw + vpmaddwd + vpaddd */
+            BOUNDS_PEAK(32.0, __m256i, __m256i, BOUNDS_EPI256, _mm256_set1_epi8(3), _mm256_set1_epi8(5),
+                        BOUNDS_R256, BOUNDS_MADDUBS, _mm256_cvtsi256_si32);
             break;
-        }
 #endif
 #if defined(QPATH_AMX)
         case 4: { /* AMX tdpbssd: 4 C tiles, 16 x 16 int32 each, K = 64 bytes */
             if (!q_amx_ready()) break;
             macs_per_iter = 4.0 * 16 * 16 * 64;
             ran = 1;
-#pragma omp parallel num_threads(num_threads) reduction(+ : isink)
+#pragma omp parallel num_threads(num_threads) reduction(+ : sink)
             {
                 struct q_tilecfg cfg;
                 memset(&cfg, 0, sizeof cfg);
@@ -234,7 +156,7 @@ double specserve_peak_gmacs(int32_t kind, int64_t iters, int32_t num_threads) {
                     _tile_dpbssd(3, 4, 5);
                 }
                 _tile_stored(0, out, 64);
-                isink += out[0];
+                sink += out[0];
                 _tile_release();
             }
             break;
@@ -246,7 +168,7 @@ double specserve_peak_gmacs(int32_t kind, int64_t iters, int32_t num_threads) {
         if (!ran) return -1.0;
         const double t = bounds_now_s() - t0;
         const double g = macs_per_iter * (double)iters * (double)num_threads / t / 1e9;
-        if (g > best && fsink != 12345.0f && isink != 12345) best = g;
+        if (g > best && sink != 12345.0) best = g;
     }
     return best;
 }
