@@ -314,6 +314,10 @@ INLINE void q_acc_to_lanes(float *lanes, qacc v) { _mm512_storeu_ps(lanes, v); }
 #define QPATH_AMX 1
 #include <sys/syscall.h>
 #include <unistd.h>
+/* unistd.h declares syscall only outside strict ISO C (the kernels build with
+ * -std=c11), and GCC 14 refuses an implicit declaration: declared here, as glibc and
+ * musl define it. */
+long syscall(long number, ...);
 #define Q_AMX_ROWS 16
 
 static int q_amx_state = 0; /* 0: not asked yet, 1: granted, -1: refused */
