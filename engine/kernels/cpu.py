@@ -524,7 +524,6 @@ def cpu_kernels() -> CpuKernels | None:
     except (KernelBuildError, OSError, AttributeError) as exc:
         if envs.kernel_level() is not None:
             raise
-
         logger.warning("CPU kernels unavailable, using torch ops (slower): %s", exc)
         return None
 

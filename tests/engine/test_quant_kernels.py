@@ -130,7 +130,8 @@ def test_the_amx_path_gives_the_same_bits_as_vpdpbusd(ops, name, dtype, k):
     rule = ops.amx_min_rows
     try:
         ops.set_amx_min_rows(0)
-        plain = {m: ops.linear(x[:m], packed, bias) for m in (1, 5, 16, 17, 33, 40, 64, 65, 80, 131)}
+        rows_per_call = (1, 5, 16, 17, 33, 40, 64, 65, 80, 131)
+        plain = {m: ops.linear(x[:m], packed, bias) for m in rows_per_call}
         before = ops.amx_calls
         for amx_rule in (1, 5, 16, 20, -1):
             ops.set_amx_min_rows(amx_rule)
