@@ -2,7 +2,9 @@
 
     .venv/bin/python scripts/bench_fused_decoder.py --dtype float32 --levels native,x86-64-v3
 
-The default model as served (the .gguf's Q4_1 layers as stored), one sequence with a
+The default model as served (the .gguf's Q4_1 layers as stored; ``--model DIR`` another,
+e.g. a bf16 checkpoint served in float32, its Linear layers on the fp32 kernel with
+bf16 storage), one sequence with a
 300-token context, one decode step's forward (embedding to logits) timed with the
 decoder in one C call and layer by layer, alternated call by call; per level the median
 of each, their ratio, and the weight stream's share of the read bound (the bytes a
@@ -27,6 +29,8 @@ def main() -> int:
     parser.add_argument("--levels", default="native,x86-64-v3")
     parser.add_argument("--rounds", type=int, default=60)
     parser.add_argument("--context", type=int, default=300)
+    parser.add_argument("--model", default=None, help="default: the built-in default model")
+    parser.add_argument("--quantization", default="auto", choices=("auto", "none", "int8"))
     args = parser.parse_args()
 
     from engine.benchmarks import bounds as bounds_mod
@@ -52,7 +56,9 @@ def main() -> int:
         kernels = cpu_mod.cpu_kernels() if level == "native" else CpuKernels(built[level])
         for module in (cpu_mod, layers_mod, quant_mod):  # bounds imports it from cpu_mod
             module.cpu_kernels = lambda k=kernels: k
-        loaded = load_model(None, dtype=args.dtype, device="cpu")
+        loaded = load_model(
+            args.model, dtype=args.dtype, device="cpu", quantization=args.quantization
+        )
         runner = ModelRunner(loaded, num_blocks=64, block_size=16)
         fused = runner.model.model.fused
         if fused is None:

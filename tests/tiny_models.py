@@ -77,6 +77,7 @@ def make_tiny_model(
     arch: str = "llama",
     seed: int = 0,
     unit_rms_embeddings: bool = False,
+    checkpoint_dtype: torch.dtype = torch.float32,
     **config_overrides,
 ) -> str:
     """Save a random ``arch`` ("llama", "mistral", "qwen2") model + tokenizer at ``path``.
@@ -84,7 +85,8 @@ def make_tiny_model(
     ``config_overrides`` go to the transformers config (e.g. ``num_hidden_layers=4``,
     ``tie_word_embeddings=True``, ``rope_scaling={...}``). ``unit_rms_embeddings``: every
     embedding row scaled to RMS 1 (an RMSNorm with weight 1 leaves it as it is; see
-    make_exact_eagle_draft). Returns ``str(path)``.
+    make_exact_eagle_draft). ``checkpoint_dtype``: the dtype saved (bfloat16: a checkpoint
+    as most are published). Returns ``str(path)``.
     """
     from transformers import AutoModelForCausalLM, GenerationConfig
 
@@ -104,7 +106,7 @@ def make_tiny_model(
         bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=0
     )
     path = Path(path)
-    model.save_pretrained(path, safe_serialization=True)
+    model.to(checkpoint_dtype).save_pretrained(path, safe_serialization=True)
     make_tokenizer().save_pretrained(path)
     return str(path)
 

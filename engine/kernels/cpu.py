@@ -87,8 +87,14 @@ class CpuKernels:
         linear = self.lib.specserve_linear_bf16
         linear.restype, linear.argtypes = None, [_P, _P, _I64, _P, _P, _I64, _I64, _I64, _I32]
         self._linear_bf16 = linear
+        linear = self.lib.specserve_linear_f32
+        linear.restype = None
+        linear.argtypes = [_P, _P, _I64, _P, _I32, _P, _I64, _I64, _I64, _I32]
+        self._linear_f32 = linear
         tile = self.lib.specserve_linear_tile_bf16
         tile.restype, tile.argtypes = ctypes.c_int32, []
+        tile_f32 = self.lib.specserve_linear_tile_f32
+        tile_f32.restype, tile_f32.argtypes = ctypes.c_int32, []
         read = self.lib.specserve_read_gbps
         read.restype, read.argtypes = ctypes.c_double, [_P, _I64, _I32, _I32, _P]
         peak = self.lib.specserve_peak_gmacs
@@ -97,77 +103,108 @@ class CpuKernels:
         mask = self.lib.specserve_mask_logits
         mask.restype, mask.argtypes = _I64, [_P, _I64, _I64, _I64, _P, _I64, _P, _I32]
         self._mask_logits = mask
-        # Outputs per packed weight tile; 0 when the library was built without
-        # AVX512-BF16, and bf16 Linear layers stay on torch's GEMMs.
-        self.linear_tile = int(tile())
+        # Outputs per packed weight tile of the bf16 and the fp32 Linear kernels; 0 when
+        # the library was built without AVX512-BF16 (without FMA for fp32), and those
+        # Linear layers stay on torch's GEMMs.
+        self.linear_tiles = {torch.bfloat16: int(tile()), torch.float32: int(tile_f32())}
 
     @property
     def has_bf16_linear(self) -> bool:
-        """Whether ``linear`` runs here (built for a CPU with AVX512-BF16)."""
-        return self.linear_tile > 0
+        """Whether ``linear`` runs bf16 here (built for a CPU with AVX512-BF16)."""
+        return self.linear_tiles[torch.bfloat16] > 0
 
-    def pack_linear_weight(self, weight: torch.Tensor) -> torch.Tensor:
-        """A bf16 Linear weight [n, k] in ``linear``'s layout,
-        [ceil(n / tile), ceil(k / 2), tile, 2], zero-padded (cpu_kernels.c)."""
-        self._require_linear()
-        if weight.dtype is not torch.bfloat16 or not weight.is_cpu or weight.dim() != 2:
+    @property
+    def has_f32_linear(self) -> bool:
+        """Whether ``linear`` runs float32 here (built for a CPU with FMA: AVX2 and up)."""
+        return self.linear_tiles[torch.float32] > 0
+
+    def has_linear(self, dtype: torch.dtype) -> bool:
+        return self.linear_tiles.get(dtype, 0) > 0
+
+    def pack_linear_weight(
+        self, weight: torch.Tensor, storage: torch.dtype | None = None
+    ) -> torch.Tensor:
+        """A Linear weight [n, k] in ``linear``'s layout for activations of its dtype,
+        zero-padded (cpu_kernels.c): bf16 as [ceil(n / tile), ceil(k / 2), tile, 2];
+        float32 stored as float32 (the default) [ceil(n / tile), k, tile], or stored as
+        ``storage=torch.bfloat16`` in the pair layout, which only a weight whose values
+        are all bf16 numbers survives unchanged (``is_bf16_exact``)."""
+        if weight.dtype not in _FLOATS or not weight.is_cpu or weight.dim() != 2:
             raise ValueError(
-                f"weight must be a 2-D bfloat16 CPU tensor, got {weight.dtype} "
+                f"weight must be a 2-D float32 or bfloat16 CPU tensor, got {weight.dtype} "
                 f"{tuple(weight.shape)} on {weight.device}"
             )
+        storage = weight.dtype if storage is None else storage
+        if storage not in _FLOATS or (weight.dtype is torch.bfloat16 and storage != weight.dtype):
+            raise ValueError(f"a {weight.dtype} weight cannot be stored as {storage}")
+        self._require_linear(weight.dtype)
         n, k = weight.shape
-        tiles, pairs, tile, _ = self._packed_shape(n, k)
-        padded = weight.new_zeros(tiles * tile, pairs * 2)
+        shape = self._packed_shape(weight.dtype, storage, n, k)
+        tiles, tile = shape[0], shape[2]
+        if storage is torch.float32:
+            padded = weight.new_zeros(tiles * tile, k)
+            padded[:n] = weight
+            return padded.view(tiles, tile, k).transpose(1, 2).contiguous()
+        padded = torch.zeros(tiles * tile, shape[1] * 2, dtype=torch.bfloat16)
         padded[:n, :k] = weight
-        return padded.view(tiles, tile, pairs, 2).transpose(1, 2).contiguous()
+        return padded.view(tiles, tile, shape[1], 2).transpose(1, 2).contiguous()
 
-    def _packed_shape(self, n: int, k: int) -> tuple[int, int, int, int]:
-        tile = self.linear_tile
+    def _packed_shape(
+        self, dtype: torch.dtype, storage: torch.dtype, n: int, k: int
+    ) -> tuple[int, ...]:
+        tile = self.linear_tiles[dtype]
+        if storage is torch.float32:
+            return (-(-n // tile), k, tile)
         return (-(-n // tile), -(-k // 2), tile, 2)
 
     def linear(
         self,
-        x: torch.Tensor,  # [m, k] bf16, rows may be strided
-        packed: torch.Tensor,  # pack_linear_weight(weight [n, k])
-        bias: torch.Tensor | None,  # [n] bf16
+        x: torch.Tensor,  # [m, k] bf16 or float32, rows may be strided
+        packed: torch.Tensor,  # pack_linear_weight(weight [n, k]), weight of x's dtype
+        bias: torch.Tensor | None,  # [n], x's dtype
         out_features: int,  # n
-    ) -> torch.Tensor:  # [m, n] bf16: x @ weight.T + bias, independent of m
-        """bf16 ``F.linear`` with fp32 accumulation over k in order and one rounding per
-        output, so a row's result never depends on the other rows."""
-        self._require_linear()
-        if _check_float("x", x, 2, rows_strided=True) is not torch.bfloat16:
-            raise ValueError(f"x must be bfloat16 (the bf16 Linear kernel), got {x.dtype}")
-        _check_float("packed", packed, 4, (x.dtype, "x"))
+    ) -> torch.Tensor:  # [m, n] x's dtype: x @ weight.T + bias, independent of m
+        """``F.linear`` with fp32 accumulation over k in order (fused multiply-adds in
+        float32) and one rounding per output, so a row's result never depends on the
+        other rows; float32 rows take float32 or bf16-stored weights alike."""
+        dtype = _check_float("x", x, 2, rows_strided=True)
+        self._require_linear(dtype)
+        storage = packed.dtype
+        if dtype is torch.bfloat16 or storage is not torch.bfloat16:
+            _check_float("packed", packed, 4 if storage is torch.bfloat16 else 3, (dtype, "x"))
+        else:
+            _check_float("packed", packed, 4)
         m, k = x.shape
         n = out_features
-        if packed.shape != self._packed_shape(n, k):
+        if packed.shape != self._packed_shape(dtype, storage, n, k):
             raise ValueError(
                 f"packed {tuple(packed.shape)} is not a packed [{n}, {k}] weight: "
-                f"expected {self._packed_shape(n, k)}"
+                f"expected {self._packed_shape(dtype, storage, n, k)}"
             )
         if bias is not None:
-            _check_float("bias", bias, 1, (x.dtype, "x"))
+            _check_float("bias", bias, 1, (dtype, "x"))
             if bias.shape[0] != n:
                 raise ValueError(f"bias [{bias.shape[0]}] != out_features {n}")
         out = x.new_empty(m, n)
-        if m:
-            self._linear_bf16(
-                out.data_ptr(),
-                x.data_ptr(),
-                x.stride(0),
-                packed.data_ptr(),
-                None if bias is None else bias.data_ptr(),
-                m,
-                n,
-                k,
-                torch.get_num_threads(),
-            )
+        if not m:
+            return out
+        args = (
+            None if bias is None else bias.data_ptr(), m, n, k, torch.get_num_threads(),
+        )  # fmt: skip
+        if dtype is torch.bfloat16:
+            self._linear_bf16(out.data_ptr(), x.data_ptr(), x.stride(0), packed.data_ptr(), *args)
+        else:
+            self._linear_f32(
+                out.data_ptr(), x.data_ptr(), x.stride(0), packed.data_ptr(),
+                int(storage is torch.bfloat16), *args,
+            )  # fmt: skip
         return out
 
-    def _require_linear(self) -> None:
-        if not self.has_bf16_linear:
+    def _require_linear(self, dtype: torch.dtype) -> None:
+        if not self.has_linear(dtype):
+            need = "AVX512-BF16" if dtype is torch.bfloat16 else "FMA (AVX2 and up)"
             raise RuntimeError(
-                "the bf16 linear kernel needs a build for a CPU with AVX512-BF16; "
+                f"the {dtype} linear kernel needs a build for a CPU with {need}; "
                 "this library has none (use torch's GEMMs)"
             )
 

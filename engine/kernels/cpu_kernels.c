@@ -1145,3 +1145,193 @@ void specserve_linear_bf16(bf16 *out, const bf16 *x, int64_t x_stride, const bf1
     abort(); /* unreachable: the wrapper refuses when the tile is 0 */
 }
 #endif
+
+/* ---- fp32 linear layers: out = x @ W^T (+ bias), weights stored fp32 or bf16, on FMA ----
+ *
+ * The float32 twin of the bf16 kernel above, for every CPU with FMA (AVX2 and up): the
+ * one-call decoder runs float models on it (oneDNN's GEMM cannot be called from C), and
+ * the layer-by-layer forward does too, so both compute the same bits.
+ *
+ * Batch invariance, by construction: each output is one fp32 accumulator running
+ * acc = fma(w[j], x[j], acc) over j = 0..k-1 in order, from zero, then + bias: the same
+ * bits whatever the number of rows, the row block or the thread, and at every
+ * instruction-set level (AVX2 and AVX512 builds agree bit for bit).
+ *
+ * Two weight storages, one arithmetic. fp32: [ceil(n / T)][k][T], each tile's T outputs
+ * side by side for every input column. bf16: [ceil(n / T)][ceil(k / 2)][T][2], the bf16
+ * kernel's pair layout; a pair widens to fp32 exactly (shift, mask), so a weight whose
+ * values are bf16 numbers gives the same outputs from half the bytes: where a decode
+ * step is bound by the weight stream, twice the speed on CPUs without native bf16. The
+ * padding of an odd k is never multiplied (0 * Inf would be NaN). T = 32 with AVX512
+ * (two zmm of accumulators per row), 16 with AVX2 (two ymm). */
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+#include <immintrin.h>
+#if defined(__AVX512F__)
+#define LF_LANES 16
+#define LF_ROWS 12 /* 24 accumulators of 32 registers */
+typedef __m512 lf_vec;
+#define LF_ZERO() _mm512_setzero_ps()
+#define LF_SET1(v) _mm512_set1_ps(v)
+#define LF_LOAD(p) _mm512_loadu_ps(p)
+#define LF_STORE(p, v) _mm512_storeu_ps(p, v)
+#define LF_FMA(a, b, c) _mm512_fmadd_ps(a, b, c)
+#define LF_ADD(a, b) _mm512_add_ps(a, b)
+INLINE void lf_pairs(const bf16 *p, lf_vec *even, lf_vec *odd) {
+    const __m512i v = _mm512_loadu_si512(p);
+    *even = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+    *odd = _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32((int)0xffff0000u)));
+}
+#else
+#define LF_LANES 8
+#define LF_ROWS 6 /* 12 accumulators of 16 registers */
+typedef __m256 lf_vec;
+#define LF_ZERO() _mm256_setzero_ps()
+#define LF_SET1(v) _mm256_set1_ps(v)
+#define LF_LOAD(p) _mm256_loadu_ps(p)
+#define LF_STORE(p, v) _mm256_storeu_ps(p, v)
+#define LF_FMA(a, b, c) _mm256_fmadd_ps(a, b, c)
+#define LF_ADD(a, b) _mm256_add_ps(a, b)
+INLINE void lf_pairs(const bf16 *p, lf_vec *even, lf_vec *odd) {
+    const __m256i v = _mm256_loadu_si256((const __m256i *)p);
+    *even = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+    *odd = _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32((int)0xffff0000u)));
+}
+#endif
+#define LF_TILE (2 * LF_LANES)
+#ifndef LF_AHEAD
+#define LF_AHEAD 32
+#endif
+
+int32_t specserve_linear_tile_f32(void) { return LF_TILE; }
+
+INLINE void lf_store_outputs(float *out, lf_vec lo, lf_vec hi, const float *bias,
+                             int64_t cols) {
+    if (bias != NULL) {
+        float b[LF_TILE] = {0};
+        memcpy(b, bias, sizeof(float) * (size_t)cols);
+        lo = LF_ADD(lo, LF_LOAD(b));
+        hi = LF_ADD(hi, LF_LOAD(b + LF_LANES));
+    }
+    if (cols == LF_TILE) {
+        LF_STORE(out, lo);
+        LF_STORE(out + LF_LANES, hi);
+    } else {
+        float tmp[LF_TILE];
+        LF_STORE(tmp, lo);
+        LF_STORE(tmp + LF_LANES, hi);
+        memcpy(out, tmp, sizeof(float) * (size_t)cols);
+    }
+}
+
+/* `rows` (a constant after inlining) rows of x against one tile of fp32 weights. */
+INLINE void lf_tile_f32(float *out, int64_t n, const float *x, int64_t x_stride,
+                        const float *tile, const float *bias, int64_t k, int rows,
+                        int64_t cols) {
+    lf_vec acc[LF_ROWS][2];
+    for (int r = 0; r < rows; r++) acc[r][0] = acc[r][1] = LF_ZERO();
+    for (int64_t j = 0; j < k; j++) {
+        const lf_vec w0 = LF_LOAD(tile + j * LF_TILE), w1 = LF_LOAD(tile + j * LF_TILE + LF_LANES);
+        _mm_prefetch((const char *)(tile + (j + LF_AHEAD) * LF_TILE), _MM_HINT_T0);
+        _mm_prefetch((const char *)(tile + (j + LF_AHEAD) * LF_TILE + 16), _MM_HINT_T0);
+        for (int r = 0; r < rows; r++) {
+            const lf_vec xr = LF_SET1(x[r * x_stride + j]);
+            acc[r][0] = LF_FMA(w0, xr, acc[r][0]);
+            acc[r][1] = LF_FMA(w1, xr, acc[r][1]);
+        }
+    }
+    for (int r = 0; r < rows; r++) lf_store_outputs(out + r * n, acc[r][0], acc[r][1], bias, cols);
+}
+
+/* The same against one tile of bf16 weights in pairs: column 2p, then 2p + 1. */
+INLINE void lf_tile_bf16(float *out, int64_t n, const float *x, int64_t x_stride,
+                         const bf16 *tile, const float *bias, int64_t k, int rows,
+                         int64_t cols) {
+    lf_vec acc[LF_ROWS][2];
+    for (int r = 0; r < rows; r++) acc[r][0] = acc[r][1] = LF_ZERO();
+    const int64_t pairs = k / 2;
+    for (int64_t p = 0; p < pairs; p++) {
+        lf_vec e0, o0, e1, o1;
+        lf_pairs(tile + p * 2 * LF_TILE, &e0, &o0);
+        lf_pairs(tile + p * 2 * LF_TILE + 2 * LF_LANES, &e1, &o1);
+        _mm_prefetch((const char *)(tile + (p + LF_AHEAD / 2) * 2 * LF_TILE), _MM_HINT_T0);
+        _mm_prefetch((const char *)(tile + (p + LF_AHEAD / 2) * 2 * LF_TILE + 32), _MM_HINT_T0);
+        for (int r = 0; r < rows; r++) {
+            const lf_vec xe = LF_SET1(x[r * x_stride + 2 * p]);
+            const lf_vec xo = LF_SET1(x[r * x_stride + 2 * p + 1]);
+            acc[r][0] = LF_FMA(o0, xo, LF_FMA(e0, xe, acc[r][0]));
+            acc[r][1] = LF_FMA(o1, xo, LF_FMA(e1, xe, acc[r][1]));
+        }
+    }
+    if (k % 2) { /* an odd k's last column: the even halves only */
+        lf_vec e0, o0, e1, o1;
+        lf_pairs(tile + pairs * 2 * LF_TILE, &e0, &o0);
+        lf_pairs(tile + pairs * 2 * LF_TILE + 2 * LF_LANES, &e1, &o1);
+        (void)o0, (void)o1;
+        for (int r = 0; r < rows; r++) {
+            const lf_vec xe = LF_SET1(x[r * x_stride + k - 1]);
+            acc[r][0] = LF_FMA(e0, xe, acc[r][0]);
+            acc[r][1] = LF_FMA(e1, xe, acc[r][1]);
+        }
+    }
+    for (int r = 0; r < rows; r++) lf_store_outputs(out + r * n, acc[r][0], acc[r][1], bias, cols);
+}
+
+#define LF_CASE(S, R)                                                                          \
+    case R:                                                                                    \
+        lf_tile_##S(o, n, xr, x_stride, tile, b, k, R, cols);                                  \
+        break;
+#define LF_CASES(S)                                                                            \
+    LF_CASE(S, 1) LF_CASE(S, 2) LF_CASE(S, 3) LF_CASE(S, 4) LF_CASE(S, 5) LF_CASE(S, 6)
+#if LF_ROWS > 6
+#define LF_CASES_MORE(S)                                                                       \
+    LF_CASE(S, 7) LF_CASE(S, 8) LF_CASE(S, 9) LF_CASE(S, 10) LF_CASE(S, 11) LF_CASE(S, 12)
+#else
+#define LF_CASES_MORE(S)
+#endif
+
+/* One storage's loop: tiles over the threads, LF_ROWS rows of x at a time per tile. */
+#define LF_LINEAR(S, W)                                                                        \
+    static void lf_linear_##S(float *out, const float *x, int64_t x_stride, const W *packed,   \
+                              const float *bias, int64_t m, int64_t n, int64_t k,              \
+                              int32_t num_threads) {                                           \
+        const int64_t tiles = (n + LF_TILE - 1) / LF_TILE;                                     \
+        const int64_t tile_size = (sizeof(W) == 2 ? (k + 1) / 2 * 2 : k) * LF_TILE;            \
+        _Pragma("omp parallel for num_threads(num_threads) schedule(static)")                  \
+        for (int64_t t = 0; t < tiles; t++) {                                                  \
+            const W *tile = packed + t * tile_size;                                            \
+            const float *b = bias == NULL ? NULL : bias + t * LF_TILE;                         \
+            const int64_t cols = n - t * LF_TILE < LF_TILE ? n - t * LF_TILE : LF_TILE;        \
+            for (int64_t r0 = 0; r0 < m; r0 += LF_ROWS) {                                      \
+                float *o = out + r0 * n + t * LF_TILE;                                         \
+                const float *xr = x + r0 * x_stride;                                           \
+                switch (m - r0 < LF_ROWS ? m - r0 : LF_ROWS) {                                 \
+                    LF_CASES(S)                                                                \
+                    LF_CASES_MORE(S)                                                           \
+                }                                                                              \
+            }                                                                                  \
+        }                                                                                      \
+    }
+LF_LINEAR(f32, float)
+LF_LINEAR(bf16, bf16)
+
+/* out [m, n] (dense); x [m, k], rows x_stride apart; packed as above, bf16-stored when
+ * storage_bf16; bias [n] or NULL. */
+void specserve_linear_f32(float *out, const float *x, int64_t x_stride, const void *packed,
+                          int32_t storage_bf16, const float *bias, int64_t m, int64_t n,
+                          int64_t k, int32_t num_threads) {
+    if (storage_bf16)
+        lf_linear_bf16(out, x, x_stride, (const bf16 *)packed, bias, m, n, k, num_threads);
+    else
+        lf_linear_f32(out, x, x_stride, (const float *)packed, bias, m, n, k, num_threads);
+}
+#else
+/* Built without FMA: float32 Linear layers stay on torch's GEMMs (tile 0 says so). */
+int32_t specserve_linear_tile_f32(void) { return 0; }
+void specserve_linear_f32(float *out, const float *x, int64_t x_stride, const void *packed,
+                          int32_t storage_bf16, const float *bias, int64_t m, int64_t n,
+                          int64_t k, int32_t num_threads) {
+    (void)out, (void)x, (void)x_stride, (void)packed, (void)storage_bf16, (void)bias;
+    (void)m, (void)n, (void)k, (void)num_threads;
+    abort(); /* unreachable: the wrapper refuses when the tile is 0 */
+}
+#endif

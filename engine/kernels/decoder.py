@@ -10,10 +10,11 @@ and Python is left with the embedding, the final norm and the LM head.
 
 Used by ``LlamaModel.forward`` when every piece of a layer runs on these kernels: a CPU
 model whose every Linear is quantized (the quantized Linear kernel: any x86-64 level,
-fp32 or bf16 activations) or, in bf16, packed for ``specserve_linear_bf16`` (kernels
-built with AVX512-BF16); only qkv with a bias; the ``cpu`` attention backend with every
-query on the kernel; KV caches bound. fp32 models with float Linear layers stay layer
-by layer (their GEMMs are oneDNN's).
+fp32 or bf16 activations) or packed for specserve's float Linear kernel (bf16: kernels
+built with AVX512-BF16; float32: with FMA, AVX2 and up, weights stored fp32 or bf16);
+only qkv with a bias; the ``cpu`` attention backend with every query on the kernel; KV
+caches bound. Where the float kernel is not built (float32 on a CPU without FMA) the
+layers stay layer by layer on oneDNN's GEMMs.
 ``SPECSERVE_FUSED_DECODER=0`` keeps the layer-by-layer Python forward (what
 ``specserve bench step`` times component by component).
 """
@@ -32,6 +33,9 @@ _LAYER_FIELDS = (
 
 
 _FORMAT_FIELDS = ("qkv_fmt", "o_fmt", "gate_up_fmt", "down_fmt")
+# A float Linear's weight formats (decoder_kernels.c); a quantized one's is its GGML id.
+FLOAT_PACKED = 0  # packed for the Linear kernel of the model's dtype
+BF16_STORED = 30  # a float32 model's weight stored as bf16 (GGML's BF16 id)
 
 
 class _Layer(ctypes.Structure):  # struct specserve_layer
@@ -90,13 +94,16 @@ class FusedDecoderLayers:
         self._fn = fn
 
     def _weight(self, linear) -> tuple[int, int]:
-        """(pointer, format) of a Linear's packed weight: format 0 for the bf16 kernel's
-        layout, the GGML type id of a quantized one."""
+        """(pointer, format) of a Linear's packed weight: FLOAT_PACKED for the Linear
+        kernel of the model's dtype, BF16_STORED for a float32 model's bf16-stored
+        weight, the GGML type id of a quantized one."""
         weight_q = getattr(linear, "weight_q", None)
         if weight_q is None:
-            if self.dtype is not torch.bfloat16:
-                raise ValueError("fused decoder: float32 takes quantized Linear layers only")
-            return self._ptr(linear.packed_weight), 0
+            packed = linear.packed_weight
+            if self.dtype is torch.float32 and packed.dtype is torch.bfloat16:
+                self._check_dense(packed, torch.bfloat16)
+                return packed.data_ptr(), BF16_STORED
+            return self._ptr(packed), FLOAT_PACKED
         data = weight_q.data
         if data.dtype is not torch.uint8 or not data.is_contiguous() or not data.is_cpu:
             raise ValueError("fused decoder: a quantized weight is not dense uint8 on the CPU")
@@ -105,12 +112,13 @@ class FusedDecoderLayers:
 
     def _ptr(self, t: torch.Tensor) -> int:
         t = t.detach()
-        if t.dtype is not self.dtype or not t.is_contiguous() or not t.is_cpu:
-            raise ValueError(
-                f"fused decoder: a {t.dtype} tensor is not dense {self.dtype} on the CPU"
-            )
-        self._keep.append(t)
+        self._check_dense(t, self.dtype)
         return t.data_ptr()
+
+    def _check_dense(self, t: torch.Tensor, dtype: torch.dtype) -> None:
+        if t.dtype is not dtype or not t.is_contiguous() or not t.is_cpu:
+            raise ValueError(f"fused decoder: a {t.dtype} tensor is not dense {dtype} on the CPU")
+        self._keep.append(t)
 
     def __call__(
         self,
@@ -197,8 +205,6 @@ def _error(status: int, num_positions: int, num_slots: int) -> Exception:
         return ValueError(f"a slot in slot_mapping is past the cache's {num_slots} slots")
     if status == 3:
         return MemoryError("a quantized Linear could not allocate its scratch buffers")
-    if status == 4:
-        return ValueError("a float Linear in a float32 one-call decoder (quantized only)")
     if status == 11:
         return MemoryError("paged attention could not allocate its scratch buffers")
     if status == 12:

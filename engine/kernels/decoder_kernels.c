@@ -9,9 +9,9 @@
  * (models/llama.py), so the result is bit-identical to it; without the 10-odd Python
  * calls per layer around them, which cost more than the work itself at batch 1 (30
  * layers x ~100 us on the default model, on a CPU whose caches the weight stream has
- * just flushed). fp32 needs every Linear quantized (float fp32 Linear layers run on
- * oneDNN, outside these kernels); bf16 takes the bf16 Linear kernel's packed weights
- * too, where the build has it (AVX512-BF16). */
+ * just flushed). Linear layers quantized, or float on the Linear kernel of the model's
+ * dtype where the build has it (bf16: AVX512-BF16; fp32: FMA, weights stored fp32 or
+ * bf16). */
 struct specserve_layer {
     const void *input_norm;      /* [hidden], the model's dtype */
     const void *qkv;             /* packed [q + 2 kv, hidden] (see the formats below) */
@@ -22,17 +22,22 @@ struct specserve_layer {
     const void *down;            /* packed [hidden, inter] */
     void *k_cache;               /* [num_blocks, block_size, num_kv_heads, head_dim] */
     void *v_cache;
-    /* Each Linear's weight format: 0 = bf16 packed for specserve_linear_bf16, else a
+    /* Each Linear's weight format: FMT_FLOAT_PACKED or FMT_BF16_STORED (below), else a
      * GGML type id, packed for the quantized Linear. */
     int32_t qkv_fmt, o_fmt, gate_up_fmt, down_fmt;
 };
 
-/* One Linear of a layer, on the kernel its weight format needs; 0, a quantized
- * Linear's status (3: out of memory), or 4 for a float weight in fp32. */
+/* A float Linear's weight formats (engine/kernels/decoder.py); a quantized Linear's is
+ * its GGML type id (2, 3, 8). */
+#define FMT_FLOAT_PACKED 0 /* packed for the Linear kernel of the model's dtype */
+#define FMT_BF16_STORED 30 /* fp32 model, weight stored as bf16 (GGML's BF16 id) */
+
+/* One Linear of a layer, on the kernel its weight format needs; 0, or a quantized
+ * Linear's status (3: out of memory). */
 INLINE int decoder_linear_bf16(bf16 *out, const bf16 *x, int64_t x_stride, const void *w,
                                int32_t fmt, const bf16 *bias, int64_t m, int64_t n, int64_t k,
                                int32_t num_threads) {
-    if (fmt != 0)
+    if (fmt != FMT_FLOAT_PACKED)
         return specserve_quant_linear_bf16(out, x, x_stride, w, fmt, bias, m, n, k, num_threads);
     specserve_linear_bf16(out, x, x_stride, w, bias, m, n, k, num_threads);
     return 0;
@@ -40,8 +45,11 @@ INLINE int decoder_linear_bf16(bf16 *out, const bf16 *x, int64_t x_stride, const
 INLINE int decoder_linear_f32(float *out, const float *x, int64_t x_stride, const void *w,
                               int32_t fmt, const float *bias, int64_t m, int64_t n, int64_t k,
                               int32_t num_threads) {
-    if (fmt == 0) return 4;
-    return specserve_quant_linear(out, x, x_stride, w, fmt, bias, m, n, k, num_threads);
+    if (fmt != FMT_FLOAT_PACKED && fmt != FMT_BF16_STORED)
+        return specserve_quant_linear(out, x, x_stride, w, fmt, bias, m, n, k, num_threads);
+    specserve_linear_f32(out, x, x_stride, w, fmt == FMT_BF16_STORED, bias, m, n, k,
+                         num_threads);
+    return 0;
 }
 
 /* hidden [n, hidden_size]: the embeddings in, the last layer's MLP output out;
@@ -49,11 +57,11 @@ INLINE int decoder_linear_f32(float *out, const float *x, int64_t x_stride, cons
  * norm adds them). Scratch: normed [n, hidden_size], qkv [n, q + 2 kv], attn [n, q],
  * gate_up [n, 2 inter], act [n, inter]. The attention arguments are paged attention's
  * (tree_masks too). Returns 0; 1 when a position is outside the rotary table, 2 when a
- * slot is past the cache, 3 when a quantized Linear runs out of memory, 4 for a float
- * Linear in fp32, 10 + paged attention's status otherwise (the layers before the
- * failing call have run). With continue_residual, hidden and residual come in as a
- * previous call left them (the layers before these ones): a model run in several calls
- * computes exactly what one call does. */
+ * slot is past the cache, 3 when a quantized Linear runs out of memory, 10 + paged
+ * attention's status otherwise (the layers before the failing call have run). With
+ * continue_residual, hidden and residual come in as a previous call left them (the
+ * layers before these ones): a model run in several calls computes exactly what one
+ * call does. */
 #define DECODER_LAYERS(T, S, NAME, NORM_FN, ROPE_FN, KV_FN, ATTN_FN, SILU_FN)                      \
     int NAME(const struct specserve_layer *layers, int64_t num_layers, T *hidden, T *residual,     \
              T *normed, T *qkv, T *attn, T *gate_up, T *act, int64_t n, int64_t hidden_size,       \
@@ -81,7 +89,7 @@ INLINE int decoder_linear_f32(float *out, const float *x, int64_t x_stride, cons
             status = decoder_linear_##S(qkv, normed, hidden_size, w->qkv, w->qkv_fmt,              \
                                         (const T *)w->qkv_bias, n, qkv_size, hidden_size,          \
                                         num_threads);                                              \
-            if (status) return status == 4 ? 4 : 3;                                                \
+            if (status) return 3;                                                                   \
             if (ROPE_FN(qkv, qkv_size, n, positions, cos_sin, num_positions,                       \
                      num_heads + num_kv_heads, head_dim, num_threads))                             \
                 return 1;                                                                          \
@@ -96,17 +104,17 @@ INLINE int decoder_linear_f32(float *out, const float *x, int64_t x_stride, cons
             if (status) return 10 + status;                                                        \
             status = decoder_linear_##S(hidden, attn, q_size, w->o, w->o_fmt, NULL, n,             \
                                         hidden_size, q_size, num_threads);                         \
-            if (status) return status == 4 ? 4 : 3;                                                \
+            if (status) return 3;                                                                   \
             NORM_FN(normed, hidden, residual, (const T *)w->post_norm, n, hidden_size, eps,        \
                  num_threads);                                                                     \
             status = decoder_linear_##S(gate_up, normed, hidden_size, w->gate_up,                  \
                                         w->gate_up_fmt, NULL, n, 2 * inter, hidden_size,           \
                                         num_threads);                                              \
-            if (status) return status == 4 ? 4 : 3;                                                \
+            if (status) return 3;                                                                   \
             SILU_FN(act, gate_up, n, inter, num_threads);                                          \
             status = decoder_linear_##S(hidden, act, inter, w->down, w->down_fmt, NULL, n,         \
                                         hidden_size, inter, num_threads);                          \
-            if (status) return status == 4 ? 4 : 3;                                                \
+            if (status) return 3;                                                                   \
         }                                                                                          \
         return 0;                                                                                  \
     }

@@ -215,8 +215,8 @@ def fused_decoder_for(
     model: LlamaModel, kv_caches: list[torch.Tensor]
 ) -> FusedDecoderLayers | None:
     """The one-call decoder for ``model`` when every piece of its layers runs on the
-    kernels (engine/kernels/decoder.py: bf16, or fp32 with quantized Linear layers), else
-    None: the layer-by-layer forward."""
+    kernels (engine/kernels/decoder.py: quantized Linear layers, or float ones on the
+    Linear kernel of the model's dtype), else None: the layer-by-layer forward."""
     from engine.attention.cpu_backend import CpuAttentionBackend
 
     weight = model.norm.weight
@@ -240,13 +240,11 @@ def fused_decoder_for(
 
 
 def _on_the_kernels(linear: nn.Module, dtype: torch.dtype) -> bool:
-    """A Linear the one-call decoder runs: quantized, or in bf16 packed for the bf16
-    kernel."""
+    """A Linear the one-call decoder runs: quantized, or packed for specserve's Linear
+    kernel of the model's dtype."""
     from engine.models.quant import QuantizedLinear
     from engine.models.weights import PackedLinear
 
     if isinstance(linear, QuantizedLinear):
         return True
-    if dtype is not torch.bfloat16:
-        return False
     return isinstance(linear, PackedLinear) and linear.kernels is not None

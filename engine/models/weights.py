@@ -89,28 +89,35 @@ def _load_one(model, params, hf_name: str, tensor: torch.Tensor, loaded: set[str
 class PackedLinear(nn.Module):
     """A CPU Linear whose weight is packed once, at load, for the GEMM that runs it.
 
-    bfloat16, where specserve's kernels are built for AVX512-BF16: the bf16 linear
-    kernel (engine/kernels/cpu_kernels.c), which streams the weights at close to the
-    memory bandwidth for the few rows of a decode step, where oneDNN reaches about half
-    of it, and whose rows never depend on each other (batch invariant by construction).
+    Where specserve's kernels are built for it (engine/kernels/cpu_kernels.c): bf16 on
+    AVX512-BF16, float32 on any CPU with FMA (AVX2 and up). They stream the weights at
+    close to the memory bandwidth for the few rows of a decode step, where oneDNN
+    reaches about half of it, their rows never depend on each other (batch invariant
+    by construction), and the one-call decoder runs the same kernel, so both forwards
+    compute the same bits. A float32 weight whose values are all bf16 numbers (a bf16
+    checkpoint served in float32, as ``--dtype auto`` does on CPUs without native bf16)
+    is stored as bf16: the same outputs from half the bytes.
 
-    Otherwise (float32, or bf16 without the kernel): oneDNN's blocked layout. Plain
-    ``F.linear`` repacks the weight on every call; for the few rows of a decode or
-    1 + k verification step that costs more than the multiply. Measured on this
-    project's 2-core CI machine (SmolLM2-135M, fp32): the 49k-vocab head takes 4-5 ms
-    instead of 10-17 ms at 1-9 rows and 10 ms instead of 25 ms at 32 rows; the layer
-    matmuls gain 1.4-3x (benchmark: docs/benchmarks.md)."""
+    Otherwise (bf16 without AVX512-BF16, float32 without FMA): oneDNN's blocked layout.
+    Plain ``F.linear`` repacks the weight on every call; for the few rows of a decode
+    or 1 + k verification step that costs more than the multiply."""
 
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         weight = linear.weight.detach().contiguous()
         self.bias = linear.bias
-        self.kernels = bf16_linear_kernels(weight)
+        self.kernels = linear_kernels(weight)
         if self.kernels is not None:
-            self.packed_weight = self.kernels.pack_linear_weight(weight)
+            storage = torch.bfloat16 if is_bf16_exact(weight) else weight.dtype
+            self.packed_weight = self.kernels.pack_linear_weight(weight, storage)
         else:
             self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight)
+
+    @property
+    def storage(self) -> torch.dtype:
+        """The dtype the packed weight is kept in."""
+        return self.packed_weight.dtype
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [n, in] -> [n, out]
         bias = None if self.bias is None else self.bias.detach()
@@ -126,12 +133,18 @@ class PackedLinear(nn.Module):
         return out if padded == rows else out[:rows]
 
 
-def bf16_linear_kernels(weight: torch.Tensor) -> CpuKernels | None:
-    """The kernels when they run bf16 Linear layers for ``weight``, else None."""
-    if weight.dtype is not torch.bfloat16:
-        return None
+def linear_kernels(weight: torch.Tensor) -> CpuKernels | None:
+    """The kernels when they run Linear layers of ``weight``'s dtype, else None."""
     kernels = kernels_for(weight.device, weight.dtype)
-    return kernels if kernels is not None and kernels.has_bf16_linear else None
+    return kernels if kernels is not None and kernels.has_linear(weight.dtype) else None
+
+
+def is_bf16_exact(weight: torch.Tensor) -> bool:
+    """Whether a float32 weight's values are all bf16 numbers (its low 16 bits zero), so
+    stored as bf16 it loses nothing."""
+    if weight.dtype is not torch.float32:
+        return False
+    return not bool((weight.view(torch.int32) & 0xFFFF).any())
 
 
 def row_bucket(rows: int) -> int:
@@ -147,7 +160,7 @@ def can_pack_linears(model: nn.Module) -> bool:
     weight = model.model.norm.weight
     if not envs.cpu_weight_packing() or weight.device.type != "cpu":
         return False
-    if bf16_linear_kernels(weight) is not None:
+    if linear_kernels(weight) is not None:
         return True
     if not torch.backends.mkldnn.is_available():
         return False
@@ -159,8 +172,8 @@ def can_pack_linears(model: nn.Module) -> bool:
 
 
 def pack_linears_for_cpu(model: nn.Module) -> None:
-    """Swap every nn.Linear for a PackedLinear (CPU, fp32 or bf16; the bf16 kernel or
-    oneDNN available)."""
+    """Swap every nn.Linear for a PackedLinear (CPU, fp32 or bf16; specserve's Linear
+    kernel or oneDNN available)."""
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if isinstance(child, nn.Linear):

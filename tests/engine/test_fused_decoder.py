@@ -12,11 +12,11 @@ import torch
 
 from engine.loader import load_model
 from engine.models.llama import LlamaDecoderLayer
-from engine.models.weights import bf16_linear_kernels
+from engine.models.weights import linear_kernels
 from tests.engine.simple_runner import SimplePagedRunner
 
 pytestmark = pytest.mark.skipif(
-    bf16_linear_kernels(torch.zeros(1, 1, dtype=torch.bfloat16)) is None,
+    linear_kernels(torch.zeros(1, 1, dtype=torch.bfloat16)) is None,
     reason="no AVX512-BF16 here: bf16 runs layer by layer on oneDNN (that path is tested)",
 )
 
@@ -85,7 +85,7 @@ def test_used_only_where_every_piece_runs_on_the_kernels(tiny_model_dir, monkeyp
         return loaded.model.model.fused
 
     assert fused_after_bind(dtype="bfloat16") is not None
-    assert fused_after_bind(dtype="float32") is None  # fp32 Linear layers run on oneDNN
+    assert fused_after_bind(dtype="float32", quantization="none", attn_backend="torch") is None
     assert fused_after_bind(dtype="bfloat16", attn_backend="torch") is None
     monkeypatch.setenv("SPECSERVE_FUSED_DECODER", "0")
     assert fused_after_bind(dtype="bfloat16") is None

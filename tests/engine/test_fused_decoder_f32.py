@@ -1,10 +1,11 @@
 """The one-call decoder in float32 (issue 35, item 1): a model whose Linear layers are
 all quantized (a .gguf as stored, the default configuration on CPUs without
-AVX512-BF16) runs every layer in one C call at every kernel level this CPU executes,
-the AVX2 level among them, and its logits are the layer-by-layer forward's bit for bit:
-prefill chunks, decodes and verification-sized queries mixed in one batch, and greedy
-output. A float32 model with float Linear layers stays layer by layer (its GEMMs are
-oneDNN's)."""
+AVX512-BF16), or float (a checkpoint served in float32; a bf16 one keeps its Linear
+weights as bf16), runs every layer in one C call at every kernel level this CPU
+executes, the AVX2 level among them, and its logits are the layer-by-layer forward's
+bit for bit: prefill chunks, decodes and verification-sized queries mixed in one batch,
+and greedy output. At a level without FMA, float Linear layers stay on oneDNN, layer by
+layer."""
 
 from __future__ import annotations
 
@@ -16,6 +17,8 @@ from engine.kernels import quant as quant_mod
 from engine.kernels.cpu import CpuKernels
 from engine.loader import load_model
 from engine.models import layers as layers_mod
+from engine.models import weights as weights_mod
+from engine.models.weights import PackedLinear
 from tests.engine.kernel_levels import kernels_at_level, runnable_levels
 from tests.engine.simple_runner import SimplePagedRunner
 from tests.engine.test_fused_decoder import check_one_call_matches_layers
@@ -56,12 +59,58 @@ def test_fp32_greedy_output_is_the_same_in_one_call_or_not(at_level, tiny_gguf_p
     assert fused.generate_greedy(prompts, 24) == plain.generate_greedy(prompts, 24)
 
 
-def test_fp32_float_linear_layers_stay_layer_by_layer(tiny_model_dir, tiny_gguf_path):
-    def fused_after_bind(path, **kwargs):
-        loaded = load_model(path, **kwargs)
-        SimplePagedRunner(loaded.model, num_blocks=8)
-        return loaded.model.model.fused
+def _fused_after_bind(path, **kwargs):
+    loaded = load_model(path, **kwargs)
+    SimplePagedRunner(loaded.model, num_blocks=8)
+    return loaded.model.model.fused
 
-    assert fused_after_bind(tiny_model_dir, dtype="float32") is None
-    assert fused_after_bind(tiny_gguf_path, dtype="float32") is not None
-    assert fused_after_bind(tiny_gguf_path, dtype="float32", attn_backend="torch") is None
+
+def test_fp32_float_linear_layers_run_in_one_call_where_the_kernel_is_built(
+    at_level, tiny_model_dir, tiny_gguf_path
+):
+    fused = _fused_after_bind(tiny_model_dir, dtype="float32")
+    assert (fused is not None) == at_level.has_f32_linear
+    assert _fused_after_bind(tiny_gguf_path, dtype="float32") is not None
+    assert _fused_after_bind(tiny_gguf_path, dtype="float32", attn_backend="torch") is None
+
+
+@pytest.fixture(scope="module")
+def bf16_checkpoint(tiny_model_factory) -> str:
+    """tiny_model_dir's architecture saved in bf16, as most checkpoints are published."""
+    return tiny_model_factory(checkpoint_dtype=torch.bfloat16, seed=3)
+
+
+@pytest.mark.parametrize("checkpoint", ["fp32", "bf16"])
+def test_fp32_float_model_in_one_call_is_the_layer_by_layer_forward(
+    at_level, tiny_model_dir, bf16_checkpoint, checkpoint, monkeypatch
+):
+    if not at_level.has_f32_linear:
+        pytest.skip("a level without FMA: float Linear layers run on oneDNN, layer by layer")
+    path = tiny_model_dir if checkpoint == "fp32" else bf16_checkpoint
+    fused, plain = _runners(path)
+    linears = [m for m in fused.model.modules() if isinstance(m, PackedLinear)]
+    assert len(linears) == 4 * len(fused.model.model.layers) + 1
+    storage = torch.float32 if checkpoint == "fp32" else torch.bfloat16
+    assert all(m.storage is storage for m in linears)
+    check_one_call_matches_layers(fused, plain, monkeypatch)
+    prompts = [[5, 6, 7, 8, 9], [100, 3], list(range(20, 60))]
+    assert fused.generate_greedy(prompts, 16) == plain.generate_greedy(prompts, 16)
+
+
+def test_bf16_storage_changes_no_bit_of_the_logits(at_level, bf16_checkpoint, monkeypatch):
+    """A bf16 checkpoint served in float32: its Linear weights kept as bf16 (half the
+    bytes) give the logits that keeping them as float32 gives, bit for bit."""
+    if not at_level.has_f32_linear:
+        pytest.skip("a level without FMA: float Linear layers run on oneDNN")
+    halved = SimplePagedRunner(load_model(bf16_checkpoint, dtype="float32").model, num_blocks=64)
+    monkeypatch.setattr(weights_mod, "is_bf16_exact", lambda weight: False)
+    full = SimplePagedRunner(load_model(bf16_checkpoint, dtype="float32").model, num_blocks=64)
+    assert halved.model.lm_head.storage is torch.bfloat16
+    assert full.model.lm_head.storage is torch.float32
+    for runner in (halved, full):
+        runner.add_sequence(0)
+        runner.add_sequence(1)
+    chunks = [(0, list(range(3, 40))), (1, [7, 8, 9])]
+    assert torch.equal(halved.step(chunks, all_logits=True), full.step(chunks, all_logits=True))
+    prompts = [[5, 6, 7, 8, 9], list(range(20, 60))]
+    assert halved.generate_greedy(prompts, 16) == full.generate_greedy(prompts, 16)

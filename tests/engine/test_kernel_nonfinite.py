@@ -148,6 +148,32 @@ def test_bf16_linear_propagates_nonfinite_inputs(kernels, where, column, value):
     assert_contained(out, clean, ref, x.double() @ weight.double().T + bias.double())
 
 
+@pytest.mark.parametrize("value", NONFINITE)
+@pytest.mark.parametrize("where", ["x", "weight"])
+@pytest.mark.parametrize("column", [5, 70])  # 70: an odd k's last column (bf16 padding)
+@pytest.mark.parametrize("storage", DTYPES)
+def test_f32_linear_propagates_nonfinite_inputs(kernels, where, column, value, storage):
+    """A bf16-stored weight's pair padding is never multiplied: 0 * Inf there would be a
+    NaN that float math does not make."""
+    if not kernels.has_f32_linear:
+        pytest.skip("this level has no float32 Linear kernel (no FMA)")
+    gen = torch.Generator().manual_seed(2)
+    n, k, m = 40, 71, 13
+    x = torch.randn(m, k, generator=gen)
+    weight = (torch.randn(n, k, generator=gen) * 0.1).to(storage).float()
+    bias = torch.randn(n, generator=gen)
+    bad_x, bad_w = x, weight
+    if where == "x":
+        bad_x = poisoned(x, (12, column), value)
+    else:
+        bad_w = poisoned(weight, (33, column), value)
+    out = kernels.linear(bad_x, kernels.pack_linear_weight(bad_w, storage), bias, n)
+    clean = kernels.linear(x, kernels.pack_linear_weight(weight, storage), bias, n)
+    ref = bad_x.double() @ bad_w.double().T + bias.double()
+    clean_ref = x.double() @ weight.double().T + bias.double()
+    assert_contained(out, clean, ref, clean_ref, CLOSE[torch.float32])
+
+
 # --- attention -----------------------------------------------------------------------
 
 

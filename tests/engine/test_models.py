@@ -187,8 +187,9 @@ def test_default_model_greedy_matches_transformers():
 
 
 def test_cpu_weight_packing_matches_plain_linear(tiny_model_dir):
-    """PackedLinear (oneDNN-prepacked weights) equals F.linear on the checkpoint's
-    weights, for the row counts of decode, verification and prefill."""
+    """PackedLinear (specserve's float32 Linear kernel where the build has FMA, else
+    oneDNN-prepacked weights) equals F.linear on the checkpoint's weights, for the row
+    counts of decode, verification and prefill."""
     import torch.nn.functional as F
     from transformers import AutoModelForCausalLM
 
@@ -212,9 +213,9 @@ def test_bf16_linear_layers_run_on_the_kernel_and_rows_are_independent(tiny_mode
     import torch.nn.functional as F
     from transformers import AutoModelForCausalLM
 
-    from engine.models.weights import PackedLinear, bf16_linear_kernels
+    from engine.models.weights import PackedLinear, linear_kernels
 
-    if bf16_linear_kernels(torch.zeros(1, 1, dtype=torch.bfloat16)) is None:
+    if linear_kernels(torch.zeros(1, 1, dtype=torch.bfloat16)) is None:
         pytest.skip("no AVX512-BF16 here: bf16 Linear layers run on oneDNN")
     loaded = load_model(tiny_model_dir, device="cpu", dtype="bfloat16")
     linears = [m for m in loaded.model.modules() if isinstance(m, PackedLinear)]
