@@ -74,19 +74,13 @@ def test_fp32_float_linear_layers_run_in_one_call_where_the_kernel_is_built(
     assert _fused_after_bind(tiny_gguf_path, dtype="float32", attn_backend="torch") is None
 
 
-@pytest.fixture(scope="module")
-def bf16_checkpoint(tiny_model_factory) -> str:
-    """tiny_model_dir's architecture saved in bf16, as most checkpoints are published."""
-    return tiny_model_factory(checkpoint_dtype=torch.bfloat16, seed=3)
-
-
 @pytest.mark.parametrize("checkpoint", ["fp32", "bf16"])
 def test_fp32_float_model_in_one_call_is_the_layer_by_layer_forward(
-    at_level, tiny_model_dir, bf16_checkpoint, checkpoint, monkeypatch
+    at_level, tiny_model_dir, tiny_bf16_checkpoint, checkpoint, monkeypatch
 ):
     if not at_level.has_f32_linear:
         pytest.skip("a level without FMA: float Linear layers run on oneDNN, layer by layer")
-    path = tiny_model_dir if checkpoint == "fp32" else bf16_checkpoint
+    path = tiny_model_dir if checkpoint == "fp32" else tiny_bf16_checkpoint
     fused, plain = _runners(path)
     linears = [m for m in fused.model.modules() if isinstance(m, PackedLinear)]
     assert len(linears) == 4 * len(fused.model.model.layers) + 1
@@ -97,14 +91,16 @@ def test_fp32_float_model_in_one_call_is_the_layer_by_layer_forward(
     assert fused.generate_greedy(prompts, 16) == plain.generate_greedy(prompts, 16)
 
 
-def test_bf16_storage_changes_no_bit_of_the_logits(at_level, bf16_checkpoint, monkeypatch):
+def test_bf16_storage_changes_no_bit_of_the_logits(at_level, tiny_bf16_checkpoint, monkeypatch):
     """A bf16 checkpoint served in float32: its Linear weights kept as bf16 (half the
     bytes) give the logits that keeping them as float32 gives, bit for bit."""
     if not at_level.has_f32_linear:
         pytest.skip("a level without FMA: float Linear layers run on oneDNN")
-    halved = SimplePagedRunner(load_model(bf16_checkpoint, dtype="float32").model, num_blocks=64)
+    halved = SimplePagedRunner(
+        load_model(tiny_bf16_checkpoint, dtype="float32").model, num_blocks=64
+    )
     monkeypatch.setattr(weights_mod, "is_bf16_exact", lambda weight: False)
-    full = SimplePagedRunner(load_model(bf16_checkpoint, dtype="float32").model, num_blocks=64)
+    full = SimplePagedRunner(load_model(tiny_bf16_checkpoint, dtype="float32").model, num_blocks=64)
     assert halved.model.lm_head.storage is torch.bfloat16
     assert full.model.lm_head.storage is torch.float32
     for runner in (halved, full):

@@ -229,12 +229,18 @@ def draft_dirs(tiny_draft_model_dir, tiny_trained_draft_dir, close_eagle_targets
 
 
 @pytest.fixture(scope="module")
-def targets(tiny_model_dir, tiny_gguf_path, close_eagle_targets) -> dict[str, str]:
-    """The float model, and the same model as a .gguf served quantized; for the EAGLE
-    rows a one-layer model (float and .gguf) whose close EAGLE draft is accepted often
-    and rejected often (conftest.close_eagle_targets)."""
+def targets(
+    tiny_model_dir, tiny_bf16_checkpoint, tiny_gguf_path, close_eagle_targets
+) -> dict[str, str]:
+    """The float model, the same model as a .gguf served quantized, and its bf16
+    checkpoint (in float32: Linear weights stored as bf16); for the EAGLE rows a
+    one-layer model (float and .gguf) whose close EAGLE draft is accepted often and
+    rejected often (conftest.close_eagle_targets)."""
     eagle = {f"eagle:{kind}": target for kind, (target, _) in close_eagle_targets.items()}
-    return {"float": tiny_model_dir, "gguf": tiny_gguf_path, **eagle}
+    return {
+        "float": tiny_model_dir, "bf16-checkpoint": tiny_bf16_checkpoint,
+        "gguf": tiny_gguf_path, **eagle,
+    }  # fmt: skip
 
 
 def _case(targets, draft_dirs, proposer: str, target: str):
@@ -280,6 +286,24 @@ def test_seeded_samples_follow_the_target_distribution(targets, draft_dirs, prop
     model, dirs, prompt = _case(targets, draft_dirs, proposer, target)
     exact = exact_distribution(model, prompt)
     samples = sample_sequences(model, dirs, proposer, prompt, seeded=True)
+    assert set(samples) <= set(exact)
+    assert tv(samples, exact) < ENGINE_TV_BOUND
+
+
+@pytest.mark.parametrize(
+    "proposer", ["none", *(p for p, (_, draft) in PROPOSERS.items() if draft != "eagle")]
+)
+@pytest.mark.parametrize("seeded", [False, True], ids=["rejection", "coupling"])
+def test_a_bf16_checkpoint_in_float32_follows_its_distribution(
+    targets, draft_dirs, proposer, seeded
+):
+    """Served in float32, a bf16 checkpoint's Linear weights stay bf16 and are widened
+    in the kernel (issue 35): rejection sampling and coupling, every proposer but
+    EAGLE's (its rows run on their own one-layer targets, above), against transformers'
+    float32 model of the checkpoint."""
+    model, dirs, prompt = _case(targets, draft_dirs, proposer, "bf16-checkpoint")
+    exact = exact_distribution(model, prompt)
+    samples = sample_sequences(model, dirs, proposer, prompt, seeded=seeded)
     assert set(samples) <= set(exact)
     assert tv(samples, exact) < ENGINE_TV_BOUND
 

@@ -4,8 +4,9 @@ preemption x chunked prefill x prefix hits x stop strings x aborts x greedy, see
 unseeded rows x per-request k x penalties, logit bias, min_tokens,
 include_stop_str_in_output, truncate_prompt_tokens x structured-output constraints (one
 that fails mid-output among them) x a model whose logits turn NaN for a request from
-some output token on x a float target or a quantized one (the tiny model as a .gguf
-served as stored) x the speculation gate on or off (its lanes choosing k by timing).
+some output token on x a float target (its checkpoint in fp32, or in bf16: in float32
+its Linear weights stored as bf16) or a quantized one (the tiny model as a .gguf served
+as stored) x the speculation gate on or off (its lanes choosing k by timing).
 
 Every step: both pools pass check_integrity and no request holds a block beyond its KV
 length (check_pools); the draft cache never covers a request's last verified token.
@@ -211,7 +212,13 @@ def _run(engine, arrivals, aborts) -> dict[str, dict]:
 
 
 def test_randomized_engine_stress(
-    tiny_model_dir, tiny_gguf_path, spec_draft_dirs, close_eagle_targets, stress_seed, monkeypatch
+    tiny_model_dir,
+    tiny_bf16_checkpoint,
+    tiny_gguf_path,
+    spec_draft_dirs,
+    close_eagle_targets,
+    stress_seed,
+    monkeypatch,
 ):
     rng = random.Random(stress_seed)
     config = _engine_config(rng, spec_draft_dirs)
@@ -221,6 +228,8 @@ def test_randomized_engine_stress(
         # drafts and their catch-up at every block boundary
         kind = "float" if target == tiny_model_dir else "gguf"
         target, config["draft_model"] = close_eagle_targets[kind]
+    if target == tiny_model_dir and random.Random(2 * 10**6 + stress_seed).random() < 0.5:
+        target = tiny_bf16_checkpoint  # in float32: Linear weights stored as bf16
     arrivals, aborts = _workload(rng, config["num_speculative_tokens"])
     # odd seeds in bfloat16: greedy and seeded output must not depend on the batch there
     # either (one attention kernel for every query row, batch-invariant GEMMs)
