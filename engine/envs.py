@@ -67,6 +67,16 @@ def fused_decoder() -> bool:
     return os.environ.get("SPECSERVE_FUSED_DECODER", "1") != "0"
 
 
+def bf16_linear() -> str:
+    """``SPECSERVE_BF16_LINEAR=vdpbf16ps|fma`` pins the kernel of a bf16 model's Linear
+    layers on CPU (engine/kernels/cpu_kernels.c): vdpbf16ps (AVX512-BF16) or bf16
+    widened to fp32 and multiplied by FMA (any CPU with FMA). Unset or ``auto``: the one
+    whose measured multiply-add peak is higher here (FMA where it is 1.25x or more of
+    vdpbf16ps's). The two give different bits; a fleet that must agree pins one."""
+    value = os.environ.get("SPECSERVE_BF16_LINEAR", "").strip()
+    return value or "auto"
+
+
 def cpu_kernels() -> bool:
     """``SPECSERVE_CPU_KERNELS=0`` keeps torch ops on CPU instead of specserve's compiled
     kernels (paged attention, RMSNorm, rotary, SiLU, and the bf16 Linear layers, which

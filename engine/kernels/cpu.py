@@ -59,6 +59,9 @@ _SIGNATURES = {
 
 
 _FLOATS = (torch.float32, torch.bfloat16)
+# The bf16 Linear kernels (cpu_kernels.c, BF16_LINEAR_*): name -> the C mode bit
+BF16_LINEAR = {"vdpbf16ps": 1, "fma": 2}
+_PICK_ITERS = 100_000  # a few ms per instruction: the two peaks are 2x apart where measured
 _SUFFIX = {torch.float32: "", torch.bfloat16: "_bf16"}
 
 
@@ -85,14 +88,17 @@ class CpuKernels:
                 setattr(entries, name.removeprefix("specserve_"), fn)
         self.path = path
         linear = self.lib.specserve_linear_bf16
-        linear.restype, linear.argtypes = None, [_P, _P, _I64, _P, _P, _I64, _I64, _I64, _I32]
+        linear.restype, linear.argtypes = _I32, [_P, _P, _I64, _P, _P, _I64, _I64, _I64, _I32]
         self._linear_bf16 = linear
         linear = self.lib.specserve_linear_f32
         linear.restype = None
         linear.argtypes = [_P, _P, _I64, _P, _I32, _P, _I64, _I64, _I64, _I32]
         self._linear_f32 = linear
-        tile = self.lib.specserve_linear_tile_bf16
-        tile.restype, tile.argtypes = ctypes.c_int32, []
+        modes = self.lib.specserve_bf16_linear_modes
+        modes.restype, modes.argtypes = ctypes.c_int32, []
+        self._set_bf16_linear = self.lib.specserve_set_bf16_linear
+        self._set_bf16_linear.restype = ctypes.c_int32
+        self._set_bf16_linear.argtypes = [ctypes.c_int32]
         tile_f32 = self.lib.specserve_linear_tile_f32
         tile_f32.restype, tile_f32.argtypes = ctypes.c_int32, []
         read = self.lib.specserve_read_gbps
@@ -104,13 +110,61 @@ class CpuKernels:
         mask.restype, mask.argtypes = _I64, [_P, _I64, _I64, _I64, _P, _I64, _P, _I32]
         self._mask_logits = mask
         # Outputs per packed weight tile of the bf16 and the fp32 Linear kernels; 0 when
-        # the library was built without AVX512-BF16 (without FMA for fp32), and those
-        # Linear layers stay on torch's GEMMs.
-        self.linear_tiles = {torch.bfloat16: int(tile()), torch.float32: int(tile_f32())}
+        # the library was built without either bf16 kernel (vdpbf16ps needs
+        # AVX512-BF16, the FMA one FMA) or without FMA for fp32, and those Linear layers
+        # stay on torch's GEMMs.
+        self.linear_tiles = {torch.bfloat16: 0, torch.float32: int(tile_f32())}
+        # The bf16 kernels this build has, by name, and the one this process runs.
+        have = int(modes())
+        self.bf16_linear_modes = [name for name, bit in BF16_LINEAR.items() if have & bit]
+        self.bf16_linear: str | None = None
+        choice = self._pick_bf16_linear()
+        if choice is not None:
+            self.set_bf16_linear(choice)
+
+    def _pick_bf16_linear(self) -> str | None:
+        """$SPECSERVE_BF16_LINEAR, else the only kernel built, else whichever of the two
+        multiplies faster here: FMA where its measured multiply-add peak is 1.25x or
+        more of vdpbf16ps's (2x on the Xeon with AMX, 0.5x on a Zen 4)."""
+        asked = envs.bf16_linear()
+        if asked != "auto":
+            if asked not in self.bf16_linear_modes:
+                have = ", ".join(self.bf16_linear_modes) or "none"
+                raise ValueError(
+                    f"SPECSERVE_BF16_LINEAR={asked}: these kernels ({self.path.name}) have "
+                    f"no {asked} bf16 Linear kernel; they have: {have}"
+                )
+            return asked
+        if len(self.bf16_linear_modes) < 2:
+            return self.bf16_linear_modes[0] if self.bf16_linear_modes else None
+        fma = self._peak_gmacs(0, _PICK_ITERS, 1)
+        dp = self._peak_gmacs(1, _PICK_ITERS, 1)
+        choice = "fma" if fma >= 1.25 * dp else "vdpbf16ps"
+        logger.info(
+            "bf16 Linear layers on the %s kernel: multiply-add peaks fp32 FMA %.0f, "
+            "vdpbf16ps %.0f G/s a core (SPECSERVE_BF16_LINEAR pins one)",
+            choice,
+            fma,
+            dp,
+        )
+        return choice
+
+    def set_bf16_linear(self, name: str) -> str | None:
+        """Run bf16 Linear layers on kernel ``name`` (one of ``bf16_linear_modes``) from
+        now on; returns the one before. Weights packed for one serve the other (the same
+        layout). The two give different bits: a process keeps one while it serves."""
+        tile = int(self._set_bf16_linear(BF16_LINEAR.get(name, 0)))
+        if not tile:
+            raise ValueError(f"no {name!r} bf16 Linear kernel here: {self.bf16_linear_modes}")
+        before = self.bf16_linear
+        if before is not None and tile != self.linear_tiles[torch.bfloat16]:
+            raise ValueError(f"the {name} kernel packs weights otherwise than {before}")
+        self.bf16_linear, self.linear_tiles[torch.bfloat16] = name, tile
+        return before
 
     @property
     def has_bf16_linear(self) -> bool:
-        """Whether ``linear`` runs bf16 here (built for a CPU with AVX512-BF16)."""
+        """Whether ``linear`` runs bf16 here (built for a CPU with AVX512-BF16 or FMA)."""
         return self.linear_tiles[torch.bfloat16] > 0
 
     @property
@@ -192,7 +246,10 @@ class CpuKernels:
             None if bias is None else bias.data_ptr(), m, n, k, torch.get_num_threads(),
         )  # fmt: skip
         if dtype is torch.bfloat16:
-            self._linear_bf16(out.data_ptr(), x.data_ptr(), x.stride(0), packed.data_ptr(), *args)
+            if self._linear_bf16(
+                out.data_ptr(), x.data_ptr(), x.stride(0), packed.data_ptr(), *args
+            ):
+                raise MemoryError("the bf16 Linear kernel could not allocate its scratch")
         else:
             self._linear_f32(
                 out.data_ptr(), x.data_ptr(), x.stride(0), packed.data_ptr(),
@@ -202,7 +259,7 @@ class CpuKernels:
 
     def _require_linear(self, dtype: torch.dtype) -> None:
         if not self.has_linear(dtype):
-            need = "AVX512-BF16" if dtype is torch.bfloat16 else "FMA (AVX2 and up)"
+            need = "AVX512-BF16 or FMA" if dtype is torch.bfloat16 else "FMA (AVX2 and up)"
             raise RuntimeError(
                 f"the {dtype} linear kernel needs a build for a CPU with {need}; "
                 "this library has none (use torch's GEMMs)"

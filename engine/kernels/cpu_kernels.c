@@ -1050,7 +1050,7 @@ int64_t specserve_mask_logits(float *logits, int64_t rows, int64_t vocab, int64_
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
 #include <immintrin.h>
 
-int32_t specserve_linear_tile_bf16(void) { return LINEAR_TILE; }
+#define HAVE_DP_LINEAR 1
 
 INLINE __m512bh x_pair(const bf16 *x, int64_t p) {
     int32_t bits;
@@ -1113,7 +1113,7 @@ INLINE void linear_tile(bf16 *out, int64_t n, const bf16 *x, int64_t x_stride,
         break;
 
 /* out [m, n] (dense); x [m, k], rows x_stride apart; packed as above; bias [n] or NULL. */
-void specserve_linear_bf16(bf16 *out, const bf16 *x, int64_t x_stride, const bf16 *packed,
+static void dp_linear_bf16(bf16 *out, const bf16 *x, int64_t x_stride, const bf16 *packed,
                            const bf16 *bias, int64_t m, int64_t n, int64_t k,
                            int32_t num_threads) {
     const int64_t tiles = (n + LINEAR_TILE - 1) / LINEAR_TILE;
@@ -1134,38 +1134,35 @@ void specserve_linear_bf16(bf16 *out, const bf16 *x, int64_t x_stride, const bf1
         }
     }
 }
-#else
-/* Built without AVX512-BF16: callers keep torch's GEMMs (tile 0 says so). */
-int32_t specserve_linear_tile_bf16(void) { return 0; }
-void specserve_linear_bf16(bf16 *out, const bf16 *x, int64_t x_stride, const bf16 *packed,
-                           const bf16 *bias, int64_t m, int64_t n, int64_t k,
-                           int32_t num_threads) {
-    (void)out, (void)x, (void)x_stride, (void)packed, (void)bias, (void)m, (void)n, (void)k;
-    (void)num_threads;
-    abort(); /* unreachable: the wrapper refuses when the tile is 0 */
-}
 #endif
 
-/* ---- fp32 linear layers: out = x @ W^T (+ bias), weights stored fp32 or bf16, on FMA ----
+/* ---- float Linear layers on FMA: out = x @ W^T (+ bias), x fp32 or bf16 ----
  *
- * The float32 twin of the bf16 kernel above, for every CPU with FMA (AVX2 and up): the
+ * The kernel of float32 models on every CPU with FMA (AVX2 and up), and of bf16 models
+ * where it outpaces the vdpbf16ps kernel above (specserve_linear_bf16 below): the
  * one-call decoder runs float models on it (oneDNN's GEMM cannot be called from C), and
  * the layer-by-layer forward does too, so both compute the same bits.
  *
  * Batch invariance, by construction: each output is one fp32 accumulator running
- * acc = fma(w[j], x[j], acc) over j = 0..k-1 in order, from zero, then + bias: the same
- * bits whatever the number of rows, the row block or the thread, and at every
- * instruction-set level (AVX2 and AVX512 builds agree bit for bit).
+ * acc = fma(w[j], x[j], acc) over j = 0..k-1 in order, from zero, then + bias (then,
+ * for bf16 outputs, rounded to bf16 once, to nearest even): the same bits whatever the
+ * number of rows, the row block or the thread, and at every instruction-set level
+ * (AVX2 and AVX512 builds agree bit for bit). bf16 values widen to fp32 exactly, so a
+ * bf16 x or weight enters the same arithmetic.
  *
  * Two weight storages, one arithmetic. fp32: [ceil(n / T)][k][T], each tile's T outputs
- * side by side for every input column. bf16: [ceil(n / T)][ceil(k / 2)][T][2], the bf16
- * kernel's pair layout; a pair widens to fp32 exactly (shift, mask), so a weight whose
+ * side by side for every input column. bf16: [ceil(n / T)][ceil(k / 2)][T][2], the
+ * vdpbf16ps kernel's pair layout (the same packed weights serve both bf16 kernels on
+ * AVX512); a pair widens to fp32 by a shift and a mask, so a float32 weight whose
  * values are bf16 numbers gives the same outputs from half the bytes: where a decode
- * step is bound by the weight stream, twice the speed on CPUs without native bf16. The
- * padding of an odd k is never multiplied (0 * Inf would be NaN). T = 32 with AVX512
- * (two zmm of accumulators per row), 16 with AVX2 (two ymm). */
+ * step is bound by the weight stream, twice the speed. The padding of an odd k is never
+ * multiplied (0 * Inf would be NaN). T = 32 with AVX512 (two zmm of accumulators per
+ * row), 16 with AVX2 (two ymm). A software prefetch LF_AHEAD columns ahead keeps the
+ * stream going while several rows' FMAs run (the 49k-row head at 4-32 rows was 0.84x
+ * oneDNN without it). */
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
+#define HAVE_LF_LINEAR 1
 #if defined(__AVX512F__)
 #define LF_LANES 16
 #define LF_ROWS 12 /* 24 accumulators of 32 registers */
@@ -1180,6 +1177,17 @@ INLINE void lf_pairs(const bf16 *p, lf_vec *even, lf_vec *odd) {
     const __m512i v = _mm512_loadu_si512(p);
     *even = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
     *odd = _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32((int)0xffff0000u)));
+}
+/* LF_LANES fp32 -> bf16, rounded to nearest even as F32_TO_BF16 does */
+INLINE void lf_store_bf16(bf16 *p, lf_vec v) {
+    const __m512i b = _mm512_castps_si512(v);
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
+    const __m512i r = _mm512_add_epi32(b, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff)));
+    _mm256_storeu_si256((__m256i *)p, _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16)));
+}
+INLINE lf_vec lf_load_bf16(const bf16 *p) {
+    const __m512i v = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
 }
 #else
 #define LF_LANES 8
@@ -1196,123 +1204,162 @@ INLINE void lf_pairs(const bf16 *p, lf_vec *even, lf_vec *odd) {
     *even = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
     *odd = _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32((int)0xffff0000u)));
 }
+INLINE void lf_store_bf16(bf16 *p, lf_vec v) {
+    const __m256i b = _mm256_castps_si256(v);
+    const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1));
+    const __m256i r = _mm256_srli_epi32(
+        _mm256_add_epi32(b, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7fff))), 16);
+    const __m128i lo = _mm256_castsi256_si128(r), hi = _mm256_extracti128_si256(r, 1);
+    _mm_storeu_si128((__m128i *)p, _mm_packus_epi32(lo, hi));
+}
+INLINE lf_vec lf_load_bf16(const bf16 *p) {
+    const __m256i v = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+}
 #endif
 #define LF_TILE (2 * LF_LANES)
 #ifndef LF_AHEAD
 #define LF_AHEAD 32
 #endif
 
-int32_t specserve_linear_tile_f32(void) { return LF_TILE; }
-
-INLINE void lf_store_outputs(float *out, lf_vec lo, lf_vec hi, const float *bias,
-                             int64_t cols) {
+/* One row's tile of outputs (+ bias), in x's type: fp32 as is, bf16 rounded once. */
+INLINE void lf_store_f32(float *out, lf_vec lo, lf_vec hi, const float *bias, int64_t cols) {
     if (bias != NULL) {
         float b[LF_TILE] = {0};
         memcpy(b, bias, sizeof(float) * (size_t)cols);
         lo = LF_ADD(lo, LF_LOAD(b));
         hi = LF_ADD(hi, LF_LOAD(b + LF_LANES));
     }
-    if (cols == LF_TILE) {
-        LF_STORE(out, lo);
-        LF_STORE(out + LF_LANES, hi);
-    } else {
-        float tmp[LF_TILE];
-        LF_STORE(tmp, lo);
-        LF_STORE(tmp + LF_LANES, hi);
-        memcpy(out, tmp, sizeof(float) * (size_t)cols);
-    }
+    float tmp[LF_TILE];
+    float *o = cols == LF_TILE ? out : tmp;
+    LF_STORE(o, lo);
+    LF_STORE(o + LF_LANES, hi);
+    if (o == tmp) memcpy(out, tmp, sizeof(float) * (size_t)cols);
 }
+INLINE void lf_store_bf16x(bf16 *out, lf_vec lo, lf_vec hi, const bf16 *bias, int64_t cols) {
+    if (bias != NULL) {
+        bf16 b[LF_TILE] = {0};
+        memcpy(b, bias, sizeof(bf16) * (size_t)cols);
+        lo = LF_ADD(lo, lf_load_bf16(b));
+        hi = LF_ADD(hi, lf_load_bf16(b + LF_LANES));
+    }
+    bf16 tmp[LF_TILE];
+    bf16 *o = cols == LF_TILE ? out : tmp;
+    lf_store_bf16(o, lo);
+    lf_store_bf16(o + LF_LANES, hi);
+    if (o == tmp) memcpy(out, tmp, sizeof(bf16) * (size_t)cols);
+}
+#define LF_X_f32(x, i) ((x)[i])
+#define LF_X_bf16x(x, i) ((x)[i]) /* x widened to fp32 by the caller, out and bias bf16 */
 
-/* `rows` (a constant after inlining) rows of x against one tile of fp32 weights. */
-INLINE void lf_tile_f32(float *out, int64_t n, const float *x, int64_t x_stride,
-                        const float *tile, const float *bias, int64_t k, int rows,
-                        int64_t cols) {
-    lf_vec acc[LF_ROWS][2];
-    for (int r = 0; r < rows; r++) acc[r][0] = acc[r][1] = LF_ZERO();
-    for (int64_t j = 0; j < k; j++) {
-        const lf_vec w0 = LF_LOAD(tile + j * LF_TILE), w1 = LF_LOAD(tile + j * LF_TILE + LF_LANES);
-        _mm_prefetch((const char *)(tile + (j + LF_AHEAD) * LF_TILE), _MM_HINT_T0);
-        _mm_prefetch((const char *)(tile + (j + LF_AHEAD) * LF_TILE + 16), _MM_HINT_T0);
-        for (int r = 0; r < rows; r++) {
-            const lf_vec xr = LF_SET1(x[r * x_stride + j]);
-            acc[r][0] = LF_FMA(w0, xr, acc[r][0]);
-            acc[r][1] = LF_FMA(w1, xr, acc[r][1]);
-        }
+/* `rows` (a constant after inlining) rows of fp32 x against one tile of fp32 weights,
+ * outputs (and bias) of type OT: lf_tile_w32_<XS>. bf16 x is widened into a scratch
+ * copy first: broadcasting a bf16 value costs a shift and a move to a vector register
+ * per row and column, which starved the FMAs (1.06x vdpbf16ps instead of 1.4x). */
+#define LF_TILE_W32(OT, XS)                                                                    \
+    INLINE void lf_tile_w32_##XS(OT *out, int64_t n, const float *x, int64_t x_stride,         \
+                                 const float *tile, const OT *bias, int64_t k, int rows,       \
+                                 int64_t cols) {                                               \
+        lf_vec acc[LF_ROWS][2];                                                                \
+        for (int r = 0; r < rows; r++) acc[r][0] = acc[r][1] = LF_ZERO();                      \
+        for (int64_t j = 0; j < k; j++) {                                                      \
+            const lf_vec w0 = LF_LOAD(tile + j * LF_TILE);                                     \
+            const lf_vec w1 = LF_LOAD(tile + j * LF_TILE + LF_LANES);                          \
+            _mm_prefetch((const char *)(tile + (j + LF_AHEAD) * LF_TILE), _MM_HINT_T0);        \
+            _mm_prefetch((const char *)(tile + (j + LF_AHEAD) * LF_TILE + 16), _MM_HINT_T0);   \
+            for (int r = 0; r < rows; r++) {                                                   \
+                const lf_vec xr = LF_SET1(LF_X_##XS(x, r * x_stride + j));                     \
+                acc[r][0] = LF_FMA(w0, xr, acc[r][0]);                                         \
+                acc[r][1] = LF_FMA(w1, xr, acc[r][1]);                                         \
+            }                                                                                  \
+        }                                                                                      \
+        for (int r = 0; r < rows; r++)                                                         \
+            lf_store_##XS(out + r * n, acc[r][0], acc[r][1], bias, cols);                      \
     }
-    for (int r = 0; r < rows; r++) lf_store_outputs(out + r * n, acc[r][0], acc[r][1], bias, cols);
-}
 
 /* The same against one tile of bf16 weights in pairs: column 2p, then 2p + 1. */
-INLINE void lf_tile_bf16(float *out, int64_t n, const float *x, int64_t x_stride,
-                         const bf16 *tile, const float *bias, int64_t k, int rows,
-                         int64_t cols) {
-    lf_vec acc[LF_ROWS][2];
-    for (int r = 0; r < rows; r++) acc[r][0] = acc[r][1] = LF_ZERO();
-    const int64_t pairs = k / 2;
-    for (int64_t p = 0; p < pairs; p++) {
-        lf_vec e0, o0, e1, o1;
-        lf_pairs(tile + p * 2 * LF_TILE, &e0, &o0);
-        lf_pairs(tile + p * 2 * LF_TILE + 2 * LF_LANES, &e1, &o1);
-        _mm_prefetch((const char *)(tile + (p + LF_AHEAD / 2) * 2 * LF_TILE), _MM_HINT_T0);
-        _mm_prefetch((const char *)(tile + (p + LF_AHEAD / 2) * 2 * LF_TILE + 32), _MM_HINT_T0);
-        for (int r = 0; r < rows; r++) {
-            const lf_vec xe = LF_SET1(x[r * x_stride + 2 * p]);
-            const lf_vec xo = LF_SET1(x[r * x_stride + 2 * p + 1]);
-            acc[r][0] = LF_FMA(o0, xo, LF_FMA(e0, xe, acc[r][0]));
-            acc[r][1] = LF_FMA(o1, xo, LF_FMA(e1, xe, acc[r][1]));
-        }
+#define LF_TILE_W16(OT, XS)                                                                    \
+    INLINE void lf_tile_w16_##XS(OT *out, int64_t n, const float *x, int64_t x_stride,         \
+                                 const bf16 *tile, const OT *bias, int64_t k, int rows,        \
+                                 int64_t cols) {                                               \
+        lf_vec acc[LF_ROWS][2];                                                                \
+        for (int r = 0; r < rows; r++) acc[r][0] = acc[r][1] = LF_ZERO();                      \
+        const int64_t pairs = k / 2;                                                           \
+        for (int64_t p = 0; p < pairs; p++) {                                                  \
+            lf_vec e0, o0, e1, o1;                                                             \
+            lf_pairs(tile + p * 2 * LF_TILE, &e0, &o0);                                        \
+            lf_pairs(tile + p * 2 * LF_TILE + 2 * LF_LANES, &e1, &o1);                         \
+            _mm_prefetch((const char *)(tile + (p + LF_AHEAD / 2) * 2 * LF_TILE), _MM_HINT_T0); \
+            _mm_prefetch((const char *)(tile + (p + LF_AHEAD / 2) * 2 * LF_TILE + 32),         \
+                         _MM_HINT_T0);                                                         \
+            for (int r = 0; r < rows; r++) {                                                   \
+                const lf_vec xe = LF_SET1(LF_X_##XS(x, r * x_stride + 2 * p));                 \
+                const lf_vec xo = LF_SET1(LF_X_##XS(x, r * x_stride + 2 * p + 1));             \
+                acc[r][0] = LF_FMA(o0, xo, LF_FMA(e0, xe, acc[r][0]));                         \
+                acc[r][1] = LF_FMA(o1, xo, LF_FMA(e1, xe, acc[r][1]));                         \
+            }                                                                                  \
+        }                                                                                      \
+        if (k % 2) { /* an odd k's last column: the even halves only */                        \
+            lf_vec e0, o0, e1, o1;                                                             \
+            lf_pairs(tile + pairs * 2 * LF_TILE, &e0, &o0);                                    \
+            lf_pairs(tile + pairs * 2 * LF_TILE + 2 * LF_LANES, &e1, &o1);                     \
+            (void)o0, (void)o1;                                                                \
+            for (int r = 0; r < rows; r++) {                                                   \
+                const lf_vec xe = LF_SET1(LF_X_##XS(x, r * x_stride + k - 1));                 \
+                acc[r][0] = LF_FMA(e0, xe, acc[r][0]);                                         \
+                acc[r][1] = LF_FMA(e1, xe, acc[r][1]);                                         \
+            }                                                                                  \
+        }                                                                                      \
+        for (int r = 0; r < rows; r++)                                                         \
+            lf_store_##XS(out + r * n, acc[r][0], acc[r][1], bias, cols);                      \
     }
-    if (k % 2) { /* an odd k's last column: the even halves only */
-        lf_vec e0, o0, e1, o1;
-        lf_pairs(tile + pairs * 2 * LF_TILE, &e0, &o0);
-        lf_pairs(tile + pairs * 2 * LF_TILE + 2 * LF_LANES, &e1, &o1);
-        (void)o0, (void)o1;
-        for (int r = 0; r < rows; r++) {
-            const lf_vec xe = LF_SET1(x[r * x_stride + k - 1]);
-            acc[r][0] = LF_FMA(e0, xe, acc[r][0]);
-            acc[r][1] = LF_FMA(e1, xe, acc[r][1]);
-        }
-    }
-    for (int r = 0; r < rows; r++) lf_store_outputs(out + r * n, acc[r][0], acc[r][1], bias, cols);
-}
+LF_TILE_W32(float, f32)
+LF_TILE_W16(float, f32)
+LF_TILE_W16(bf16, bf16x)
 
-#define LF_CASE(S, R)                                                                          \
+#define LF_CASE(W, XS, R)                                                                      \
     case R:                                                                                    \
-        lf_tile_##S(o, n, xr, x_stride, tile, b, k, R, cols);                                  \
+        lf_tile_##W##_##XS(o, n, xr, x_stride, tile, b, k, R, cols);                           \
         break;
-#define LF_CASES(S)                                                                            \
-    LF_CASE(S, 1) LF_CASE(S, 2) LF_CASE(S, 3) LF_CASE(S, 4) LF_CASE(S, 5) LF_CASE(S, 6)
+#define LF_CASES(W, XS)                                                                        \
+    LF_CASE(W, XS, 1) LF_CASE(W, XS, 2) LF_CASE(W, XS, 3) LF_CASE(W, XS, 4)                    \
+    LF_CASE(W, XS, 5) LF_CASE(W, XS, 6)
 #if LF_ROWS > 6
-#define LF_CASES_MORE(S)                                                                       \
-    LF_CASE(S, 7) LF_CASE(S, 8) LF_CASE(S, 9) LF_CASE(S, 10) LF_CASE(S, 11) LF_CASE(S, 12)
+#define LF_CASES_MORE(W, XS)                                                                   \
+    LF_CASE(W, XS, 7) LF_CASE(W, XS, 8) LF_CASE(W, XS, 9) LF_CASE(W, XS, 10)                   \
+    LF_CASE(W, XS, 11) LF_CASE(W, XS, 12)
 #else
-#define LF_CASES_MORE(S)
+#define LF_CASES_MORE(W, XS)
 #endif
 
-/* One storage's loop: tiles over the threads, LF_ROWS rows of x at a time per tile. */
-#define LF_LINEAR(S, W)                                                                        \
-    static void lf_linear_##S(float *out, const float *x, int64_t x_stride, const W *packed,   \
-                              const float *bias, int64_t m, int64_t n, int64_t k,              \
-                              int32_t num_threads) {                                           \
+/* One (weight storage, output type)'s loop: tiles over the threads, LF_ROWS rows of x at a
+ * time per tile. */
+#define LF_LINEAR(W, WT, OT, XS)                                                               \
+    static void lf_linear_##W##_##XS(OT *out, const float *x, int64_t x_stride,                \
+                                     const WT *packed, const OT *bias, int64_t m, int64_t n,   \
+                                     int64_t k, int32_t num_threads) {                         \
         const int64_t tiles = (n + LF_TILE - 1) / LF_TILE;                                     \
-        const int64_t tile_size = (sizeof(W) == 2 ? (k + 1) / 2 * 2 : k) * LF_TILE;            \
+        const int64_t tile_size = (sizeof(WT) == 2 ? (k + 1) / 2 * 2 : k) * LF_TILE;           \
         _Pragma("omp parallel for num_threads(num_threads) schedule(static)")                  \
         for (int64_t t = 0; t < tiles; t++) {                                                  \
-            const W *tile = packed + t * tile_size;                                            \
-            const float *b = bias == NULL ? NULL : bias + t * LF_TILE;                         \
+            const WT *tile = packed + t * tile_size;                                           \
+            const OT *b = bias == NULL ? NULL : bias + t * LF_TILE;                            \
             const int64_t cols = n - t * LF_TILE < LF_TILE ? n - t * LF_TILE : LF_TILE;        \
             for (int64_t r0 = 0; r0 < m; r0 += LF_ROWS) {                                      \
-                float *o = out + r0 * n + t * LF_TILE;                                         \
+                OT *o = out + r0 * n + t * LF_TILE;                                            \
                 const float *xr = x + r0 * x_stride;                                           \
                 switch (m - r0 < LF_ROWS ? m - r0 : LF_ROWS) {                                 \
-                    LF_CASES(S)                                                                \
-                    LF_CASES_MORE(S)                                                           \
+                    LF_CASES(W, XS)                                                            \
+                    LF_CASES_MORE(W, XS)                                                       \
                 }                                                                              \
             }                                                                                  \
         }                                                                                      \
     }
-LF_LINEAR(f32, float)
-LF_LINEAR(bf16, bf16)
+LF_LINEAR(w32, float, float, f32)
+LF_LINEAR(w16, bf16, float, f32)
+LF_LINEAR(w16, bf16, bf16, bf16x)
+
+int32_t specserve_linear_tile_f32(void) { return LF_TILE; }
 
 /* out [m, n] (dense); x [m, k], rows x_stride apart; packed as above, bf16-stored when
  * storage_bf16; bias [n] or NULL. */
@@ -1320,9 +1367,9 @@ void specserve_linear_f32(float *out, const float *x, int64_t x_stride, const vo
                           int32_t storage_bf16, const float *bias, int64_t m, int64_t n,
                           int64_t k, int32_t num_threads) {
     if (storage_bf16)
-        lf_linear_bf16(out, x, x_stride, (const bf16 *)packed, bias, m, n, k, num_threads);
+        lf_linear_w16_f32(out, x, x_stride, (const bf16 *)packed, bias, m, n, k, num_threads);
     else
-        lf_linear_f32(out, x, x_stride, (const float *)packed, bias, m, n, k, num_threads);
+        lf_linear_w32_f32(out, x, x_stride, (const float *)packed, bias, m, n, k, num_threads);
 }
 #else
 /* Built without FMA: float32 Linear layers stay on torch's GEMMs (tile 0 says so). */
@@ -1335,3 +1382,72 @@ void specserve_linear_f32(float *out, const float *x, int64_t x_stride, const vo
     abort(); /* unreachable: the wrapper refuses when the tile is 0 */
 }
 #endif
+
+/* ---- the bf16 Linear entry points: vdpbf16ps, or widen + FMA ----
+ *
+ * Two kernels compute a bf16 model's Linear layers, each batch invariant, in the same
+ * packed layout on AVX512: vdpbf16ps (AVX512-BF16; fp32 accumulation of bf16 pair
+ * products) and the FMA kernel above (bf16 x and weights widened, exact, one fma per
+ * product; any CPU with FMA). Which multiplies faster differs by CPU: on the Zen 4 this
+ * project began on vdpbf16ps retires twice the multiply-adds of fp32 FMA, on the Xeon
+ * with AMX half (`specserve bench bounds`). The process picks one at start
+ * (engine/kernels/cpu.py: the measured peaks, or SPECSERVE_BF16_LINEAR) and keeps it:
+ * the two give different bits, so switching mid-run would break batch invariance. */
+#define BF16_LINEAR_DP 1  /* vdpbf16ps */
+#define BF16_LINEAR_FMA 2 /* widen + FMA */
+static int32_t bf16_linear_mode = 0;
+
+/* The kernels this build has, a mask of the modes above. */
+int32_t specserve_bf16_linear_modes(void) {
+    int32_t modes = 0;
+#if defined(HAVE_DP_LINEAR)
+    modes |= BF16_LINEAR_DP;
+#endif
+#if defined(HAVE_LF_LINEAR)
+    modes |= BF16_LINEAR_FMA;
+#endif
+    return modes;
+}
+
+/* Use `mode` from now on (one the build has); returns its tile of outputs, 0 if none. */
+int32_t specserve_set_bf16_linear(int32_t mode) {
+    if (!(mode & specserve_bf16_linear_modes()) || (mode != BF16_LINEAR_DP && mode != BF16_LINEAR_FMA))
+        return 0;
+    bf16_linear_mode = mode;
+#if defined(HAVE_DP_LINEAR)
+    if (mode == BF16_LINEAR_DP) return LINEAR_TILE;
+#endif
+#if defined(HAVE_LF_LINEAR)
+    return LF_TILE;
+#else
+    return 0;
+#endif
+}
+
+/* out [m, n] (dense); x [m, k], rows x_stride apart; packed in the pair layout of the
+ * mode's tile; bias [n] or NULL. Returns 0, or 3 when the FMA kernel's widened copy of
+ * x cannot be allocated. */
+int specserve_linear_bf16(bf16 *out, const bf16 *x, int64_t x_stride, const bf16 *packed,
+                          const bf16 *bias, int64_t m, int64_t n, int64_t k,
+                          int32_t num_threads) {
+#if defined(HAVE_DP_LINEAR)
+    if (bf16_linear_mode == BF16_LINEAR_DP) {
+        dp_linear_bf16(out, x, x_stride, packed, bias, m, n, k, num_threads);
+        return 0;
+    }
+#endif
+#if defined(HAVE_LF_LINEAR)
+    if (bf16_linear_mode == BF16_LINEAR_FMA) {
+        float *wide = malloc(sizeof(float) * (size_t)(m * k));
+        if (wide == NULL) return 3;
+        for (int64_t r = 0; r < m; r++)
+            for (int64_t j = 0; j < k; j++) wide[r * k + j] = BF16_TO_F32(x[r * x_stride + j]);
+        lf_linear_w16_bf16x(out, wide, k, packed, bias, m, n, k, num_threads);
+        free(wide);
+        return 0;
+    }
+#endif
+    (void)out, (void)x, (void)x_stride, (void)packed, (void)bias, (void)m, (void)n, (void)k;
+    (void)num_threads;
+    abort(); /* unreachable: the wrapper refuses until a mode is set */
+}

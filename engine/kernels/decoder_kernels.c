@@ -39,8 +39,7 @@ INLINE int decoder_linear_bf16(bf16 *out, const bf16 *x, int64_t x_stride, const
                                int32_t num_threads) {
     if (fmt != FMT_FLOAT_PACKED)
         return specserve_quant_linear_bf16(out, x, x_stride, w, fmt, bias, m, n, k, num_threads);
-    specserve_linear_bf16(out, x, x_stride, w, bias, m, n, k, num_threads);
-    return 0;
+    return specserve_linear_bf16(out, x, x_stride, w, bias, m, n, k, num_threads);
 }
 INLINE int decoder_linear_f32(float *out, const float *x, int64_t x_stride, const void *w,
                               int32_t fmt, const float *bias, int64_t m, int64_t n, int64_t k,

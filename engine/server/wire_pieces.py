@@ -115,7 +115,7 @@ def _pieces(
             yield from split
             run = field.end
         pos = field.end
-    if end > run:
+    if end > run or start == end:  # an empty message is one empty piece: its presence
         yield data[run:end]
 
 

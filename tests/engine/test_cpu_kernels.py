@@ -486,17 +486,22 @@ def test_paged_attention_rows_do_not_depend_on_the_chunking(kernels, dtype):
     assert torch.equal(whole.view(bits), pieces.view(bits))
 
 
-# --- bf16 Linear layers (AVX512-BF16) -----------------------------------------------
+# --- bf16 Linear layers (vdpbf16ps on AVX512-BF16, widen + FMA with FMA) ---------------
 
 
-@pytest.fixture(scope="module")
-def linear_kernels(kernels) -> CpuKernels:
-    if not kernels.has_bf16_linear:
-        flags = build_mod.cpu_flags()
-        if "avx512_bf16" in flags and "avx512f" in flags:  # the build must have it here
+@pytest.fixture(scope="module", params=["vdpbf16ps", "fma"])
+def linear_kernels(kernels, request) -> CpuKernels:
+    """The native kernels with each bf16 Linear kernel in turn (put back after)."""
+    flags = build_mod.cpu_flags()
+    if request.param not in kernels.bf16_linear_modes:
+        if request.param == "vdpbf16ps" and {"avx512_bf16", "avx512f"} <= flags:
             pytest.fail("this CPU has AVX512-BF16 but the kernels were built without it")
-        pytest.skip("this CPU has no AVX512-BF16: bf16 Linear layers run on oneDNN")
-    return kernels
+        if request.param == "fma" and "fma" in flags:
+            pytest.fail("this CPU has FMA but the kernels were built without it")
+        pytest.skip(f"this CPU has no {request.param} bf16 Linear kernel")
+    before = kernels.set_bf16_linear(request.param)
+    yield kernels
+    kernels.set_bf16_linear(before)
 
 
 def _exact_linear(x, weight, bias) -> torch.Tensor:

@@ -17,8 +17,21 @@ from tests.engine.simple_runner import SimplePagedRunner
 
 pytestmark = pytest.mark.skipif(
     linear_kernels(torch.zeros(1, 1, dtype=torch.bfloat16)) is None,
-    reason="no AVX512-BF16 here: bf16 runs layer by layer on oneDNN (that path is tested)",
+    reason="no bf16 Linear kernel here (no FMA): bf16 runs layer by layer on oneDNN",
 )
+
+
+@pytest.fixture(params=["vdpbf16ps", "fma"])
+def bf16_linear(request):
+    """Each bf16 Linear kernel this build has, in turn (the process-wide kernels)."""
+    from engine.kernels.cpu import cpu_kernels
+
+    kernels = cpu_kernels()
+    if request.param not in kernels.bf16_linear_modes:
+        pytest.skip(f"no {request.param} bf16 Linear kernel here")
+    before = kernels.set_bf16_linear(request.param)
+    yield request.param
+    kernels.set_bf16_linear(before)
 
 
 def _runners(model_dir: str) -> tuple[SimplePagedRunner, SimplePagedRunner]:
@@ -33,7 +46,7 @@ def _runners(model_dir: str) -> tuple[SimplePagedRunner, SimplePagedRunner]:
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])  # qwen2: q/k/v biases
 def test_fused_decoder_is_the_layer_by_layer_forward_bit_for_bit(
-    tiny_model_factory, arch, monkeypatch
+    tiny_model_factory, arch, bf16_linear, monkeypatch
 ):
     fused, plain = _runners(tiny_model_factory(arch))
     check_one_call_matches_layers(fused, plain, monkeypatch)
@@ -72,7 +85,7 @@ def check_one_call_matches_layers(fused, plain, monkeypatch) -> None:
         assert torch.equal(ours, theirs)
 
 
-def test_greedy_output_is_the_same_fused_or_not(tiny_model_dir):
+def test_greedy_output_is_the_same_fused_or_not(tiny_model_dir, bf16_linear):
     fused, plain = _runners(tiny_model_dir)
     prompts = [[5, 6, 7, 8, 9], [100, 3], list(range(20, 60))]
     assert fused.generate_greedy(prompts, 24) == plain.generate_greedy(prompts, 24)

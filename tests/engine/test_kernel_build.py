@@ -414,9 +414,9 @@ def test_a_cpu_below_the_top_level_gets_a_lower_one(prebuilt, monkeypatch):
     assert build_library(out).name.endswith("-x86-64-v2.so")
 
 
-def test_the_bf16_level_has_the_linear_kernel_and_v4_does_not(prebuilt, monkeypatch):
-    """A container on an AVX512-BF16 CPU gets the bf16 Linear kernel; on an AVX-512 CPU
-    without it, -v4, whose library says it has none (bf16 Linear stays on oneDNN)."""
+def test_the_bf16_level_has_both_bf16_linear_kernels_and_v4_the_fma_one(prebuilt, monkeypatch):
+    """A container on an AVX512-BF16 CPU gets both bf16 Linear kernels (vdpbf16ps and
+    widen + FMA); on an AVX-512 CPU without it, -v4, whose library has the FMA one."""
     if build_mod.platform.machine() != "x86_64":
         pytest.skip("the levels are x86-64's")
     out, _ = prebuilt
@@ -435,16 +435,18 @@ def test_the_bf16_level_has_the_linear_kernel_and_v4_does_not(prebuilt, monkeypa
         assert QuantOps(CpuKernels(v4_amx).lib).amx_min_rows == -1
         assert QuantOps(CpuKernels(v4_bf16).lib).amx_min_rows == 0
     if have >= build_mod._X86_64_V4:
-        assert not CpuKernels(v4).has_bf16_linear
+        assert CpuKernels(v4).bf16_linear_modes == ["fma"]
     if have >= build_mod._X86_64_V4_VNNI_BF16:
         kernels = CpuKernels(v4_bf16)
-        assert kernels.has_bf16_linear
+        assert kernels.bf16_linear_modes == ["vdpbf16ps", "fma"]
         weight = torch.randn(40, 16).to(torch.bfloat16)
         x = torch.randn(3, 16).to(torch.bfloat16)
-        out_ = kernels.linear(x, kernels.pack_linear_weight(weight), None, 40)
-        torch.testing.assert_close(
-            out_.float(), (x.float() @ weight.float().T), rtol=1e-2, atol=1e-2
-        )
+        for mode in kernels.bf16_linear_modes:
+            kernels.set_bf16_linear(mode)
+            out_ = kernels.linear(x, kernels.pack_linear_weight(weight), None, 40)
+            torch.testing.assert_close(
+                out_.float(), (x.float() @ weight.float().T), rtol=1e-2, atol=1e-2
+            )
 
 
 def test_no_compiler_and_no_level_this_cpu_runs_is_one_clear_error(prebuilt, monkeypatch):

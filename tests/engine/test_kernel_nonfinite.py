@@ -129,9 +129,18 @@ def test_quant_linear_and_embedding_propagate_a_nonfinite_weight_scale(quant, na
 @pytest.mark.parametrize("value", NONFINITE)
 @pytest.mark.parametrize("where", ["x", "weight"])
 @pytest.mark.parametrize("column", [5, 70])  # 70: an odd k's last column, paired with 0
-def test_bf16_linear_propagates_nonfinite_inputs(kernels, where, column, value):
-    if not kernels.has_bf16_linear:
-        pytest.skip("this level has no bf16 Linear kernel (no AVX512-BF16)")
+@pytest.mark.parametrize("mode", ["vdpbf16ps", "fma"])
+def test_bf16_linear_propagates_nonfinite_inputs(kernels, where, column, value, mode):
+    if mode not in kernels.bf16_linear_modes:
+        pytest.skip(f"this level has no {mode} bf16 Linear kernel")
+    before = kernels.set_bf16_linear(mode)
+    try:
+        _bf16_linear_propagates(kernels, where, column, value)
+    finally:
+        kernels.set_bf16_linear(before)
+
+
+def _bf16_linear_propagates(kernels, where, column, value) -> None:
     gen = torch.Generator().manual_seed(2)
     n, k, m = 40, 71, 13  # two tiles, the second short; rows past one 12-row block
     x = torch.randn(m, k, generator=gen).to(torch.bfloat16)

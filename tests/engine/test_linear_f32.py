@@ -161,6 +161,43 @@ def test_linear_f32_refuses_what_does_not_fit(kernels):
     assert kernels.linear(x[:0], packed, None, 40).shape == (0, 40)
 
 
+def test_bf16_on_fma_is_the_fma_chain_rounded_once(kernels):
+    """The FMA bf16 Linear kernel: bf16 x and weights widened (exact), the fp32 kernel's
+    chain, + bias, rounded to bf16 once; at every level that has FMA."""
+    if "fma" not in kernels.bf16_linear_modes:
+        pytest.fail("a level with FMA builds the FMA bf16 Linear kernel")
+    before = kernels.set_bf16_linear("fma")
+    try:
+        gen = torch.Generator().manual_seed(9)
+        for n, k, rows in [(70, 37, 13), (33, 64, 1), (5, 2, 7)]:
+            weight = torch.randn(n, k, generator=gen).to(torch.bfloat16)
+            bias = torch.randn(n, generator=gen).to(torch.bfloat16)
+            x = torch.randn(rows, k, generator=gen).to(torch.bfloat16)
+            out = kernels.linear(x, kernels.pack_linear_weight(weight), bias, n)
+            expected = fma_chain(x.float(), weight.float(), bias.float()).to(torch.bfloat16)
+            assert torch.equal(out.view(torch.int16), expected.view(torch.int16))
+    finally:
+        if before is not None:
+            kernels.set_bf16_linear(before)
+
+
+def test_the_bf16_kernel_is_picked_by_measured_peaks_or_by_name(kernels, monkeypatch):
+    if kernels.bf16_linear_modes != ["vdpbf16ps", "fma"]:
+        pytest.skip("one bf16 Linear kernel at this level: nothing to pick")
+    peaks = {0: 250.0, 1: 123.0}  # fp32 FMA, vdpbf16ps: the Xeon with AMX
+    monkeypatch.setattr(kernels, "_peak_gmacs", lambda kind, iters, threads: peaks[kind])
+    assert kernels._pick_bf16_linear() == "fma"
+    peaks.update({0: 110.0, 1: 220.0})  # a Zen 4
+    assert kernels._pick_bf16_linear() == "vdpbf16ps"
+    monkeypatch.setenv("SPECSERVE_BF16_LINEAR", "fma")
+    assert kernels._pick_bf16_linear() == "fma"
+    monkeypatch.setenv("SPECSERVE_BF16_LINEAR", "amx")
+    with pytest.raises(
+        ValueError, match=r"SPECSERVE_BF16_LINEAR=amx: .* they have: vdpbf16ps, fma"
+    ):
+        kernels._pick_bf16_linear()
+
+
 def test_a_level_without_fma_refuses_in_one_line(level_kernels):
     if level_kernels.has_f32_linear:
         pytest.skip("this level has FMA")

@@ -160,6 +160,20 @@ def test_the_pieces_parse_as_the_whole_body(body, piece_bytes):
         assert _same(_in_pieces(Outer, body), whole)
 
 
+@pytest.mark.parametrize("piece_bytes", [1, 5])
+def test_an_empty_sub_message_split_off_keeps_its_presence(piece_bytes):
+    """A set but empty message field (b"\\n\\x00": inner {}) larger than a piece: split
+    into no pieces it was dropped, and the request parsed without it (found by the
+    property above)."""
+    inner_set = Outer()
+    inner_set.inner.SetInParent()
+    body = inner_set.SerializeToString() + Outer(name="x").SerializeToString()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(wire_pieces, "PIECE_BYTES", piece_bytes)
+        parsed = parse_in_pieces(body, Outer)
+    assert parsed.HasField("inner") and parsed == Outer.FromString(body)
+
+
 @PROPERTY
 @given(data=st.data(), piece_bytes=st.sampled_from([1, 5, 40]))
 def test_corrupt_bodies_are_refused_as_protobuf_refuses_them(data, piece_bytes):
