@@ -1438,7 +1438,7 @@ int specserve_linear_bf16(bf16 *out, const bf16 *x, int64_t x_stride, const bf16
 #endif
 #if defined(HAVE_LF_LINEAR)
     if (bf16_linear_mode == BF16_LINEAR_FMA) {
-        float *wide = malloc(sizeof(float) * (size_t)(m * k));
+        float *wide = malloc(sizeof(float) * (size_t)(m * k > 0 ? m * k : 1));
         if (wide == NULL) return 3;
         for (int64_t r = 0; r < m; r++)
             for (int64_t j = 0; j < k; j++) wide[r * k + j] = BF16_TO_F32(x[r * x_stride + j]);
