@@ -110,3 +110,16 @@ def test_bf16_storage_changes_no_bit_of_the_logits(at_level, tiny_bf16_checkpoin
     assert torch.equal(halved.step(chunks, all_logits=True), full.step(chunks, all_logits=True))
     prompts = [[5, 6, 7, 8, 9], list(range(20, 60))]
     assert halved.generate_greedy(prompts, 16) == full.generate_greedy(prompts, 16)
+
+
+def test_bf16_model_in_one_call_at_every_level_with_fma(at_level, tiny_model_dir, monkeypatch):
+    """bf16 Linear layers run on the FMA kernel wherever there is FMA (AVX2 included,
+    where they were oneDNN's): the bf16 model runs in one call, bit for bit its layer
+    loop, at each level."""
+    loads = [load_model(tiny_model_dir, dtype="bfloat16").model for _ in range(2)]
+    fused, plain = (SimplePagedRunner(model, num_blocks=64) for model in loads)
+    assert (fused.model.model.fused is not None) == at_level.has_bf16_linear
+    if not at_level.has_bf16_linear:
+        return
+    plain.model.model.fused = None
+    check_one_call_matches_layers(fused, plain, monkeypatch)
