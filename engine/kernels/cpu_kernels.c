@@ -1222,33 +1222,23 @@ INLINE lf_vec lf_load_bf16(const bf16 *p) {
 #define LF_AHEAD 32
 #endif
 
-/* One row's tile of outputs (+ bias), in x's type: fp32 as is, bf16 rounded once. */
-INLINE void lf_store_f32(float *out, lf_vec lo, lf_vec hi, const float *bias, int64_t cols) {
-    if (bias != NULL) {
-        float b[LF_TILE] = {0};
-        memcpy(b, bias, sizeof(float) * (size_t)cols);
-        lo = LF_ADD(lo, LF_LOAD(b));
-        hi = LF_ADD(hi, LF_LOAD(b + LF_LANES));
+/* One row's tile of outputs (+ bias), of type T: fp32 as is, bf16 rounded once. */
+#define LF_STORE_ROW(T, XS, LOAD, STORE)                                                       \
+    INLINE void lf_store_##XS(T *out, lf_vec lo, lf_vec hi, const T *bias, int64_t cols) {     \
+        if (bias != NULL) {                                                                    \
+            T b[LF_TILE] = {0};                                                                \
+            memcpy(b, bias, sizeof(T) * (size_t)cols);                                         \
+            lo = LF_ADD(lo, LOAD(b));                                                          \
+            hi = LF_ADD(hi, LOAD(b + LF_LANES));                                               \
+        }                                                                                      \
+        T tmp[LF_TILE];                                                                        \
+        T *o = cols == LF_TILE ? out : tmp;                                                    \
+        STORE(o, lo);                                                                          \
+        STORE(o + LF_LANES, hi);                                                               \
+        if (o == tmp) memcpy(out, tmp, sizeof(T) * (size_t)cols);                              \
     }
-    float tmp[LF_TILE];
-    float *o = cols == LF_TILE ? out : tmp;
-    LF_STORE(o, lo);
-    LF_STORE(o + LF_LANES, hi);
-    if (o == tmp) memcpy(out, tmp, sizeof(float) * (size_t)cols);
-}
-INLINE void lf_store_bf16x(bf16 *out, lf_vec lo, lf_vec hi, const bf16 *bias, int64_t cols) {
-    if (bias != NULL) {
-        bf16 b[LF_TILE] = {0};
-        memcpy(b, bias, sizeof(bf16) * (size_t)cols);
-        lo = LF_ADD(lo, lf_load_bf16(b));
-        hi = LF_ADD(hi, lf_load_bf16(b + LF_LANES));
-    }
-    bf16 tmp[LF_TILE];
-    bf16 *o = cols == LF_TILE ? out : tmp;
-    lf_store_bf16(o, lo);
-    lf_store_bf16(o + LF_LANES, hi);
-    if (o == tmp) memcpy(out, tmp, sizeof(bf16) * (size_t)cols);
-}
+LF_STORE_ROW(float, f32, LF_LOAD, LF_STORE)
+LF_STORE_ROW(bf16, bf16x, lf_load_bf16, lf_store_bf16)
 #define LF_X_f32(x, i) ((x)[i])
 #define LF_X_bf16x(x, i) ((x)[i]) /* x widened to fp32 by the caller, out and bias bf16 */
 

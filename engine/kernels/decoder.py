@@ -10,10 +10,10 @@ and Python is left with the embedding, the final norm and the LM head.
 
 Used by ``LlamaModel.forward`` when every piece of a layer runs on these kernels: a CPU
 model whose every Linear is quantized (the quantized Linear kernel: any x86-64 level,
-fp32 or bf16 activations) or packed for specserve's float Linear kernel (bf16: kernels
-built with AVX512-BF16; float32: with FMA, AVX2 and up, weights stored fp32 or bf16);
+fp32 or bf16 activations) or packed for specserve's float Linear kernels (kernels built
+with FMA, AVX2 and up; bf16 on vdpbf16ps or FMA, fp32 weights stored fp32 or bf16);
 only qkv with a bias; the ``cpu`` attention backend with every query on the kernel; KV
-caches bound. Where the float kernel is not built (float32 on a CPU without FMA) the
+caches bound. Where the float kernels are not built (a CPU without FMA) float Linear
 layers stay layer by layer on oneDNN's GEMMs.
 ``SPECSERVE_FUSED_DECODER=0`` keeps the layer-by-layer Python forward (what
 ``specserve bench step`` times component by component).
@@ -101,8 +101,7 @@ class FusedDecoderLayers:
         if weight_q is None:
             packed = linear.packed_weight
             if self.dtype is torch.float32 and packed.dtype is torch.bfloat16:
-                self._check_dense(packed, torch.bfloat16)
-                return packed.data_ptr(), BF16_STORED
+                return self._ptr(packed, torch.bfloat16), BF16_STORED
             return self._ptr(packed), FLOAT_PACKED
         data = weight_q.data
         if data.dtype is not torch.uint8 or not data.is_contiguous() or not data.is_cpu:
@@ -110,15 +109,14 @@ class FusedDecoderLayers:
         self._keep.append(data)
         return data.data_ptr(), weight_q.fmt
 
-    def _ptr(self, t: torch.Tensor) -> int:
-        t = t.detach()
-        self._check_dense(t, self.dtype)
-        return t.data_ptr()
-
-    def _check_dense(self, t: torch.Tensor, dtype: torch.dtype) -> None:
+    def _ptr(self, t: torch.Tensor, dtype: torch.dtype | None = None) -> int:
+        """The address of ``t``, dense on the CPU in ``dtype`` (default the model's), kept
+        alive while the C loop may read it."""
+        t, dtype = t.detach(), dtype or self.dtype
         if t.dtype is not dtype or not t.is_contiguous() or not t.is_cpu:
             raise ValueError(f"fused decoder: a {t.dtype} tensor is not dense {dtype} on the CPU")
         self._keep.append(t)
+        return t.data_ptr()
 
     def __call__(
         self,

@@ -227,7 +227,7 @@ def fused_decoder_for(
     for layer in model.layers:
         attn, mlp = layer.self_attn, layer.mlp
         linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-        if not all(_on_the_kernels(m, weight.dtype) for m in linears):
+        if not all(_on_the_kernels(m) for m in linears):
             return None
         if any(m.bias is not None for m in linears[1:]):
             return None
@@ -239,7 +239,7 @@ def fused_decoder_for(
         return None
 
 
-def _on_the_kernels(linear: nn.Module, dtype: torch.dtype) -> bool:
+def _on_the_kernels(linear: nn.Module) -> bool:
     """A Linear the one-call decoder runs: quantized, or packed for specserve's Linear
     kernel of the model's dtype."""
     from engine.models.quant import QuantizedLinear

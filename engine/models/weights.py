@@ -89,8 +89,9 @@ def _load_one(model, params, hf_name: str, tensor: torch.Tensor, loaded: set[str
 class PackedLinear(nn.Module):
     """A CPU Linear whose weight is packed once, at load, for the GEMM that runs it.
 
-    Where specserve's kernels are built for it (engine/kernels/cpu_kernels.c): bf16 on
-    AVX512-BF16, float32 on any CPU with FMA (AVX2 and up). They stream the weights at
+    Where specserve's kernels are built for it (engine/kernels/cpu_kernels.c): any CPU
+    with FMA (AVX2 and up), bf16 on vdpbf16ps or FMA (whichever the process picked),
+    float32 on FMA. They stream the weights at
     close to the memory bandwidth for the few rows of a decode step, where oneDNN
     reaches about half of it, their rows never depend on each other (batch invariant
     by construction), and the one-call decoder runs the same kernel, so both forwards
@@ -98,7 +99,7 @@ class PackedLinear(nn.Module):
     checkpoint served in float32, as ``--dtype auto`` does on CPUs without native bf16)
     is stored as bf16: the same outputs from half the bytes.
 
-    Otherwise (bf16 without AVX512-BF16, float32 without FMA): oneDNN's blocked layout.
+    Otherwise (a CPU without FMA): oneDNN's blocked layout.
     Plain ``F.linear`` repacks the weight on every call; for the few rows of a decode
     or 1 + k verification step that costs more than the multiply."""
 

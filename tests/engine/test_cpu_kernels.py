@@ -545,17 +545,25 @@ def test_linear_bf16_rows_do_not_depend_on_the_batch(linear_kernels):
     weight = (torch.randn(n, k, generator=gen) / k**0.5).to(torch.bfloat16)
     bias = torch.randn(n, generator=gen).to(torch.bfloat16)
     packed = linear_kernels.pack_linear_weight(weight)
-    row = torch.randn(1, k, generator=gen).to(torch.bfloat16)
-    alone = linear_kernels.linear(row, packed, bias, n)
+    check_linear_rows_do_not_depend_on_the_batch(linear_kernels, packed, bias, k, gen)
+
+
+def check_linear_rows_do_not_depend_on_the_batch(kernels, packed, bias, k, gen) -> None:
+    """``kernels.linear`` with ``packed`` (of [len(bias), k]): a row drawn from ``gen``
+    gives the same bits alone and at a random place in batches of 1 to 40 rows, on 1
+    thread and on 2."""
+    n, dtype = bias.shape[0], bias.dtype
+    row = torch.randn(1, k, generator=gen).to(dtype)
+    alone = kernels.linear(row, packed, bias, n)
     threads = torch.get_num_threads()
     try:
         for num_threads in (1, 2):
             torch.set_num_threads(num_threads)
             for rows in range(1, 41):
-                x = torch.randn(rows, k, generator=gen).to(torch.bfloat16)
+                x = torch.randn(rows, k, generator=gen).to(dtype)
                 at = int(torch.randint(rows, (1,), generator=gen))
                 x[at] = row[0]
-                out = linear_kernels.linear(x, packed, bias, n)
+                out = kernels.linear(x, packed, bias, n)
                 assert same_bits(out[at : at + 1], alone), (num_threads, rows, at)
     finally:
         torch.set_num_threads(threads)
@@ -567,13 +575,19 @@ def test_linear_bf16_takes_strided_rows(linear_kernels):
     gen = torch.Generator().manual_seed(6)
     weight = torch.randn(40, 24, generator=gen).to(torch.bfloat16)
     packed = linear_kernels.pack_linear_weight(weight)
-    wide = torch.randn(7, 64, generator=gen).to(torch.bfloat16)
+    check_linear_takes_strided_rows(linear_kernels, packed, gen, torch.bfloat16)
+
+
+def check_linear_takes_strided_rows(kernels, packed, gen, dtype) -> None:
+    """``packed`` of a [40, 24] weight: x as columns 8..31 of wider rows drawn from
+    ``gen`` gives its dense copy's bits, and NaN past those columns changes nothing."""
+    wide = torch.randn(7, 64, generator=gen).to(dtype)
     x = wide[:, 8:32]
     assert not x.is_contiguous()
-    out = linear_kernels.linear(x, packed, None, 40)
-    assert same_bits(out, linear_kernels.linear(x.contiguous(), packed, None, 40))
+    out = kernels.linear(x, packed, None, 40)
+    assert same_bits(out, kernels.linear(x.contiguous(), packed, None, 40))
     wide[:, 32:] = float("nan")
-    assert same_bits(linear_kernels.linear(x, packed, None, 40), out)
+    assert same_bits(kernels.linear(x, packed, None, 40), out)
 
 
 def test_linear_bf16_refuses_what_does_not_fit(linear_kernels):

@@ -12,6 +12,11 @@ import torch
 
 from engine.kernels.cpu import CpuKernels
 from tests.engine.kernel_levels import kernels_at_level, runnable_levels
+from tests.engine.test_cpu_kernels import (
+    check_linear_rows_do_not_depend_on_the_batch,
+    check_linear_takes_strided_rows,
+    same_bits,
+)
 
 STORAGES = [
     pytest.param(torch.float32, id="fp32-stored"),
@@ -41,10 +46,6 @@ def fma_chain(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) 
     for j in range(x.shape[1]):
         acc = (xs[:, j : j + 1] * w[:, j] + acc.double()).float()
     return acc if bias is None else acc + bias
-
-
-def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.dtype == b.dtype and torch.equal(a.view(torch.int32), b.view(torch.int32))
 
 
 def _weight(n: int, k: int, storage: torch.dtype, gen: torch.Generator) -> torch.Tensor:
@@ -93,20 +94,7 @@ def test_linear_f32_rows_do_not_depend_on_the_batch(kernels, storage):
     weight = _weight(n, k, storage, gen)
     bias = torch.randn(n, generator=gen)
     packed = kernels.pack_linear_weight(weight, storage)
-    row = torch.randn(1, k, generator=gen)
-    alone = kernels.linear(row, packed, bias, n)
-    threads = torch.get_num_threads()
-    try:
-        for num_threads in (1, 2):
-            torch.set_num_threads(num_threads)
-            for rows in range(1, 41):
-                x = torch.randn(rows, k, generator=gen)
-                at = int(torch.randint(rows, (1,), generator=gen))
-                x[at] = row[0]
-                out = kernels.linear(x, packed, bias, n)
-                assert same_bits(out[at : at + 1], alone), (num_threads, rows, at)
-    finally:
-        torch.set_num_threads(threads)
+    check_linear_rows_do_not_depend_on_the_batch(kernels, packed, bias, k, gen)
 
 
 def test_every_level_computes_the_same_bits(request):
@@ -130,13 +118,7 @@ def test_linear_f32_takes_strided_rows(kernels):
     gen = torch.Generator().manual_seed(6)
     weight = torch.randn(40, 24, generator=gen)
     packed = kernels.pack_linear_weight(weight)
-    wide = torch.randn(7, 64, generator=gen)
-    x = wide[:, 8:32]
-    assert not x.is_contiguous()
-    out = kernels.linear(x, packed, None, 40)
-    assert same_bits(out, kernels.linear(x.contiguous(), packed, None, 40))
-    wide[:, 32:] = float("nan")
-    assert same_bits(kernels.linear(x, packed, None, 40), out)
+    check_linear_takes_strided_rows(kernels, packed, gen, torch.float32)
 
 
 def test_linear_f32_refuses_what_does_not_fit(kernels):
