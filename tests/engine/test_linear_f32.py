@@ -163,12 +163,14 @@ def test_bf16_on_fma_is_the_fma_chain_rounded_once(kernels):
             kernels.set_bf16_linear(before)
 
 
-def test_the_bf16_kernel_is_picked_by_measured_peaks_or_by_name(kernels, monkeypatch):
+def test_the_bf16_kernel_is_picked_by_measured_peaks_or_by_name(kernels, monkeypatch, caplog):
     if kernels.bf16_linear_modes != ["vdpbf16ps", "fma"]:
         pytest.skip("one bf16 Linear kernel at this level: nothing to pick")
     peaks = {0: 250.0, 1: 123.0}  # fp32 FMA, vdpbf16ps: the Xeon with AMX
     monkeypatch.setattr(kernels, "_peak_gmacs", lambda kind, iters, threads: peaks[kind])
-    assert kernels._pick_bf16_linear() == "fma"
+    with caplog.at_level("INFO", logger="engine.kernels.cpu"):
+        assert kernels._pick_bf16_linear() == "fma"
+    assert "bf16 Linear layers on the fma kernel" in caplog.text  # the start-up log says
     peaks.update({0: 110.0, 1: 220.0})  # a Zen 4
     assert kernels._pick_bf16_linear() == "vdpbf16ps"
     monkeypatch.setenv("SPECSERVE_BF16_LINEAR", "fma")
