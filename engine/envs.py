@@ -68,11 +68,12 @@ def fused_decoder() -> bool:
 
 
 def bf16_linear() -> str:
-    """``SPECSERVE_BF16_LINEAR=vdpbf16ps|fma`` pins the kernel of a bf16 model's Linear
-    layers on CPU (engine/kernels/cpu_kernels.c): vdpbf16ps (AVX512-BF16) or bf16
-    widened to fp32 and multiplied by FMA (any CPU with FMA). Unset or ``auto``: the one
-    whose measured multiply-add peak is higher here (FMA where it is 1.25x or more of
-    vdpbf16ps's). The two give different bits; a fleet that must agree pins one."""
+    """``SPECSERVE_BF16_LINEAR=amx|vdpbf16ps|fma`` pins the kernel of a bf16 model's
+    Linear layers on CPU (engine/kernels/cpu_kernels.c): AMX tiles (tdpbf16ps; AMX-BF16,
+    where Linux lends the tiles), vdpbf16ps (AVX512-BF16) or bf16 widened to fp32 and
+    multiplied by FMA (any CPU with FMA). Unset or ``auto``: AMX where it is here, else
+    the one whose measured multiply-add peak is higher (FMA where it is 1.25x or more of
+    vdpbf16ps's). They give different bits; a fleet that must agree pins one."""
     value = os.environ.get("SPECSERVE_BF16_LINEAR", "").strip()
     return value or "auto"
 

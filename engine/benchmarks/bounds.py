@@ -9,8 +9,9 @@ moment. Two bounds, measured in under a second on torch's thread count:
 - **multiply-add peaks** (G multiply-adds/s) of the instructions the CPU kernels use:
   fp32 FMA, bf16 ``vdpbf16ps`` and int8 ``vpdpbusd`` (the better of its 512- and 256-bit
   forms; on AVX2 without VNNI the ``vpmaddubsw`` + ``vpmaddwd`` pair the quantized kernel
-  uses there), and on a CPU with AMX its int8 ``tdpbssd``, each a register-only loop of
-  independent chains on every thread: the ceiling of a large batch's Linear layers.
+  uses there), and on a CPU with AMX its int8 ``tdpbssd`` and bf16 ``tdpbf16ps``, each a
+  register-only loop of independent chains on every thread: the ceiling of a large
+  batch's Linear layers.
 
 A result's share of its bound: batch-1 tok/s x bytes read per token / read GB/s, or
 step multiply-adds / peak.
@@ -38,6 +39,7 @@ class Bounds:
     # quantized kernel uses there), and AMX's tdpbssd where the CPU and build have it
     int8_instruction: str = "vpdpbusd"
     amx_int8_gmacs: float | None = None
+    amx_bf16_gmacs: float | None = None  # tdpbf16ps, likewise
 
     def line(self) -> str:
         """One line for the top of a table."""
@@ -52,6 +54,7 @@ class Bounds:
                 peak(f"int8 {self.int8_instruction}", self.int8_gmacs),
             ]
             + ([peak("int8 AMX tdpbssd", self.amx_int8_gmacs)] if self.amx_int8_gmacs else [])
+            + ([peak("bf16 AMX tdpbf16ps", self.amx_bf16_gmacs)] if self.amx_bf16_gmacs else [])
         )
         return (
             f"machine bounds ({self.num_threads} threads): read {self.read_gbps:.1f} GB/s; "
@@ -81,6 +84,7 @@ def measure(num_threads: int | None = None) -> Bounds | None:
         int8_gmacs=max(int8) if int8 else None,
         int8_instruction=int8_instruction(kernels),
         amx_int8_gmacs=kernels.peak_gmacs(4, _ITERS, threads),
+        amx_bf16_gmacs=kernels.peak_gmacs(5, _ITERS, threads),
     )
 
 

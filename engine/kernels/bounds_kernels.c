@@ -78,8 +78,9 @@ double specserve_read_gbps(const uint64_t *buf, int64_t bytes, int32_t reps,
  * three: kind 0 fp32 FMA (vfmadd, 1 multiply-add per fp32 lane), 1 bf16 vdpbf16ps (2
  * per fp32 lane), 2 int8 vpdpbusd (4 per int32 lane; the 256-bit form where it is
  * faster; on AVX2 without VNNI the quantized kernel's vpmaddubsw + vpmaddwd pair), 4
- * int8 AMX tdpbssd (tiles of 16 x 16 x 64, where the build and Linux allow AMX). -1
- * when this build's target lacks the instruction. */
+ * int8 AMX tdpbssd (tiles of 16 x 16 x 64, where the build and Linux allow AMX), 5 bf16
+ * AMX tdpbf16ps (16 x 16 x 32, likewise). -1 when this build's target lacks the
+ * instruction. */
 double specserve_peak_gmacs(int32_t kind, int64_t iters, int32_t num_threads) {
     double best = -1.0;
     for (int32_t r = 0; r < 3; r++) {
@@ -130,12 +131,12 @@ double specserve_peak_gmacs(int32_t kind, int64_t iters, int32_t num_threads) {
 #endif
 #if defined(QPATH_AMX)
         case 4: { /* AMX tdpbssd: 4 C tiles, 16 x 16 int32 each, K = 64 bytes */
-            if (!q_amx_ready()) break;
+            if (!amx_ready()) break;
             macs_per_iter = 4.0 * 16 * 16 * 64;
             ran = 1;
 #pragma omp parallel num_threads(num_threads) reduction(+ : sink)
             {
-                struct q_tilecfg cfg;
+                struct amx_tilecfg cfg;
                 memset(&cfg, 0, sizeof cfg);
                 cfg.palette = 1;
                 for (int t = 0; t < 6; t++) cfg.rows[t] = 16, cfg.colsb[t] = 64;
@@ -154,6 +155,40 @@ double specserve_peak_gmacs(int32_t kind, int64_t iters, int32_t num_threads) {
                     _tile_dpbssd(1, 4, 5);
                     _tile_dpbssd(2, 4, 5);
                     _tile_dpbssd(3, 4, 5);
+                }
+                _tile_stored(0, out, 64);
+                sink += out[0];
+                _tile_release();
+            }
+            break;
+        }
+#endif
+#if defined(HAVE_AMX_LINEAR)
+        case 5: { /* AMX tdpbf16ps: 4 C tiles, 16 x 16 fp32 each, 32 bf16 inputs */
+            if (!amx_ready()) break;
+            macs_per_iter = 4.0 * 16 * 16 * 32;
+            ran = 1;
+#pragma omp parallel num_threads(num_threads) reduction(+ : sink)
+            {
+                struct amx_tilecfg cfg;
+                memset(&cfg, 0, sizeof cfg);
+                cfg.palette = 1;
+                for (int t = 0; t < 6; t++) cfg.rows[t] = 16, cfg.colsb[t] = 64;
+                _tile_loadconfig(&cfg);
+                bf16 src[16 * 32] __attribute__((aligned(64)));
+                float out[16 * 16] __attribute__((aligned(64)));
+                for (int i = 0; i < 16 * 32; i++) src[i] = (bf16)(0x3f80 + i % 3); /* ~1 */
+                _tile_zero(0);
+                _tile_zero(1);
+                _tile_zero(2);
+                _tile_zero(3);
+                _tile_loadd(4, src, 64);
+                _tile_loadd(5, src, 64);
+                for (int64_t it = 0; it < iters; it++) {
+                    _tile_dpbf16ps(0, 4, 5);
+                    _tile_dpbf16ps(1, 4, 5);
+                    _tile_dpbf16ps(2, 4, 5);
+                    _tile_dpbf16ps(3, 4, 5);
                 }
                 _tile_stored(0, out, 64);
                 sink += out[0];

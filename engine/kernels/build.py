@@ -68,8 +68,9 @@ _X86_64_V4 = _X86_64_V3 | {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx51
 _X86_64_V4_VNNI = _X86_64_V4 | {"avx512_vnni"}
 _X86_64_V4_VNNI_BF16 = _X86_64_V4_VNNI | {"avx512_bf16"}
 _X86_64_V3_AVXVNNI = _X86_64_V3 | {"avx_vnni"}
-# AMX-INT8 (Sapphire Rapids and later): the quantized Linear's Q8_0 GEMMs on tiles.
-_X86_64_V4_AMX = _X86_64_V4_VNNI_BF16 | {"amx_tile", "amx_int8"}
+# AMX-INT8 and AMX-BF16 (Sapphire Rapids and later): the quantized Linear's Q8_0 GEMMs
+# and the bf16 Linear on tiles.
+_X86_64_V4_AMX = _X86_64_V4_VNNI_BF16 | {"amx_tile", "amx_int8", "amx_bf16"}
 # Per architecture (``platform.machine()``): prebuilt levels, best first.
 PREBUILT_LEVELS: dict[str, list[tuple[str, frozenset[str]]]] = {
     "x86_64": [
@@ -365,6 +366,7 @@ _LEVEL_FLAGS = {
         "-mavx512bf16",
         "-mamx-tile",
         "-mamx-int8",
+        "-mamx-bf16",
     ],  # fmt: skip
     "x86-64-v4-vnni-bf16": ["-march=x86-64-v4", "-mavx512vnni", "-mavx512bf16"],
     "x86-64-v4-vnni": ["-march=x86-64-v4", "-mavx512vnni"],

@@ -60,7 +60,7 @@ _SIGNATURES = {
 
 _FLOATS = (torch.float32, torch.bfloat16)
 # The bf16 Linear kernels (cpu_kernels.c, BF16_LINEAR_*): name -> the C mode bit
-BF16_LINEAR = {"vdpbf16ps": 1, "fma": 2}
+BF16_LINEAR = {"vdpbf16ps": 1, "fma": 2, "amx": 4}
 _PICK_ITERS = 100_000  # a few ms per instruction: the two peaks are 2x apart where measured
 _SUFFIX = {torch.float32: "", torch.bfloat16: "_bf16"}
 
@@ -99,6 +99,10 @@ class CpuKernels:
         self._set_bf16_linear = self.lib.specserve_set_bf16_linear
         self._set_bf16_linear.restype = ctypes.c_int32
         self._set_bf16_linear.argtypes = [ctypes.c_int32]
+        amx = self.lib.specserve_amx_tiles
+        amx.restype, amx.argtypes = ctypes.c_int32, []
+        # AMX tiles: 0 not in this build, 1 built but Linux did not lend them, 2 in use
+        self.amx_tiles = int(amx())
         tile_f32 = self.lib.specserve_linear_tile_f32
         tile_f32.restype, tile_f32.argtypes = ctypes.c_int32, []
         read = self.lib.specserve_read_gbps
@@ -123,9 +127,11 @@ class CpuKernels:
             self.set_bf16_linear(choice)
 
     def _pick_bf16_linear(self) -> str | None:
-        """$SPECSERVE_BF16_LINEAR, else the only kernel built, else whichever of the two
-        multiplies faster here: FMA where its measured multiply-add peak is 1.25x or
-        more of vdpbf16ps's (2x on the Xeon with AMX, 0.5x on a Zen 4)."""
+        """$SPECSERVE_BF16_LINEAR, else AMX tiles where the build has them and Linux lends
+        them (as fast as the others on one row, where the weight stream bounds every
+        kernel, and 3-5x FMA from 8 rows), else the only kernel built, else whichever of
+        vdpbf16ps and FMA multiplies faster here: FMA where its measured multiply-add
+        peak is 1.25x or more of vdpbf16ps's (2x on the Xeon with AMX, 0.5x on a Zen 4)."""
         asked = envs.bf16_linear()
         if asked != "auto":
             if asked not in self.bf16_linear_modes:
@@ -135,6 +141,9 @@ class CpuKernels:
                     f"no {asked} bf16 Linear kernel; they have: {have}"
                 )
             return asked
+        if "amx" in self.bf16_linear_modes:
+            logger.info("bf16 Linear layers on AMX tiles (SPECSERVE_BF16_LINEAR pins one)")
+            return "amx"
         if len(self.bf16_linear_modes) < 2:
             return self.bf16_linear_modes[0] if self.bf16_linear_modes else None
         fma = self._peak_gmacs(0, _PICK_ITERS, 1)
@@ -151,8 +160,8 @@ class CpuKernels:
 
     def set_bf16_linear(self, name: str) -> str | None:
         """Run bf16 Linear layers on kernel ``name`` (one of ``bf16_linear_modes``) from
-        now on; returns the one before. Weights packed for one serve the other (the same
-        layout). The two give different bits: a process keeps one while it serves."""
+        now on; returns the one before. Weights packed for one serve the others (the same
+        layout on AVX512). They give different bits: a process keeps one while it serves."""
         tile = int(self._set_bf16_linear(BF16_LINEAR.get(name, 0)))
         if not tile:
             raise ValueError(f"no {name!r} bf16 Linear kernel here: {self.bf16_linear_modes}")
@@ -438,7 +447,7 @@ class CpuKernels:
     def peak_gmacs(self, kind: int, iters: int, num_threads: int) -> float | None:
         """Multiply-adds per second (G) of one instruction kind (0 fp32 FMA, 1 bf16
         vdpbf16ps, 2 int8 vpdpbusd, or vpmaddubsw + vpmaddwd on AVX2 without VNNI, 3
-        vpdpbusd on 256-bit registers, 4 AMX tdpbssd) in a register-only loop on
+        vpdpbusd on 256-bit registers, 4 AMX tdpbssd, 5 AMX tdpbf16ps) in a register-only loop on
         ``num_threads`` threads; None when this build lacks it."""
         value = self._peak_gmacs(kind, iters, num_threads)
         return None if value < 0 else value

@@ -47,6 +47,44 @@
 /* Query tokens per paged-attention work item (see PAGED_ATTENTION). */
 #define Q_TILE 32
 
+/* ---- AMX tiles: Linux lends a process the tile registers on request ----
+ * (arch_prctl ARCH_REQ_XCOMP_PERM), once; refused, the kernels that would use them run
+ * on AVX-512 (the quantized Linear's tdpbssd path, the bf16 Linear's tdpbf16ps one). */
+#if defined(__AMX_TILE__) && defined(__linux__)
+#define HAVE_AMX_TILES 1
+#include <sys/syscall.h>
+#include <unistd.h>
+/* unistd.h declares syscall only outside strict ISO C (the kernels build with
+ * -std=c11), and GCC 14 refuses an implicit declaration: declared here, as glibc and
+ * musl define it. */
+long syscall(long number, ...);
+
+static int amx_state = 0; /* 0: not asked yet, 1: granted, -1: refused */
+
+static inline __attribute__((always_inline)) int amx_ready(void) {
+    int state = __atomic_load_n(&amx_state, __ATOMIC_ACQUIRE);
+    if (state == 0) {
+        state = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */,
+                        18 /* XFEATURE_XTILEDATA */) == 0 ? 1 : -1;
+        __atomic_store_n(&amx_state, state, __ATOMIC_RELEASE);
+    }
+    return state > 0;
+}
+
+/* The 64-byte operand of ldtilecfg, palette 1. */
+struct amx_tilecfg {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+};
+
+/* 2: built with AMX and the tiles are lent; 1: built with AMX, Linux refused them. */
+int32_t specserve_amx_tiles(void) { return amx_ready() ? 2 : 1; }
+#else
+/* 0: built without AMX. */
+int32_t specserve_amx_tiles(void) { return 0; }
+#endif
+
 /* ---- element types: load as fp32, store from fp32, round to the storage precision ---- */
 
 typedef uint16_t bf16;
@@ -1373,6 +1411,107 @@ void specserve_linear_f32(float *out, const float *x, int64_t x_stride, const vo
 }
 #endif
 
+/* ---- bf16 Linear on AMX tiles (tdpbf16ps) ----
+ *
+ * Where the CPU has AMX-BF16 (Sapphire Rapids and later) and Linux lends the tiles: the
+ * same packed pair layout as the FMA kernel (tile of 32 outputs, [ceil(k / 2)][32][2]),
+ * read straight into tile B (16 pairs x 16 outputs x 2, rows 128 bytes apart), 16 rows
+ * of x at a time in tile A (a zero-padded copy: rows to a multiple of 16, an odd k's
+ * pair completed with 0), two C tiles of 16 x 16 fp32 per 32 outputs, 32 inputs per
+ * tdpbf16ps. The tile unit sums each output's pair products in fp32 in its own fixed
+ * order (and flushes subnormals): not the FMA kernel's bits, so a process runs one or
+ * the other for every call whatever its rows (batch invariance: a row's outputs depend
+ * on its own x alone; rows of zeros pad the last tile of rows). Bias is added to the
+ * fp32 sum and the result rounded once, as in the FMA kernel. */
+#if defined(HAVE_AMX_TILES) && defined(__AMX_BF16__) && defined(HAVE_LF_LINEAR) && LF_TILE == 32
+#define HAVE_AMX_LINEAR 1
+#define AMX_PAIRS 16 /* pairs of inputs per tdpbf16ps */
+
+INLINE void amx_bf16_config(int tail_pairs) {
+    struct amx_tilecfg cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int t = 0; t < 5; t++) cfg.rows[t] = 16, cfg.colsb[t] = 64;
+    /* 0, 1: C (outputs 0-15, 16-31 of the weight tile); 2: A (16 rows x 32 inputs);
+     * 3, 4: B (16 pairs x 16 outputs); 5-7: A and B for the last tail_pairs pairs */
+    if (tail_pairs) {
+        cfg.rows[5] = 16, cfg.colsb[5] = (uint16_t)(4 * tail_pairs);
+        cfg.rows[6] = cfg.rows[7] = (uint8_t)tail_pairs, cfg.colsb[6] = cfg.colsb[7] = 64;
+    }
+    _tile_loadconfig(&cfg);
+}
+
+static int64_t amx_linear_calls = 0; /* calls that ran on tiles: tests check the path ran */
+int64_t specserve_linear_amx_calls(void) {
+    return __atomic_load_n(&amx_linear_calls, __ATOMIC_RELAXED);
+}
+
+/* Returns 0, or 3 when the padded copy of x cannot be allocated. */
+static int amx_linear_bf16(bf16 *out, const bf16 *x, int64_t x_stride, const bf16 *packed,
+                           const bf16 *bias, int64_t m, int64_t n, int64_t k,
+                           int32_t num_threads) {
+    const int64_t pairs = (k + 1) / 2, full = pairs / AMX_PAIRS, tail = pairs % AMX_PAIRS;
+    const int64_t kp = pairs * 2, mp = (m + 15) / 16 * 16;
+    const size_t bytes = ((size_t)(mp * kp) * sizeof(bf16) + 63) / 64 * 64;
+    bf16 *xs = aligned_alloc(64, bytes > 0 ? bytes : 64);
+    if (xs == NULL) return 3;
+    for (int64_t r = 0; r < mp; r++) {
+        if (r < m) {
+            memcpy(xs + r * kp, x + r * x_stride, sizeof(bf16) * (size_t)k);
+            if (kp > k) xs[r * kp + k] = 0;
+        } else {
+            memset(xs + r * kp, 0, sizeof(bf16) * (size_t)kp);
+        }
+    }
+    const int64_t tiles = (n + LF_TILE - 1) / LF_TILE, tile_size = pairs * 2 * LF_TILE;
+    const int64_t row_bytes = kp * (int64_t)sizeof(bf16);
+#pragma omp parallel num_threads(num_threads)
+    {
+        amx_bf16_config((int)tail);
+        float c[2][16 * 16] __attribute__((aligned(64)));
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < tiles; t++) {
+            const bf16 *w = packed + t * tile_size;
+            const bf16 *b = bias == NULL ? NULL : bias + t * LF_TILE;
+            const int64_t cols = n - t * LF_TILE < LF_TILE ? n - t * LF_TILE : LF_TILE;
+            for (int64_t r0 = 0; r0 < mp; r0 += 16) {
+                const bf16 *xr = xs + r0 * kp;
+                _tile_zero(0);
+                _tile_zero(1);
+                for (int64_t g = 0; g < full; g++) {
+                    const bf16 *wg = w + g * AMX_PAIRS * 2 * LF_TILE;
+                    _tile_loadd(2, xr + g * 2 * AMX_PAIRS, row_bytes);
+                    _tile_loadd(3, wg, 4 * LF_TILE);
+                    _tile_loadd(4, wg + LF_TILE, 4 * LF_TILE);
+                    _tile_dpbf16ps(0, 2, 3);
+                    _tile_dpbf16ps(1, 2, 4);
+                }
+                if (tail) {
+                    const bf16 *wg = w + full * AMX_PAIRS * 2 * LF_TILE;
+                    _tile_loadd(5, xr + full * 2 * AMX_PAIRS, row_bytes);
+                    _tile_loadd(6, wg, 4 * LF_TILE);
+                    _tile_loadd(7, wg + LF_TILE, 4 * LF_TILE);
+                    _tile_dpbf16ps(0, 5, 6);
+                    _tile_dpbf16ps(1, 5, 7);
+                }
+                _tile_stored(0, c[0], 64);
+                _tile_stored(1, c[1], 64);
+                const int64_t rows = m - r0 < 16 ? m - r0 : 16;
+                for (int64_t r = 0; r < rows; r++)
+                    lf_store_bf16x(out + (r0 + r) * n + t * LF_TILE, LF_LOAD(c[0] + r * 16),
+                                   LF_LOAD(c[1] + r * 16), b, cols);
+            }
+        }
+        _tile_release();
+    }
+    free(xs);
+    __atomic_fetch_add(&amx_linear_calls, 1, __ATOMIC_RELAXED);
+    return 0;
+}
+#else
+int64_t specserve_linear_amx_calls(void) { return 0; }
+#endif
+
 /* ---- the bf16 Linear entry points: vdpbf16ps, or widen + FMA ----
  *
  * Two kernels compute a bf16 model's Linear layers, each batch invariant, in the same
@@ -1385,6 +1524,7 @@ void specserve_linear_f32(float *out, const float *x, int64_t x_stride, const vo
  * the two give different bits, so switching mid-run would break batch invariance. */
 #define BF16_LINEAR_DP 1  /* vdpbf16ps */
 #define BF16_LINEAR_FMA 2 /* widen + FMA */
+#define BF16_LINEAR_AMX 4 /* tdpbf16ps on AMX tiles */
 static int32_t bf16_linear_mode = 0;
 
 /* The kernels this build has, a mask of the modes above. */
@@ -1396,12 +1536,16 @@ int32_t specserve_bf16_linear_modes(void) {
 #if defined(HAVE_LF_LINEAR)
     modes |= BF16_LINEAR_FMA;
 #endif
+#if defined(HAVE_AMX_LINEAR)
+    if (amx_ready()) modes |= BF16_LINEAR_AMX;
+#endif
     return modes;
 }
 
 /* Use `mode` from now on (one the build has); returns its tile of outputs, 0 if none. */
 int32_t specserve_set_bf16_linear(int32_t mode) {
-    if (!(mode & specserve_bf16_linear_modes()) || (mode != BF16_LINEAR_DP && mode != BF16_LINEAR_FMA))
+    if (!(mode & specserve_bf16_linear_modes()) ||
+        (mode != BF16_LINEAR_DP && mode != BF16_LINEAR_FMA && mode != BF16_LINEAR_AMX))
         return 0;
     bf16_linear_mode = mode;
 #if defined(HAVE_DP_LINEAR)
@@ -1416,7 +1560,7 @@ int32_t specserve_set_bf16_linear(int32_t mode) {
 
 /* out [m, n] (dense); x [m, k], rows x_stride apart; packed in the pair layout of the
  * mode's tile; bias [n] or NULL. Returns 0, or 3 when the FMA kernel's widened copy of
- * x cannot be allocated. */
+ * x (the AMX kernel's padded one) cannot be allocated. */
 int specserve_linear_bf16(bf16 *out, const bf16 *x, int64_t x_stride, const bf16 *packed,
                           const bf16 *bias, int64_t m, int64_t n, int64_t k,
                           int32_t num_threads) {
@@ -1425,6 +1569,10 @@ int specserve_linear_bf16(bf16 *out, const bf16 *x, int64_t x_stride, const bf16
         dp_linear_bf16(out, x, x_stride, packed, bias, m, n, k, num_threads);
         return 0;
     }
+#endif
+#if defined(HAVE_AMX_LINEAR)
+    if (bf16_linear_mode == BF16_LINEAR_AMX)
+        return amx_linear_bf16(out, x, x_stride, packed, bias, m, n, k, num_threads);
 #endif
 #if defined(HAVE_LF_LINEAR)
     if (bf16_linear_mode == BF16_LINEAR_FMA) {

@@ -312,15 +312,8 @@ INLINE void q_acc_to_lanes(float *lanes, qacc v) { _mm512_storeu_ps(lanes, v); }
  * process the tile registers on request (arch_prctl ARCH_REQ_XCOMP_PERM); refused,
  * the vpdpbusd path runs. */
 #define QPATH_AMX 1
-#include <sys/syscall.h>
-#include <unistd.h>
-/* unistd.h declares syscall only outside strict ISO C (the kernels build with
- * -std=c11), and GCC 14 refuses an implicit declaration: declared here, as glibc and
- * musl define it. */
-long syscall(long number, ...);
 #define Q_AMX_ROWS 16
 
-static int q_amx_state = 0; /* 0: not asked yet, 1: granted, -1: refused */
 /* The fewest rows a call needs to take the AMX path: -1 picks by format what measured
  * faster (docs/benchmarks.md): Q8_0 from 9 rows (a [1536, 576] Linear alone is 1.1-2x
  * from 5 rows, but inside the decoder 5 rows came out slower; an int8 model's forward
@@ -339,24 +332,8 @@ int32_t specserve_quant_amx_min_rows(int32_t rows) {
     return q_amx_min_rows;
 }
 
-INLINE int q_amx_ready(void) {
-    int state = __atomic_load_n(&q_amx_state, __ATOMIC_ACQUIRE);
-    if (state == 0) {
-        state = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */,
-                        18 /* XFEATURE_XTILEDATA */) == 0 ? 1 : -1;
-        __atomic_store_n(&q_amx_state, state, __ATOMIC_RELEASE);
-    }
-    return state > 0;
-}
-
-struct q_tilecfg {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-};
-
 INLINE void q_amx_config(void) {
-    struct q_tilecfg cfg;
+    struct amx_tilecfg cfg;
     memset(&cfg, 0, sizeof cfg);
     cfg.palette = 1;
     cfg.rows[0] = Q_AMX_ROWS, cfg.colsb[0] = 64; /* C: 16 rows x 16 int32 */
@@ -453,7 +430,7 @@ INLINE void q_tile_amx_rows(qacc *acc, int32_t fmt, int rows, const uint8_t *til
     const int64_t amx_rows_ = q_amx_min_rows >= 0 ? q_amx_min_rows                               \
                               : fmt == QFMT_Q8_0  ? 9                                          \
                                                   : 0;                                         \
-    if (amx_rows_ > 0 && m >= amx_rows_ && q_amx_ready()) {                                    \
+    if (amx_rows_ > 0 && m >= amx_rows_ && amx_ready()) {                                      \
         __atomic_fetch_add(&q_amx_calls, 1, __ATOMIC_RELAXED);                                 \
         const int64_t tiles = (n + QLANES - 1) / QLANES;                                       \
         const int64_t groups = (tiles + QTILES - 1) / QTILES;                                  \

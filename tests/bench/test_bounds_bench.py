@@ -48,7 +48,7 @@ def test_amx_and_avx2_int8_peaks_are_measured_where_they_exist(prebuilt_kernel_l
     """Issue 35: `bench bounds` measured no int8 peak on AVX2 without VNNI, and none for
     AMX. The AVX2 level (run here on whatever x86-64 CPU has AVX2) measures the
     vpmaddubsw pair and says so; a CPU with AMX and a build with the tile path measures
-    tdpbssd, well above vpdpbusd."""
+    tdpbssd, well above vpdpbusd, and with AMX-BF16 tdpbf16ps, well above vdpbf16ps."""
     from engine.benchmarks.bounds import int8_instruction, measure
     from engine.kernels.cpu import CpuKernels
     from engine.kernels.quant import quant_ops
@@ -65,3 +65,10 @@ def test_amx_and_avx2_int8_peaks_are_measured_where_they_exist(prebuilt_kernel_l
         b = measure(1)
         assert b.amx_int8_gmacs is not None and b.amx_int8_gmacs > 2 * b.int8_gmacs
         assert "int8 AMX tdpbssd" in b.line()
+    from engine.kernels.cpu import cpu_kernels
+
+    if "amx" in cpu_kernels().bf16_linear_modes:  # the bf16 tiles' peak beside vdpbf16ps's
+        b = measure(1)
+        assert b.amx_bf16_gmacs is not None and b.amx_bf16_gmacs > 2 * b.bf16_gmacs
+        assert "bf16 AMX tdpbf16ps" in b.line()
+    assert v3.peak_gmacs(5, 1000, 1) is None

@@ -12,6 +12,7 @@ rtol 2^-8, plus fp32 summation error.
 
 from __future__ import annotations
 
+import ctypes
 import os
 from pathlib import Path
 
@@ -486,10 +487,10 @@ def test_paged_attention_rows_do_not_depend_on_the_chunking(kernels, dtype):
     assert torch.equal(whole.view(bits), pieces.view(bits))
 
 
-# --- bf16 Linear layers (vdpbf16ps on AVX512-BF16, widen + FMA with FMA) ---------------
+# --- bf16 Linear layers (vdpbf16ps on AVX512-BF16, widen + FMA with FMA, AMX tiles) ----
 
 
-@pytest.fixture(scope="module", params=["vdpbf16ps", "fma"])
+@pytest.fixture(scope="module", params=["vdpbf16ps", "fma", "amx"])
 def linear_kernels(kernels, request) -> CpuKernels:
     """The native kernels with each bf16 Linear kernel in turn (put back after)."""
     flags = build_mod.cpu_flags()
@@ -498,6 +499,10 @@ def linear_kernels(kernels, request) -> CpuKernels:
             pytest.fail("this CPU has AVX512-BF16 but the kernels were built without it")
         if request.param == "fma" and "fma" in flags:
             pytest.fail("this CPU has FMA but the kernels were built without it")
+        if request.param == "amx" and {"amx_bf16", "amx_tile", "avx512f"} <= flags:
+            if kernels.amx_tiles != 1:
+                pytest.fail("this CPU has AMX-BF16 but the kernels were built without it")
+            pytest.skip("this CPU has AMX-BF16 but Linux did not lend the tiles")
         pytest.skip(f"this CPU has no {request.param} bf16 Linear kernel")
     before = kernels.set_bf16_linear(request.param)
     yield kernels
@@ -546,6 +551,37 @@ def test_linear_bf16_rows_do_not_depend_on_the_batch(linear_kernels):
     bias = torch.randn(n, generator=gen).to(torch.bfloat16)
     packed = linear_kernels.pack_linear_weight(weight)
     check_linear_rows_do_not_depend_on_the_batch(linear_kernels, packed, bias, k, gen)
+
+
+def test_amx_bf16_linear_runs_on_tiles_with_any_k(kernels):
+    """The AMX kernel: inputs in groups of 32 and a tail group of fewer pairs (an odd k
+    completed with 0), rows in tiles of 16 padded with zero rows: each call runs on the
+    tiles (counted), is within the exact product's bound, and a row's bits are the same
+    alone and in batches of 1 to 40 (tail group included)."""
+    if "amx" not in kernels.bf16_linear_modes:
+        pytest.skip("no AMX bf16 Linear kernel here (no AMX-BF16, or the tiles not lent)")
+    calls = kernels.lib.specserve_linear_amx_calls
+    calls.restype, calls.argtypes = ctypes.c_int64, []
+    before = kernels.set_bf16_linear("amx")
+    try:
+        gen = torch.Generator().manual_seed(12)
+        for n, k in [(100, 37), (40, 70), (33, 600), (64, 32)]:
+            weight = (torch.randn(n, k, generator=gen) / k**0.5).to(torch.bfloat16)
+            bias = torch.randn(n, generator=gen).to(torch.bfloat16)
+            packed = kernels.pack_linear_weight(weight)
+            for rows in (1, 15, 16, 17, 33):
+                x = torch.randn(rows, k, generator=gen).to(torch.bfloat16)
+                ran = calls()
+                out = kernels.linear(x, packed, bias, n)
+                assert calls() == ran + 1
+                _assert_linear_close(out, x, weight, bias)
+        check_linear_rows_do_not_depend_on_the_batch(kernels, packed, bias, k, gen)
+        weight = torch.randn(40, 70, generator=gen).to(torch.bfloat16)
+        bias = torch.randn(40, generator=gen).to(torch.bfloat16)
+        packed = kernels.pack_linear_weight(weight)
+        check_linear_rows_do_not_depend_on_the_batch(kernels, packed, bias, 70, gen)
+    finally:
+        kernels.set_bf16_linear(before)
 
 
 def check_linear_rows_do_not_depend_on_the_batch(kernels, packed, bias, k, gen) -> None:

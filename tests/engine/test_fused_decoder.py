@@ -21,7 +21,7 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-@pytest.fixture(params=["vdpbf16ps", "fma"])
+@pytest.fixture(params=["vdpbf16ps", "fma", "amx"])
 def bf16_linear(request):
     """Each bf16 Linear kernel this build has, in turn (the process-wide kernels)."""
     from engine.kernels.cpu import cpu_kernels

@@ -416,7 +416,8 @@ def test_a_cpu_below_the_top_level_gets_a_lower_one(prebuilt, monkeypatch):
 
 def test_the_bf16_level_has_both_bf16_linear_kernels_and_v4_the_fma_one(prebuilt, monkeypatch):
     """A container on an AVX512-BF16 CPU gets both bf16 Linear kernels (vdpbf16ps and
-    widen + FMA); on an AVX-512 CPU without it, -v4, whose library has the FMA one."""
+    widen + FMA), and with AMX the AMX one too; on an AVX-512 CPU without it, -v4, whose
+    library has the FMA one."""
     if build_mod.platform.machine() != "x86_64":
         pytest.skip("the levels are x86-64's")
     out, _ = prebuilt
@@ -434,11 +435,16 @@ def test_the_bf16_level_has_both_bf16_linear_kernels_and_v4_the_fma_one(prebuilt
     if have >= build_mod._X86_64_V4_AMX:  # its Q8_0 Linear has the tile path
         assert QuantOps(CpuKernels(v4_amx).lib).amx_min_rows == -1
         assert QuantOps(CpuKernels(v4_bf16).lib).amx_min_rows == 0
+    if have >= build_mod._X86_64_V4_AMX:  # and its bf16 Linear the AMX kernel
+        amx = CpuKernels(v4_amx)
+        assert amx.amx_tiles in (1, 2)  # built with AMX; 1: Linux did not lend the tiles
+        assert ("amx" in amx.bf16_linear_modes) == (amx.amx_tiles == 2)
     if have >= build_mod._X86_64_V4:
         assert CpuKernels(v4).bf16_linear_modes == ["fma"]
     if have >= build_mod._X86_64_V4_VNNI_BF16:
         kernels = CpuKernels(v4_bf16)
         assert kernels.bf16_linear_modes == ["vdpbf16ps", "fma"]
+        assert kernels.amx_tiles == 0
         weight = torch.randn(40, 16).to(torch.bfloat16)
         x = torch.randn(3, 16).to(torch.bfloat16)
         for mode in kernels.bf16_linear_modes:

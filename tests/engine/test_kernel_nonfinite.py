@@ -129,7 +129,7 @@ def test_quant_linear_and_embedding_propagate_a_nonfinite_weight_scale(quant, na
 @pytest.mark.parametrize("value", NONFINITE)
 @pytest.mark.parametrize("where", ["x", "weight"])
 @pytest.mark.parametrize("column", [5, 70])  # 70: an odd k's last column, paired with 0
-@pytest.mark.parametrize("mode", ["vdpbf16ps", "fma"])
+@pytest.mark.parametrize("mode", ["vdpbf16ps", "fma", "amx"])
 def test_bf16_linear_propagates_nonfinite_inputs(kernels, where, column, value, mode):
     if mode not in kernels.bf16_linear_modes:
         pytest.skip(f"this level has no {mode} bf16 Linear kernel")
