@@ -1,4 +1,4 @@
-"""What the speculation gate does, step by step, on the default model.
+"""What the speculation gate does, step by step, on the default model (or `--model`).
 
     .venv/bin/python scripts/bench_gate.py --modes none,eagle,eagle-nogate --concurrency 4
 
@@ -29,15 +29,17 @@ def main() -> int:
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--model", default=None, help="an HF dir or .gguf (default: the default)")
+    parser.add_argument("--draft-model", default=None, help="for drafted modes with --model")
     args = parser.parse_args()
 
     from engine.benchmarks.offline import NO_GATE, tokenize_prompts
     from engine.benchmarks.workloads import load_prompts
-    from engine.config import EngineConfig
+    from engine.config import DRAFTED_METHODS, EngineConfig
     from engine.core.llm_engine import LLMEngine
     from engine.io.sampling_params import SamplingParams
 
-    base = EngineConfig(speculative_method="none", dtype=args.dtype, device="cpu")
+    base = EngineConfig(speculative_method="none", dtype=args.dtype, device="cpu", model=args.model)
     plain = LLMEngine(base)
     num_prompts = args.num_prompts or 2 * args.concurrency
     prompts = tokenize_prompts(plain.tokenizer, load_prompts(args.workload, num_prompts), True)
@@ -49,8 +51,12 @@ def main() -> int:
     for r in range(args.rounds):
         for mode in modes:
             method = mode.removesuffix(NO_GATE)
+            drafted = method in (*DRAFTED_METHODS, "auto")
             config = replace(
-                base, speculative_method=method, speculation_gate=not mode.endswith(NO_GATE)
+                base,
+                speculative_method=method,
+                speculation_gate=not mode.endswith(NO_GATE),
+                draft_model=args.draft_model if drafted else None,
             )
             engine = LLMEngine(config, loaded=plain.loaded)
             warm = SamplingParams(max_tokens=8, ignore_eos=True)
