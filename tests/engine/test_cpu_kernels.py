@@ -557,7 +557,8 @@ def test_amx_bf16_linear_runs_on_tiles_with_any_k(kernels):
     """The AMX kernel: inputs in groups of 32 and a tail group of fewer pairs (an odd k
     completed with 0), rows in tiles of 16 padded with zero rows: each call runs on the
     tiles (counted), is within the exact product's bound, and a row's bits are the same
-    alone and in batches of 1 to 40 (tail group included)."""
+    alone and in batches of 1 to 40 (tail group included); against the FMA kernel, at
+    most 1 output in 1000 differs."""
     if "amx" not in kernels.bf16_linear_modes:
         pytest.skip("no AMX bf16 Linear kernel here (no AMX-BF16, or the tiles not lent)")
     calls = kernels.lib.specserve_linear_amx_calls
@@ -580,6 +581,17 @@ def test_amx_bf16_linear_runs_on_tiles_with_any_k(kernels):
         bias = torch.randn(40, generator=gen).to(torch.bfloat16)
         packed = kernels.pack_linear_weight(weight)
         check_linear_rows_do_not_depend_on_the_batch(kernels, packed, bias, 70, gen)
+        # the tile unit's fp32 sums are not the FMA chain's, but the bf16 results rarely
+        # differ (a wrong tile layout would differ everywhere), each within the bound
+        weight = (torch.randn(1536, 576, generator=gen) / 24).to(torch.bfloat16)
+        bias = torch.randn(1536, generator=gen).to(torch.bfloat16)
+        x = torch.randn(32, 576, generator=gen).to(torch.bfloat16)
+        packed = kernels.pack_linear_weight(weight)
+        on_tiles = kernels.linear(x, packed, bias, 1536)
+        kernels.set_bf16_linear("fma")
+        on_fma = kernels.linear(x, packed, bias, 1536)
+        assert int((on_tiles.view(torch.int16) != on_fma.view(torch.int16)).sum()) <= 49
+        _assert_linear_close(on_tiles, x, weight, bias)
     finally:
         kernels.set_bf16_linear(before)
 
