@@ -1512,16 +1512,17 @@ static int amx_linear_bf16(bf16 *out, const bf16 *x, int64_t x_stride, const bf1
 int64_t specserve_linear_amx_calls(void) { return 0; }
 #endif
 
-/* ---- the bf16 Linear entry points: vdpbf16ps, or widen + FMA ----
+/* ---- the bf16 Linear entry points: AMX tiles, vdpbf16ps, or widen + FMA ----
  *
- * Two kernels compute a bf16 model's Linear layers, each batch invariant, in the same
- * packed layout on AVX512: vdpbf16ps (AVX512-BF16; fp32 accumulation of bf16 pair
- * products) and the FMA kernel above (bf16 x and weights widened, exact, one fma per
- * product; any CPU with FMA). Which multiplies faster differs by CPU: on the Zen 4 this
- * project began on vdpbf16ps retires twice the multiply-adds of fp32 FMA, on the Xeon
- * with AMX half (`specserve bench bounds`). The process picks one at start
- * (engine/kernels/cpu.py: the measured peaks, or SPECSERVE_BF16_LINEAR) and keeps it:
- * the two give different bits, so switching mid-run would break batch invariance. */
+ * Three kernels compute a bf16 model's Linear layers, each batch invariant, in the same
+ * packed layout on AVX512: AMX's tdpbf16ps (above), vdpbf16ps (AVX512-BF16; fp32
+ * accumulation of bf16 pair products) and the FMA kernel above (bf16 x and weights
+ * widened, exact, one fma per product; any CPU with FMA). Which multiplies faster
+ * differs by CPU: the tiles where they are lent; else on the Zen 4 this project began on
+ * vdpbf16ps retires twice the multiply-adds of fp32 FMA, on the Xeon with AMX half
+ * (`specserve bench bounds`). The process picks one at start (engine/kernels/cpu.py:
+ * AMX, else the measured peaks, or SPECSERVE_BF16_LINEAR) and keeps it: they give
+ * different bits, so switching mid-run would break batch invariance. */
 #define BF16_LINEAR_DP 1  /* vdpbf16ps */
 #define BF16_LINEAR_FMA 2 /* widen + FMA */
 #define BF16_LINEAR_AMX 4 /* tdpbf16ps on AMX tiles */
