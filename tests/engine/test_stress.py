@@ -6,7 +6,9 @@ include_stop_str_in_output, truncate_prompt_tokens x structured-output constrain
 that fails mid-output among them) x a model whose logits turn NaN for a request from
 some output token on x a float target (its checkpoint in fp32, or in bf16: in float32
 its Linear weights stored as bf16) or a quantized one (the tiny model as a .gguf served
-as stored) x the speculation gate on or off (its lanes choosing k by timing).
+as stored) x the speculation gate on or off (its lanes choosing k by timing); odd seeds
+in bfloat16, each on one of the bf16 Linear kernels this CPU has (AMX tiles, vdpbf16ps,
+FMA).
 
 Every step: both pools pass check_integrity and no request holds a block beyond its KV
 length (check_pools); the draft cache never covers a request's last verified token.
@@ -29,6 +31,7 @@ import random
 from dataclasses import replace
 
 from engine.io.sampling_params import SamplingParams, StructuredOutput
+from engine.kernels.cpu import cpu_kernels
 from tests.engine.engine_helpers import (
     LogitPoison,
     assert_all_blocks_released,
@@ -219,6 +222,7 @@ def test_randomized_engine_stress(
     close_eagle_targets,
     stress_seed,
     monkeypatch,
+    request,
 ):
     rng = random.Random(stress_seed)
     config = _engine_config(rng, spec_draft_dirs)
@@ -234,6 +238,13 @@ def test_randomized_engine_stress(
     # odd seeds in bfloat16: greedy and seeded output must not depend on the batch there
     # either (one attention kernel for every query row, batch-invariant GEMMs)
     config["dtype"] = "bfloat16" if stress_seed % 2 else "float32"
+    kernels = cpu_kernels()
+    if config["dtype"] == "bfloat16" and kernels is not None and kernels.bf16_linear_modes:
+        # each bf16 Linear kernel this CPU has (AMX tiles, vdpbf16ps, FMA), by seed, for
+        # the stressed engine and its reference alike (a rng of its own)
+        mode = random.Random(3 * 10**6 + stress_seed).choice(kernels.bf16_linear_modes)
+        before = kernels.set_bf16_linear(mode)
+        request.addfinalizer(lambda: kernels.set_bf16_linear(before))
     random_trees = config.pop("random_trees", False)
     engine = make_engine(target, **config)
     if random_trees:
