@@ -7,7 +7,7 @@
  *
  * with LIB the built kernels (`ls -t ~/.cache/specserve/kernels/cpu_kernels-*.so | head -1`
  * after any specserve run). Prints the best of 5 loops of 2000 calls: us a call and G
- * multiply-adds/s (Q.K and P.V). */
+ * multiply-adds/s (Q.K and P.V). SEQUENTIAL=1 lays each sequence's blocks out in order. */
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -33,7 +33,8 @@ int main(int argc, char **argv) {
     for (int i = 0; i < seqs * heads * hd; i++) q[i] = 0x3c00 + rand() % 256;
     int32_t *tables = malloc(seqs * per * 4), *lens = malloc(seqs * 4), *starts = malloc((seqs + 1) * 4), *ids = malloc(seqs * 4);
     for (int i = 0; i < seqs * per; i++) tables[i] = 1 + i;
-    for (int i = seqs * per - 1; i > 0; i--) { int j = rand() % (i + 1); int t = tables[i]; tables[i] = tables[j]; tables[j] = t; }
+    if (!getenv("SEQUENTIAL")) /* blocks in random order, as a busy cache has them */
+        for (int i = seqs * per - 1; i > 0; i--) { int j = rand() % (i + 1); int t = tables[i]; tables[i] = tables[j]; tables[j] = t; }
     for (int i = 0; i < seqs; i++) lens[i] = ctx, ids[i] = i;
     for (int i = 0; i <= seqs; i++) starts[i] = i;
     int iters = 2000;
