@@ -16,23 +16,10 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 
-# SmolLM2-135M's Linear layers, [out, in]: qkv, o, gate_up, down; the tied head.
-SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536), (49152, 576)]
-LAYERS = 30
-
-
-def _best_ms(fn, args: tuple, reps: int) -> float:
-    fn(*args)
-    fn(*args)
-    best = float("inf")
-    for _ in range(3):
-        start = time.perf_counter()
-        for _ in range(reps):
-            fn(*args)
-        best = min(best, (time.perf_counter() - start) / reps)
-    return best * 1e3
+# the same shapes and timing loop as the float32 kernel's benchmark (run from scripts/,
+# which Python puts first on the path)
+from bench_f32_linear import LAYERS, SHAPES, _best_ms
 
 
 def main() -> int:

@@ -74,6 +74,43 @@ double specserve_read_gbps(const uint64_t *buf, int64_t bytes, int32_t reps,
     _mm256_add_epi32((acc), _mm256_madd_epi16(_mm256_maddubs_epi16((u), (v)),                  \
                                               _mm256_set1_epi16(1)))
 
+#if defined(HAVE_AMX_TILES)
+/* One AMX instruction DP (tile C += A . B, K inputs of type IN_T a row, C of OUT_T) on 4
+ * C tiles in a register-only loop on every thread; sets macs_per_iter and ran (nothing
+ * when Linux refuses the tiles). Source values: INIT of i. */
+#define BOUNDS_AMX_PEAK(K, IN_T, OUT_T, INIT, DP)                                              \
+    do {                                                                                       \
+        if (!amx_ready()) break;                                                               \
+        macs_per_iter = 4.0 * 16 * 16 * (K);                                                   \
+        ran = 1;                                                                               \
+        _Pragma("omp parallel num_threads(num_threads) reduction(+ : sink)") {                 \
+            struct amx_tilecfg cfg;                                                            \
+            memset(&cfg, 0, sizeof cfg);                                                       \
+            cfg.palette = 1;                                                                   \
+            for (int t = 0; t < 6; t++) cfg.rows[t] = 16, cfg.colsb[t] = 64;                   \
+            _tile_loadconfig(&cfg);                                                            \
+            IN_T src[16 * (K)] __attribute__((aligned(64)));                                   \
+            OUT_T out[16 * 16] __attribute__((aligned(64)));                                   \
+            for (int i = 0; i < 16 * (K); i++) src[i] = INIT;                                  \
+            _tile_zero(0);                                                                     \
+            _tile_zero(1);                                                                     \
+            _tile_zero(2);                                                                     \
+            _tile_zero(3);                                                                     \
+            _tile_loadd(4, src, 64);                                                           \
+            _tile_loadd(5, src, 64);                                                           \
+            for (int64_t it = 0; it < iters; it++) {                                           \
+                DP(0, 4, 5);                                                                   \
+                DP(1, 4, 5);                                                                   \
+                DP(2, 4, 5);                                                                   \
+                DP(3, 4, 5);                                                                   \
+            }                                                                                  \
+            _tile_stored(0, out, 64);                                                          \
+            sink += out[0];                                                                    \
+            _tile_release();                                                                   \
+        }                                                                                      \
+    } while (0)
+#endif
+
 /* Multiply-adds per second (G) of one instruction on `num_threads` threads, best of
  * three: kind 0 fp32 FMA (vfmadd, 1 multiply-add per fp32 lane), 1 bf16 vdpbf16ps (2
  * per fp32 lane), 2 int8 vpdpbusd (4 per int32 lane; the 256-bit form where it is
@@ -130,72 +167,14 @@ double specserve_peak_gmacs(int32_t kind, int64_t iters, int32_t num_threads) {
             break;
 #endif
 #if defined(QPATH_AMX)
-        case 4: { /* AMX tdpbssd: 4 C tiles, 16 x 16 int32 each, K = 64 bytes */
-            if (!amx_ready()) break;
-            macs_per_iter = 4.0 * 16 * 16 * 64;
-            ran = 1;
-#pragma omp parallel num_threads(num_threads) reduction(+ : sink)
-            {
-                struct amx_tilecfg cfg;
-                memset(&cfg, 0, sizeof cfg);
-                cfg.palette = 1;
-                for (int t = 0; t < 6; t++) cfg.rows[t] = 16, cfg.colsb[t] = 64;
-                _tile_loadconfig(&cfg);
-                int8_t src[16 * 64] __attribute__((aligned(64)));
-                int32_t out[16 * 16] __attribute__((aligned(64)));
-                for (int i = 0; i < 16 * 64; i++) src[i] = (int8_t)(i % 7 - 3);
-                _tile_zero(0);
-                _tile_zero(1);
-                _tile_zero(2);
-                _tile_zero(3);
-                _tile_loadd(4, src, 64);
-                _tile_loadd(5, src, 64);
-                for (int64_t it = 0; it < iters; it++) {
-                    _tile_dpbssd(0, 4, 5);
-                    _tile_dpbssd(1, 4, 5);
-                    _tile_dpbssd(2, 4, 5);
-                    _tile_dpbssd(3, 4, 5);
-                }
-                _tile_stored(0, out, 64);
-                sink += out[0];
-                _tile_release();
-            }
+        case 4: /* AMX tdpbssd: 4 C tiles, 16 x 16 int32 each, K = 64 bytes */
+            BOUNDS_AMX_PEAK(64, int8_t, int32_t, (int8_t)(i % 7 - 3), _tile_dpbssd);
             break;
-        }
 #endif
 #if defined(HAVE_AMX_LINEAR)
-        case 5: { /* AMX tdpbf16ps: 4 C tiles, 16 x 16 fp32 each, 32 bf16 inputs */
-            if (!amx_ready()) break;
-            macs_per_iter = 4.0 * 16 * 16 * 32;
-            ran = 1;
-#pragma omp parallel num_threads(num_threads) reduction(+ : sink)
-            {
-                struct amx_tilecfg cfg;
-                memset(&cfg, 0, sizeof cfg);
-                cfg.palette = 1;
-                for (int t = 0; t < 6; t++) cfg.rows[t] = 16, cfg.colsb[t] = 64;
-                _tile_loadconfig(&cfg);
-                bf16 src[16 * 32] __attribute__((aligned(64)));
-                float out[16 * 16] __attribute__((aligned(64)));
-                for (int i = 0; i < 16 * 32; i++) src[i] = (bf16)(0x3f80 + i % 3); /* ~1 */
-                _tile_zero(0);
-                _tile_zero(1);
-                _tile_zero(2);
-                _tile_zero(3);
-                _tile_loadd(4, src, 64);
-                _tile_loadd(5, src, 64);
-                for (int64_t it = 0; it < iters; it++) {
-                    _tile_dpbf16ps(0, 4, 5);
-                    _tile_dpbf16ps(1, 4, 5);
-                    _tile_dpbf16ps(2, 4, 5);
-                    _tile_dpbf16ps(3, 4, 5);
-                }
-                _tile_stored(0, out, 64);
-                sink += out[0];
-                _tile_release();
-            }
+        case 5: /* AMX tdpbf16ps: 4 C tiles, 16 x 16 fp32 each, 32 bf16 inputs (~1) */
+            BOUNDS_AMX_PEAK(32, bf16, float, (bf16)(0x3f80 + i % 3), _tile_dpbf16ps);
             break;
-        }
 #endif
         default:
             break;

@@ -50,7 +50,7 @@ def test_amx_and_avx2_int8_peaks_are_measured_where_they_exist(prebuilt_kernel_l
     vpmaddubsw pair and says so; a CPU with AMX and a build with the tile path measures
     tdpbssd, well above vpdpbusd, and with AMX-BF16 tdpbf16ps, well above vdpbf16ps."""
     from engine.benchmarks.bounds import int8_instruction, measure
-    from engine.kernels.cpu import CpuKernels
+    from engine.kernels.cpu import CpuKernels, cpu_kernels
     from engine.kernels.quant import quant_ops
 
     if platform.machine() != "x86_64" or "avx2" not in cpu_flags():
@@ -59,16 +59,15 @@ def test_amx_and_avx2_int8_peaks_are_measured_where_they_exist(prebuilt_kernel_l
     assert int8_instruction(v3) == "vpmaddubsw"
     assert (v3.peak_gmacs(2, 200_000, 1) or 0) > 1
     assert v3.peak_gmacs(4, 1000, 1) is None  # no AMX in an AVX2 build
+    assert v3.peak_gmacs(5, 1000, 1) is None
     ops = quant_ops()
     has_amx = {"amx_int8", "amx_tile"} <= cpu_flags() and ops is not None
-    if has_amx and ops.amx_min_rows != 0:
-        b = measure(1)
+    amx_int8 = has_amx and ops.amx_min_rows != 0
+    amx_bf16 = "amx" in cpu_kernels().bf16_linear_modes
+    b = measure(1) if amx_int8 or amx_bf16 else None
+    if amx_int8:
         assert b.amx_int8_gmacs is not None and b.amx_int8_gmacs > 2 * b.int8_gmacs
         assert "int8 AMX tdpbssd" in b.line()
-    from engine.kernels.cpu import cpu_kernels
-
-    if "amx" in cpu_kernels().bf16_linear_modes:  # the bf16 tiles' peak beside vdpbf16ps's
-        b = measure(1)
+    if amx_bf16:  # the bf16 tiles' peak beside vdpbf16ps's
         assert b.amx_bf16_gmacs is not None and b.amx_bf16_gmacs > 2 * b.bf16_gmacs
         assert "bf16 AMX tdpbf16ps" in b.line()
-    assert v3.peak_gmacs(5, 1000, 1) is None

@@ -432,11 +432,10 @@ def test_the_bf16_level_has_both_bf16_linear_kernels_and_v4_the_fma_one(prebuilt
     _cpu_with(monkeypatch, build_mod._X86_64_V4_AMX)  # and with AMX, the AMX level
     v4_amx = build_library(out)
     assert v4_amx.name.endswith("-x86-64-v4-amx.so")
-    if have >= build_mod._X86_64_V4_AMX:  # its Q8_0 Linear has the tile path
-        assert QuantOps(CpuKernels(v4_amx).lib).amx_min_rows == -1
-        assert QuantOps(CpuKernels(v4_bf16).lib).amx_min_rows == 0
-    if have >= build_mod._X86_64_V4_AMX:  # and its bf16 Linear the AMX kernel
+    if have >= build_mod._X86_64_V4_AMX:  # its Q8_0 Linear has the tile path, its bf16 too
         amx = CpuKernels(v4_amx)
+        assert QuantOps(amx.lib).amx_min_rows == -1
+        assert QuantOps(CpuKernels(v4_bf16).lib).amx_min_rows == 0
         assert amx.amx_tiles in (1, 2)  # built with AMX; 1: Linux did not lend the tiles
         assert ("amx" in amx.bf16_linear_modes) == (amx.amx_tiles == 2)
     if have >= build_mod._X86_64_V4:
