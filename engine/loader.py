@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from engine import envs
-from engine.attention import get_attention_backend, xformers_available
+from engine.attention import get_attention_backend, xformers_problem
 from engine.config import QUANTIZATIONS
 from engine.default_model import DEFAULT_MODEL_NAME, ModelLoadError, default_gguf_path
 from engine.kernels.build import cpu_flags, level_flags
@@ -136,17 +136,27 @@ def cpu_has_native_bf16(cpuinfo: str | None = None) -> bool:
 
 
 def resolve_attn_backend(name: str, device: torch.device, dtype: torch.dtype) -> str:
-    """ "auto" -> xformers on CUDA when importable; on CPU in fp32 or bf16 specserve's compiled
-    kernels ("cpu") when they build; else torch."""
+    """ "auto" -> xformers on CUDA where its attention runs (``xformers_problem``), else
+    torch there; on CPU in fp32 or bf16 specserve's compiled kernels ("cpu") when they
+    build; else torch. An explicit backend that cannot run here is a ValueError."""
     if name == "auto":
-        if xformers_available(device):
-            return "xformers"
+        if torch.device(device).type == "cuda":
+            problem = xformers_problem(device, dtype)
+            if problem is None:
+                return "xformers"
+            if not problem.startswith("xformers is not installed"):
+                logger.warning("%s; attention runs on the torch backend (SDPA)", problem)
+            return "torch"
         return "cpu" if kernels_for(device, dtype) is not None else "torch"
     if name == "cpu" and not serves(device, dtype):
         raise ValueError(
             f"attn_backend 'cpu' runs float32 or bfloat16 on the CPU, not {dtype} on {device}; "
             "use 'auto', 'torch' or 'xformers'"
         )
+    if name == "xformers" and torch.device(device).type == "cuda":
+        problem = xformers_problem(device, dtype)
+        if problem is not None:
+            raise ValueError(f"attn_backend 'xformers': {problem}; use 'auto' or 'torch'")
     return name
 
 

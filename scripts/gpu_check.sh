@@ -20,16 +20,22 @@ if [[ -z "${PYTHON:-}" && -x .venv/bin/python ]]; then
     PYTHON=.venv/bin/python
 fi
 PY=${PYTHON:-python3}
+"$PY" -c 'import sys, torch; torch.cuda.is_available() or sys.exit("gpu_check: torch sees no CUDA device; nothing to check")'
 if compgen -G ".whl/*.whl" > /dev/null; then
     "$PY" -m pip install -q --no-index --no-deps --no-compile --target /tmp/specserve-site .whl/*.whl
     export PYTHONPATH=/tmp/specserve-site${PYTHONPATH:+:$PYTHONPATH}
 fi
 "$PY" - <<'PYEOF'
-import sys
 import torch
-if not torch.cuda.is_available():
-    sys.exit("gpu_check: torch sees no CUDA device; nothing to check")
+from engine.attention import xformers_problem
 print(f"gpu_check: torch {torch.__version__}, {torch.cuda.get_device_name(0)}")
+for dtype in (torch.bfloat16, torch.float32):
+    print(f"gpu_check: xformers attention in {dtype}: {xformers_problem('cuda', dtype) or 'runs'}")
 PYEOF
 export PYTHONUNBUFFERED=1
-"$PY" -m pytest -q -m gpu -rs tests/engine/test_attention.py tests/engine/test_devices.py "$@"
+status=0
+"$PY" -m pytest -q -m gpu -rs tests/engine/test_attention.py tests/engine/test_devices.py "$@" || status=$?
+if [[ -n "${SPECSERVE_GPU_TOKENIZER:-}" ]]; then
+    "$PY" scripts/gpu_bench.py --tokenizer "$SPECSERVE_GPU_TOKENIZER" ${OUT:+--out "$OUT"} || status=$?
+fi
+exit "$status"

@@ -6,6 +6,8 @@ index 0 = K, 1 = V. Block 0 is the null block that pads block tables.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from engine.attention.metadata import (
@@ -102,12 +104,45 @@ def get_attention_backend(name: str, device: torch.device | str):
     raise ValueError(f"unknown attention backend {name!r}; choose one of {ATTENTION_BACKENDS}")
 
 
-def xformers_available(device: torch.device | str) -> bool:
-    """True when the xformers backend can run on ``device``."""
+def xformers_available(device: torch.device | str, dtype: torch.dtype = torch.bfloat16) -> bool:
+    """True when the xformers backend can run on ``device`` in ``dtype``."""
+    return xformers_problem(device, dtype) is None
+
+
+@functools.cache
+def xformers_problem(device: torch.device | str, dtype: torch.dtype = torch.bfloat16) -> str | None:
+    """None when xformers' memory-efficient attention runs on ``device`` in ``dtype``;
+    else one line saying why not. An importable xformers is not enough: a wheel built for
+    another torch or CUDA imports fine and fails at its first call (its C++/CUDA
+    extension does not load), so this runs one tiny attention call to find out."""
     if torch.device(device).type != "cuda" or not torch.cuda.is_available():
-        return False
+        return "needs a CUDA GPU"
     try:
-        import xformers.ops  # noqa: F401
-    except ImportError:
-        return False
-    return True
+        import xformers
+        from xformers.ops import fmha
+    except ImportError as exc:
+        return f"xformers is not installed (pip install 'specserve[gpu]'): {exc}"
+    problem = probe_fmha(fmha, torch.device(device), dtype)
+    if problem is None:
+        return None
+    version = getattr(xformers, "__version__", "?")
+    load_error = getattr(getattr(xformers, "_cpp_lib", None), "_cpp_library_load_exception", None)
+    if load_error is not None:  # e.g. built for another torch: name the builds, one line
+        problem = " ".join(str(load_error).split()) + "; " + problem
+    return f"xformers {version} cannot run {dtype} attention here: {problem}"
+
+
+def probe_fmha(fmha, device: torch.device, dtype: torch.dtype, head_dim: int = 64) -> str | None:
+    """Run ``fmha.memory_efficient_attention_forward`` once with the mask this engine
+    uses (two sequences, one query each over 3 and 5 padded keys, GQA groups): None if it
+    runs, else the first line of its error."""
+    try:
+        q = torch.zeros(1, 2, 1, 2, head_dim, device=device, dtype=dtype)
+        kv = torch.zeros(1, 16, 1, 2, head_dim, device=device, dtype=dtype)
+        mask_cls = fmha.attn_bias.BlockDiagonalCausalWithOffsetPaddedKeysMask
+        bias = mask_cls.from_seqlens(q_seqlen=[1, 1], kv_padding=8, kv_seqlen=[3, 5])
+        fmha.memory_efficient_attention_forward(q, kv, kv, attn_bias=bias.to(device))
+    except (NotImplementedError, RuntimeError, ValueError, TypeError) as exc:
+        lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+        return lines[0] if lines else type(exc).__name__
+    return None

@@ -76,7 +76,10 @@ def run_generate(
     return summarize(name, time.perf_counter() - start_all, timings)
 
 
-@torch.inference_mode()
+# no_grad, not inference_mode: generate_batch builds its static tensors here and updates
+# them in place from its own thread, which inference tensors forbid (seen on CUDA with
+# transformers 5.17: every request failed).
+@torch.no_grad()
 def run_generate_batch(
     model, prompts: list[list[int]], output_len: int, progress=None
 ) -> RunResult:
@@ -93,6 +96,12 @@ def run_generate_batch(
         progress_bar=progress is not None,
     )
     duration = time.perf_counter() - start
+    failed = len(prompts) - sum(1 for out in outputs.values() if len(out.generated_tokens))
+    if failed:
+        raise RuntimeError(
+            f"hf generate_batch() returned no tokens for {failed} of {len(prompts)} requests "
+            "(transformers' log above says why)"
+        )
     timings = []
     for out in outputs.values():
         stamps = list(getattr(out, "timestamps", None) or [])

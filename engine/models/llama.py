@@ -179,13 +179,14 @@ class LlamaForCausalLM(nn.Module):
     @torch.no_grad()
     def embedding_rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows ``ids`` of the input embedding [len(ids), hidden] in the model's dtype,
-        dequantized when the embedding is quantized."""
-        return self.model.embed_tokens(ids)
+        dequantized when the embedding is quantized. ``ids`` may be on the CPU."""
+        return self.model.embed_tokens(ids.to(self.model.norm.weight.device))
 
     @torch.no_grad()
     def head_rows(self, ids: torch.Tensor) -> torch.Tensor | None:
         """Rows ``ids`` of the LM head's weight [len(ids), hidden], or None when the model
         keeps no copy it can read (a float head packed for the CPU GEMM)."""
+        ids = ids.to(self.model.norm.weight.device)
         if self.config.tie_word_embeddings:
             return self.embedding_rows(ids)
         head = self.lm_head

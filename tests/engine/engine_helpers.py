@@ -21,7 +21,9 @@ GPU_ONLY = [
 ]
 XFORMERS_ONLY = [
     pytest.mark.gpu,
-    pytest.mark.skipif(not xformers_available("cuda"), reason="needs CUDA and xformers"),
+    pytest.mark.skipif(
+        not xformers_available("cuda"), reason="needs CUDA and an xformers build that runs here"
+    ),
 ]
 
 

@@ -135,6 +135,63 @@ def test_xformers_backend_refused_on_cpu():
         get_attention_backend("flash", "cpu")
 
 
+def _fake_fmha(forward):
+    """An object shaped like ``xformers.ops.fmha`` whose attention call is ``forward``."""
+    from types import SimpleNamespace
+
+    seen = {}
+
+    class Mask:
+        @staticmethod
+        def from_seqlens(**kwargs):
+            seen["seqlens"] = kwargs
+            return SimpleNamespace(to=lambda device: ("mask", device))
+
+    attn_bias = SimpleNamespace(BlockDiagonalCausalWithOffsetPaddedKeysMask=Mask)
+    return SimpleNamespace(attn_bias=attn_bias, memory_efficient_attention_forward=forward), seen
+
+
+def test_xformers_probe_reports_a_build_that_cannot_run():
+    """An xformers wheel built for another torch imports, then fails at its first call
+    with a many-line 'No operator found' (seen on the H200 with xformers 0.0.35 and torch
+    2.11): the probe turns it into one line, so auto falls back to torch and an explicit
+    --attn-backend xformers fails with that line instead of at the first request."""
+    from engine.attention import probe_fmha, xformers_problem
+
+    def broken(q, k, v, attn_bias):
+        raise NotImplementedError(
+            "No operator found for `memory_efficient_attention_forward` with inputs:\n"
+            "     query : shape=(1, 2, 1, 2, 64)\n`cutlassF-pt` is not supported because:"
+        )
+
+    fmha, _ = _fake_fmha(broken)
+    problem = probe_fmha(fmha, torch.device("cpu"), torch.bfloat16)
+    assert problem == "No operator found for `memory_efficient_attention_forward` with inputs:"
+
+    calls = []
+    fmha, seen = _fake_fmha(lambda q, k, v, attn_bias: calls.append((q.shape, k.shape, attn_bias)))
+    assert probe_fmha(fmha, torch.device("cpu"), torch.float16) is None
+    ((q_shape, k_shape, bias),) = calls
+    assert bias == ("mask", torch.device("cpu"))
+    assert seen["seqlens"] == {"q_seqlen": [1, 1], "kv_padding": 8, "kv_seqlen": [3, 5]}
+    assert q_shape[1] == 2 and k_shape[1] == 16  # two queries, two padded 8-key ranges
+
+    assert xformers_problem("cpu") == "needs a CUDA GPU"
+
+
+def test_explicit_xformers_that_cannot_run_is_one_clear_error(monkeypatch):
+    from engine import loader
+
+    reason = "xformers 0.0.35 cannot run torch.bfloat16 attention here: No operator found"
+    monkeypatch.setattr(loader, "xformers_problem", lambda device, dtype: reason)
+    cuda = torch.device("cuda")
+    with pytest.raises(ValueError, match=r"^attn_backend 'xformers': xformers 0\.0\.35 .*'torch'$"):
+        loader.resolve_attn_backend("xformers", cuda, torch.bfloat16)
+    assert loader.resolve_attn_backend("auto", cuda, torch.bfloat16) == "torch"
+    monkeypatch.setattr(loader, "xformers_problem", lambda device, dtype: None)
+    assert loader.resolve_attn_backend("auto", cuda, torch.bfloat16) == "xformers"
+
+
 def test_cpu_backend_needs_its_kernels():
     from engine.kernels.cpu import cpu_kernels_enabled
 
