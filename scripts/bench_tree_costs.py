@@ -6,9 +6,10 @@ One request at a time (held-out chat prompts, greedy, bf16, the model as served)
 speculation gate off so every step adaptive k grants drafts is measured. Per mode:
 plain steps' and speculating steps' mean time by phase (the proposer's, and the target
 forward with verification), drafts (tree nodes) per speculating step, tokens per
-speculating step (accepted + 1), and the break-even: tokens a speculating step must
-yield to match plain decoding at its cost. A mode pays where tokens per step exceed
-it.
+speculating step (accepted + 1), the break-even: tokens a speculating step must
+yield to match plain decoding at its cost (a mode pays where tokens per step exceed
+it), and acceptance by depth: the share of speculating steps whose accepted path
+reached depth 1, 2, 3 and 4.
 """
 
 from __future__ import annotations
@@ -39,8 +40,9 @@ def main() -> int:
     prompts = tokenize_prompts(plain.tokenizer, load_prompts(args.workload, args.num_prompts), True)
     params = SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True)
     print("| mode | plain step ms | spec step: draft ms | spec step: forward+verify ms | "
-          "nodes / spec step | tokens / spec step | break-even tokens |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|")
+          "nodes / spec step | tokens / spec step | break-even tokens | "
+          "accepted to depth 1 / 2 / 3 / 4 |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|")
     for mode in [m.strip() for m in args.modes.split(",") if m.strip()]:
         config = replace(base, speculative_method=mode, speculation_gate=False)
         engine = LLMEngine(config, loaded=plain.loaded)
@@ -65,11 +67,15 @@ def main() -> int:
             print(f"{mode}: prompt {i + 1}/{len(prompts)}", file=sys.stderr, flush=True)
         p = statistics.fmean(plain_ms)
         if not tokens:
-            print(f"| {mode} | {p:.2f} | - | - | - | - | - |")
+            print(f"| {mode} | {p:.2f} | - | - | - | - | - | - |")
             continue
         d, f = statistics.fmean(draft_ms), statistics.fmean(fwd_ms)
+        depths = " / ".join(
+            f"{sum(t > depth for t in tokens) / len(tokens):.2f}" for depth in range(1, 5)
+        )
         print(f"| {mode} | {p:.2f} | {d:.2f} | {f:.2f} | {statistics.fmean(nodes):.1f} | "
-              f"{statistics.fmean(tokens):.2f} | {(d + f) / p:.2f} |", flush=True)  # fmt: skip
+              f"{statistics.fmean(tokens):.2f} | {(d + f) / p:.2f} | {depths} |",
+              flush=True)  # fmt: skip
     return 0
 
 
