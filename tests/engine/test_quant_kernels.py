@@ -20,6 +20,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from engine.kernels.quant import BLOCK, FORMATS, QuantOps, quant_ops
+from tests.engine.kernel_levels import kernels_at_level, runnable_levels
 
 FORMAT_NAMES = list(FORMATS)
 
@@ -255,6 +256,50 @@ def test_random_shapes_match_the_reference(ops, name, n, blocks, m, seed):
     _, x, rows = _case(n, k, m, name, seed)
     fmt = FORMATS[name]
     out = ops.linear(x, ops.pack(fmt, rows, k), None)
+    ref = reference(x, rows, name)
+    scale = quantized_activations(x).abs() @ dequantize_rows(rows, name).double().abs().T + 1
+    assert ((out.double() - ref).abs() / scale).max() < 1e-5
+
+
+@pytest.fixture(scope="module", params=runnable_levels())
+def ops_at_level(request) -> QuantOps:
+    return QuantOps(kernels_at_level(request).lib)
+
+
+def extreme_rows(name: str, n: int, k: int) -> torch.Tensor:
+    """GGUF rows whose quants sit at the format's extremes: every nibble 15, every
+    nibble 0, or the two alternating by byte (Q4); every quant 127, -128 or -127 (Q8_0);
+    positive fp16 scales (and for Q4_1 a negative minimum)."""
+    from engine.kernels.quant import GGUF_BLOCK_BYTES
+
+    fmt, nb = FORMATS[name], k // BLOCK
+    size, head = GGUF_BLOCK_BYTES[fmt], 4 if name == "Q4_1" else 2
+    blocks = torch.zeros(n, nb, size, dtype=torch.uint8)
+    blocks[:, :, 0:2] = torch.tensor([0.01], dtype=torch.float16).view(torch.uint8)
+    if name == "Q4_1":
+        blocks[:, :, 2:4] = torch.tensor([-0.05], dtype=torch.float16).view(torch.uint8)
+    patterns = (
+        [[0xFF], [0x00], [0xFF, 0x00]] if name != "Q8_0" else [[127], [0x80], [0x81], [127, 0x80]]
+    )
+    for row in range(n):
+        pattern = torch.tensor(patterns[row % len(patterns)], dtype=torch.uint8)
+        blocks[row, :, head:] = pattern.repeat((size - head) // len(pattern) + 1)[: size - head]
+    return blocks.reshape(n, nb * size)
+
+
+@pytest.mark.parametrize("name", FORMAT_NAMES)
+def test_extreme_quants_match_the_reference_at_every_level(ops_at_level, name):
+    """The integer sums at their largest: activations that quantize to +-127 everywhere
+    against quants at the format's extremes. The AVX2 path without VNNI adds a Q4
+    block's vpmaddubsw products in int16 (at most 30,480 in size here, 32,767 the
+    limit): an overflow or a saturating add would show as a wrong sum."""
+    n, k, m = 40, 128, 5
+    rows = extreme_rows(name, n, k)
+    signs = torch.tensor([1.0, -1.0, 1.0, -1.0, 1.0])
+    x = signs[:, None] * torch.ones(m, k)
+    x[2, 1::2] = -1.0  # alternating signs in one row
+    x[4] = torch.linspace(-3.0, 3.0, k)  # a row that is not all +-127
+    out = ops_at_level.linear(x, ops_at_level.pack(FORMATS[name], rows, k), None)
     ref = reference(x, rows, name)
     scale = quantized_activations(x).abs() @ dequantize_rows(rows, name).double().abs().T + 1
     assert ((out.double() - ref).abs() / scale).max() < 1e-5
