@@ -3,7 +3,8 @@
 # torch already installed (such as the device machine some development sessions are
 # lent, which has no internet). Runs every test marked `gpu` (torch and xformers attention
 # against a naive reference in tests/engine/test_attention.py; greedy engine output against
-# transformers, n-gram speculation against plain decoding and seeded sampling in
+# transformers, n-gram and EAGLE speculation against plain decoding, seeded sampling, and
+# token trees from every tree proposer beside every request kind in
 # tests/engine/test_devices.py) and fails if CUDA is missing, so a silent skip cannot
 # pass for a GPU run.
 #
