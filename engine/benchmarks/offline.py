@@ -134,9 +134,7 @@ def run(args: argparse.Namespace) -> int:
             speculation_gate=gate and base_config.speculation_gate,
         )
         engine = LLMEngine(config, loaded=loaded)
-        # Warm-up: one full batch, so the timed runs find the KV cache's pages touched.
-        warm = prompts[:concurrency]
-        _run_engine(engine, warm, min(args.output_len, 8), concurrency, None)
+        warm_up(engine, prompts, concurrency, args.output_len, loaded.device.type == "cuda")
         if schemas:
             _compile_schemas(engine, schemas)
         # The json workload runs each mode with its schemas, then free: the same prompts,
@@ -168,6 +166,19 @@ def run(args: argparse.Namespace) -> int:
         with open(args.json, "w") as f:
             json.dump(_json(args, concurrency, results, machine), f, indent=2)
     return 0
+
+
+def warm_up(engine, prompts, concurrency: int, output_len: int, every_prompt: bool) -> None:
+    """One full batch, so the timed runs find the KV cache's pages touched. With
+    ``every_prompt`` (on a GPU) every prompt is also prefilled once, two tokens each, and
+    the prefix cache emptied after: a GPU loads kernels and picks library algorithms at
+    the first call of each new shape, which once cost the first mode of an invocation up
+    to 0.9 s of TTFT that the modes after it did not pay (docs/benchmarks.md, "On an
+    NVIDIA H200")."""
+    _run_engine(engine, prompts[:concurrency], min(output_len, 8), concurrency, None)
+    if every_prompt:
+        _run_engine(engine, prompts, 2, concurrency, None)
+        engine.kv_manager.reset_prefix_cache()
 
 
 def _spec_modes(args, config) -> list[str]:

@@ -18,6 +18,28 @@ def test_acceptance_by_position_is_conditional_on_reaching_the_position():
     assert acceptance_by_position([], []) == []
 
 
+@pytest.mark.parametrize("every_prompt", [False, True])
+def test_the_warm_up_leaves_no_prompt_cached(tiny_model_dir, every_prompt):
+    """The GPU warm-up prefills every prompt once (each new shape loads kernels there),
+    then empties the prefix cache, so the timed run's TTFT is not a cache hit."""
+    from engine.benchmarks.offline import warm_up
+    from tests.engine.engine_helpers import make_engine, prompts_of_lengths
+
+    engine = make_engine(tiny_model_dir)
+    prompts = prompts_of_lengths([40, 35, 50], seed=3)
+    steps = []
+    original = engine.step
+    engine.step = lambda: steps.append(1) or original()
+    warm_up(engine, prompts, 1, 16, every_prompt)
+    pool = engine.kv_manager.pool
+    # one prompt x 8 tokens; with every_prompt, three prompts x 2 tokens more
+    assert len(steps) == (8 + 3 * 2 if every_prompt else 8)
+    if every_prompt:
+        assert len(pool.cached_blocks) == 0
+    else:  # only the first prompt's full blocks stay cached
+        assert len(pool.cached_blocks) == 40 // engine.config.block_size
+
+
 def test_bench_offline_runs_hybrid_and_draft_modes_sampled(
     tiny_model_dir, tiny_trained_draft_dir, tmp_path
 ):
