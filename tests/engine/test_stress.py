@@ -8,7 +8,8 @@ some output token on x a float target (its checkpoint in fp32, or in bf16: in fl
 its Linear weights stored as bf16) or a quantized one (the tiny model as a .gguf served
 as stored) x the speculation gate on or off (its lanes choosing k by timing); odd seeds
 in bfloat16, each on one of the bf16 Linear kernels this CPU has (AMX tiles, vdpbf16ps,
-FMA).
+FMA); even seeds in float32, each on the native build or one of the prebuilt kernel
+levels this CPU executes (the AVX2 one among them).
 
 Every step: both pools pass check_integrity and no request holds a block beyond its KV
 length (check_pools); the draft cache never covers a request's last verified token.
@@ -31,7 +32,10 @@ import random
 from dataclasses import replace
 
 from engine.io.sampling_params import SamplingParams, StructuredOutput
-from engine.kernels.cpu import cpu_kernels
+from engine.kernels import cpu as cpu_mod
+from engine.kernels import quant as quant_mod
+from engine.kernels.cpu import CpuKernels, cpu_kernels
+from engine.models import layers as layers_mod
 from tests.engine.engine_helpers import (
     LogitPoison,
     assert_all_blocks_released,
@@ -39,6 +43,7 @@ from tests.engine.engine_helpers import (
     draft_proposer,
     make_engine,
 )
+from tests.engine.kernel_levels import runnable_levels
 from tests.engine.tree_helpers import install_tree_proposer
 
 
@@ -238,6 +243,16 @@ def test_randomized_engine_stress(
     # odd seeds in bfloat16: greedy and seeded output must not depend on the batch there
     # either (one attention kernel for every query row, batch-invariant GEMMs)
     config["dtype"] = "bfloat16" if stress_seed % 2 else "float32"
+    # float32 seeds cycle through the native build and every prebuilt kernel level this
+    # CPU executes, least capable first (the portable, AVX2 and AVX-VNNI levels in the
+    # few seeds CI runs: the AVX2 one's quantized Linear adds int16 sums), engine and
+    # reference alike
+    levels = ["native", *reversed([lv for lv in runnable_levels() if lv != "native"])]
+    level = levels[(stress_seed // 2) % len(levels)]
+    if config["dtype"] == "float32" and level != "native":
+        chosen = CpuKernels(request.getfixturevalue("prebuilt_kernel_levels")[level])
+        for module in (cpu_mod, layers_mod, quant_mod):
+            monkeypatch.setattr(module, "cpu_kernels", lambda: chosen)
     kernels = cpu_kernels()
     if config["dtype"] == "bfloat16" and kernels is not None and kernels.bf16_linear_modes:
         # each bf16 Linear kernel this CPU has (AMX tiles, vdpbf16ps, FMA), by seed, for
