@@ -515,11 +515,10 @@ INLINE void q_tile(qacc *acc, int32_t fmt, int rows, const uint8_t *const *tiles
                 }
             }
         } else {
-#if defined(Q_MADDUBS)
-            /* Without VNNI: a nibble (<= 15) times an activation (|xq| <= 127), two to a
-             * vpmaddubsw lane, is at most 3,810 in size, so a block's 8 of them add in
-             * int16 (<= 30,480) and one vpmaddwd widens the sum: 16 instructions a row
-             * and block instead of 24. Integer sums: the same bits. */
+            /* Without VNNI (Q_MADDUBS): a nibble (<= 15) times an activation (|xq| <=
+             * 127), two to a vpmaddubsw lane, is at most 3,810 in size, so a block's 8 of
+             * them add in int16 (<= 30,480) and one vpmaddwd widens the sum: 16
+             * instructions a row and block instead of 24. Integer sums: the same bits. */
             for (int c = 0; c < 4; c++) {
                 const __m256i v = _mm256_loadu_si256((const __m256i *)(qs + c * 32));
                 const __m256i lo = _mm256_and_si256(v, low4);
@@ -528,24 +527,18 @@ INLINE void q_tile(qacc *acc, int32_t fmt, int rows, const uint8_t *const *tiles
                     const int8_t *x = a->q + (r0 + r) * a->k + b * QK + 4 * c;
                     const __m256i xl = _mm256_set1_epi32(load_i32(x));
                     const __m256i xh = _mm256_set1_epi32(load_i32(x + 16));
+#if defined(Q_MADDUBS)
                     const __m256i pair = _mm256_add_epi16(_mm256_maddubs_epi16(lo, xl),
                                                           _mm256_maddubs_epi16(hi, xh));
                     dot[r] = _mm256_add_epi16(dot[r], pair);
+#else
+                    dot[r] = DPBUSD8(DPBUSD8(dot[r], lo, xl), hi, xh);
+#endif
                 }
             }
+#if defined(Q_MADDUBS)
             for (int r = 0; r < rows; r++)
                 dot[r] = _mm256_madd_epi16(dot[r], _mm256_set1_epi16(1));
-#else
-            for (int c = 0; c < 4; c++) {
-                const __m256i v = _mm256_loadu_si256((const __m256i *)(qs + c * 32));
-                const __m256i lo = _mm256_and_si256(v, low4);
-                const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
-                for (int r = 0; r < rows; r++) {
-                    const int8_t *x = a->q + (r0 + r) * a->k + b * QK + 4 * c;
-                    dot[r] = DPBUSD8(dot[r], lo, _mm256_set1_epi32(load_i32(x)));
-                    dot[r] = DPBUSD8(dot[r], hi, _mm256_set1_epi32(load_i32(x + 16)));
-                }
-            }
 #endif
         }
         const __m256 m = fmt == QFMT_Q4_1
