@@ -16,6 +16,7 @@ weights with quantization="none").
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 from dataclasses import dataclass, field
@@ -135,6 +136,11 @@ def cpu_has_native_bf16(cpuinfo: str | None = None) -> bool:
     return bool(flags & {"avx512_bf16", "amx_bf16", "bf16"})
 
 
+@functools.cache
+def _warn_once(message: str) -> None:
+    logger.warning(message)
+
+
 def resolve_attn_backend(name: str, device: torch.device, dtype: torch.dtype) -> str:
     """ "auto" -> xformers on CUDA where its attention runs (``xformers_problem``), else
     torch there; on CPU in fp32 or bf16 specserve's compiled kernels ("cpu") when they
@@ -145,7 +151,7 @@ def resolve_attn_backend(name: str, device: torch.device, dtype: torch.dtype) ->
             if problem is None:
                 return "xformers"
             if not problem.startswith("xformers is not installed"):
-                logger.warning("%s; attention runs on the torch backend (SDPA)", problem)
+                _warn_once(f"{problem}; attention runs on the torch backend (SDPA)")
             return "torch"
         return "cpu" if kernels_for(device, dtype) is not None else "torch"
     if name == "cpu" and not serves(device, dtype):
