@@ -179,7 +179,7 @@ def test_xformers_probe_reports_a_build_that_cannot_run():
     assert xformers_problem("cpu") == "needs a CUDA GPU"
 
 
-def test_explicit_xformers_that_cannot_run_is_one_clear_error(monkeypatch):
+def test_explicit_xformers_that_cannot_run_is_one_clear_error(monkeypatch, caplog):
     from engine import loader
 
     reason = "xformers 0.0.35 cannot run torch.bfloat16 attention here: No operator found"
@@ -187,7 +187,12 @@ def test_explicit_xformers_that_cannot_run_is_one_clear_error(monkeypatch):
     cuda = torch.device("cuda")
     with pytest.raises(ValueError, match=r"^attn_backend 'xformers': xformers 0\.0\.35 .*'torch'$"):
         loader.resolve_attn_backend("xformers", cuda, torch.bfloat16)
-    assert loader.resolve_attn_backend("auto", cuda, torch.bfloat16) == "torch"
+    loader._warn_once.cache_clear()
+    with caplog.at_level("WARNING", logger="engine.loader"):
+        for _ in range(3):  # the target, its draft, a second engine: one warning
+            assert loader.resolve_attn_backend("auto", cuda, torch.bfloat16) == "torch"
+    warnings = [r.getMessage() for r in caplog.records if "cannot run" in r.getMessage()]
+    assert warnings == [f"{reason}; attention runs on the torch backend (SDPA)"]
     monkeypatch.setattr(loader, "xformers_problem", lambda device, dtype: None)
     assert loader.resolve_attn_backend("auto", cuda, torch.bfloat16) == "xformers"
 
