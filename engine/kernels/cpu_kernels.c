@@ -1478,22 +1478,22 @@ static int amx_linear_bf16(bf16 *out, const bf16 *x, int64_t x_stride, const bf1
                 const bf16 *xr = xs + r0 * kp;
                 _tile_zero(0);
                 _tile_zero(1);
-                for (int64_t g = 0; g < full; g++) {
-                    const bf16 *wg = w + g * AMX_PAIRS * 2 * LF_TILE;
-                    _tile_loadd(2, xr + g * 2 * AMX_PAIRS, row_bytes);
-                    _tile_loadd(3, wg, 4 * LF_TILE);
-                    _tile_loadd(4, wg + LF_TILE, 4 * LF_TILE);
-                    _tile_dpbf16ps(0, 2, 3);
-                    _tile_dpbf16ps(1, 2, 4);
-                }
-                if (tail) {
-                    const bf16 *wg = w + full * AMX_PAIRS * 2 * LF_TILE;
-                    _tile_loadd(5, xr + full * 2 * AMX_PAIRS, row_bytes);
-                    _tile_loadd(6, wg, 4 * LF_TILE);
-                    _tile_loadd(7, wg + LF_TILE, 4 * LF_TILE);
-                    _tile_dpbf16ps(0, 5, 6);
-                    _tile_dpbf16ps(1, 5, 7);
-                }
+                /* group g of 16 pairs: x into tile A, the two 16-output halves of the
+                 * weights into tiles B0 and B1, both products into C tiles 0 and 1 (tile
+                 * ids are immediates: the tail group's tiles, 5-7, are configured for
+                 * its fewer pairs) */
+#define AMX_BF16_GROUP(g, A, B0, B1)                                                           \
+    do {                                                                                       \
+        const bf16 *wg = w + (g) * AMX_PAIRS * 2 * LF_TILE;                                    \
+        _tile_loadd(A, xr + (g) * 2 * AMX_PAIRS, row_bytes);                                   \
+        _tile_loadd(B0, wg, 4 * LF_TILE);                                                      \
+        _tile_loadd(B1, wg + LF_TILE, 4 * LF_TILE);                                            \
+        _tile_dpbf16ps(0, A, B0);                                                              \
+        _tile_dpbf16ps(1, A, B1);                                                              \
+    } while (0)
+                for (int64_t g = 0; g < full; g++) AMX_BF16_GROUP(g, 2, 3, 4);
+                if (tail) AMX_BF16_GROUP(full, 5, 6, 7);
+#undef AMX_BF16_GROUP
                 _tile_stored(0, c[0], 64);
                 _tile_stored(1, c[1], 64);
                 const int64_t rows = m - r0 < 16 ? m - r0 : 16;
