@@ -146,7 +146,9 @@ def add_engine_args(parser: argparse.ArgumentParser, *, with_seed: bool = True) 
     flag(
         "--structured-output-step-budget-ms",
         "the most CPU time one request's constraint (its grammar matcher) may take in one "
-        "engine step; a request over it ends with an error naming the constraint",
+        "engine step; a request over it ends with an error naming the constraint (a spike "
+        "over it after a step under a tenth of it, within ten times it, is forgiven once "
+        "in 64 steps)",
         type=float,
         metavar="MS",
     )

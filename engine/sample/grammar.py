@@ -59,6 +59,14 @@ class ConstraintError(ValueError):
     """A constraint that cannot be compiled: the compiler's message, shortened."""
 
 
+# A step over the budget is forgiven once in FORGIVE_EVERY_STEPS steps of a request,
+# if it is within HARD_BUDGET_FACTOR times the budget and the step before it took under
+# 1 / FORGIVE_AFTER_FRACTION of it (GrammarLimits says why).
+FORGIVE_EVERY_STEPS = 64
+HARD_BUDGET_FACTOR = 10
+FORGIVE_AFTER_FRACTION = 10
+
+
 class _Failed(Exception):
     """A matcher call failed (raised inside Grammar only; the message is why)."""
 
@@ -70,9 +78,18 @@ class GrammarLimits:
     ``step_budget_ms``: the CPU time its matcher may take in one engine step (forced
     tokens, draft checks, masks, advancing; on whichever thread computes them; Python's
     garbage collections that happen to run inside a matcher call do not count); a
-    request over it ends with an error. ``max_items``: llguidance's cap on the Earley
-    items of one mask computation (``step_max_items``), which bounds a single call the
-    budget can only check after it returns."""
+    request over it ends with an error, except that a spike is forgiven once in
+    ``FORGIVE_EVERY_STEPS`` steps: a step over the budget (within ``HARD_BUDGET_FACTOR``
+    times it) after a step under ``1 / FORGIVE_AFTER_FRACTION`` of it. The operating
+    system charges a thread's CPU clock with what it spends around it (page reclaim, a
+    virtual machine's stolen time), and on a loaded machine a constraint whose masks
+    take 0.2 ms was once charged over 20 ms in one step; a costly grammar is costly
+    before it goes over (the hostile one in scripts/bench_hostile_constraint.py takes
+    2-8 ms a step between its spikes) and is not forgiven.
+
+    ``max_items``: llguidance's cap on the Earley items of one mask computation
+    (``step_max_items``), which bounds a single call the budget can only check after it
+    returns."""
 
     step_budget_ms: float = 20.0  # (both checked by EngineConfig)
     max_items: int = 50_000
@@ -283,6 +300,9 @@ class Grammar:
         "dead_end_at",
         "failure",
         "step_seconds",
+        "_steps",
+        "_forgiven_at",
+        "_last_step_seconds",
     )
 
     def __init__(
@@ -302,6 +322,9 @@ class Grammar:
         # time in the current engine step.
         self.failure: str | None = None
         self.step_seconds = 0.0
+        self._steps = 0  # engine steps so far (start_step)
+        self._forgiven_at: int | None = None  # the step whose overrun was forgiven
+        self._last_step_seconds = 0.0  # the step before this one's CPU time
 
     @property
     def num_words(self) -> int:
@@ -309,7 +332,8 @@ class Grammar:
 
     def start_step(self) -> None:
         """A new engine step: the budget starts again."""
-        self.step_seconds = 0.0
+        self._last_step_seconds, self.step_seconds = self.step_seconds, 0.0
+        self._steps += 1
 
     def _call(self, fn, *args):
         """``fn(*args)`` on the matcher, timed against the step budget; raises _Failed
@@ -322,12 +346,35 @@ class Grammar:
             self.step_seconds += max(0.0, spent)
             if self._matcher.is_error():
                 raise _Failed(self._matcher.get_error())
-            if self.step_seconds > self._budget_s:
-                raise _Failed(
-                    f"its matcher took {1e3 * self.step_seconds:.0f} ms of CPU time in one "
-                    f"engine step (limit {1e3 * self._budget_s:g} ms, "
-                    "--structured-output-step-budget-ms)"
-                )
+            self._check_budget()
+
+    def _check_budget(self) -> None:
+        """Raises _Failed when this step's CPU time is over the budget, unless this is
+        the one step over it that GrammarLimits forgives."""
+        now, budget = self.step_seconds, self._budget_s
+        if now <= budget:
+            return
+        limit = f"limit {1e3 * budget:g} ms a step, --structured-output-step-budget-ms"
+        if now > HARD_BUDGET_FACTOR * budget:
+            raise _Failed(
+                f"its matcher took {1e3 * now:.0f} ms of CPU time in one engine step "
+                f"(over {HARD_BUDGET_FACTOR} times the {limit})"
+            )
+        if self._forgiven_at == self._steps:
+            return  # the step forgiven, still within ten budgets
+        before = self._last_step_seconds
+        if before >= budget / FORGIVE_AFTER_FRACTION:
+            raise _Failed(
+                f"its matcher took {1e3 * now:.0f} ms of CPU time in one engine step, "
+                f"after {1e3 * before:.1f} ms in the step before ({limit})"
+            )
+        last = self._forgiven_at
+        if last is not None and self._steps - last < FORGIVE_EVERY_STEPS:
+            raise _Failed(
+                f"its matcher took {1e3 * now:.0f} ms of CPU time in one engine step, "
+                f"{self._steps - last} steps after another step over the limit ({limit})"
+            )
+        self._forgiven_at = self._steps
 
     def _fail(self, exc: Exception) -> None:
         reason = str(exc).split("<state>")[0].replace("<non-verbose/>", "").strip()

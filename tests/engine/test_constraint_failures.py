@@ -116,7 +116,8 @@ def test_a_constraint_over_its_step_budget_ends_only_its_request(tiny_model_dir,
     bad = results["hostile"]
     assert bad["finish_reason"] == "error"
     assert bad["detail"].startswith("structured_output.grammar failed at output token ")
-    assert "of CPU time in one engine step (limit 2 ms" in bad["detail"]
+    assert "of CPU time in one engine step" in bad["detail"]
+    assert "limit 2 ms a step, --structured-output-step-budget-ms)" in bad["detail"]
     assert 0 < len(bad["token_ids"]) < 400
     assert set(engine.tokenizer.decode(bad["token_ids"])) <= set("abcdefghijkl")
     ids = [n[0] for n in neighbours]
@@ -215,7 +216,48 @@ def test_a_garbage_collection_inside_a_matcher_call_is_not_the_constraints_cost(
             pass
 
     grammar = _budgeted_grammar(budget_ms, busy)
-    grammar.start_step()
-    grammar.masks([])
+    for _ in range(2):  # the first step over the budget is forgiven (below)
+        grammar.start_step()
+        grammar.masks([])
     assert grammar.failure is not None and "of CPU time in one engine step" in grammar.failure
     del heap
+
+
+def _spin(ms: float) -> None:
+    import time
+
+    end = time.thread_time() + ms / 1e3
+    while time.thread_time() < end:
+        pass
+
+
+def test_a_spike_over_the_budget_is_forgiven_once_in_64_steps():
+    """The operating system charges a thread with what it spends around it (page
+    reclaim, a virtual machine's stolen time): on a loaded CI machine a constraint whose
+    masks take 0.2 ms was charged over 20 ms in one step, and the statistical test's
+    request ended with "error". A step over the budget after a cheap one is forgiven
+    once in 64 steps; a second within them ends the request, and so does one over ten
+    budgets, or one after a step that took a tenth of the budget or more (a costly
+    grammar, not a stall)."""
+    from engine.sample.grammar import FORGIVE_EVERY_STEPS
+
+    budget_ms = 5.0
+
+    def run(costs: dict[int, float], steps: int):
+        plan = iter([costs.get(i, 0) for i in range(steps)])  # one mask a step
+        grammar = _budgeted_grammar(budget_ms, lambda: _spin(next(plan)))
+        for _ in range(steps):
+            grammar.start_step()
+            grammar.masks([])
+        return grammar.failure
+
+    over = 2.5 * budget_ms
+    assert run({3: over}, 8) is None
+    assert run({3: over, 3 + FORGIVE_EVERY_STEPS: over}, FORGIVE_EVERY_STEPS + 8) is None
+    failure = run({3: over, 9: over}, 12)
+    assert failure is not None and "6 steps after another step over the limit" in failure
+    assert "(limit 5 ms a step, --structured-output-step-budget-ms)" in failure
+    failure = run({3: 11 * budget_ms}, 8)
+    assert failure is not None and "(over 10 times the limit 5 ms a step" in failure
+    failure = run({2: 0.15 * budget_ms, 3: over}, 8)
+    assert failure is not None and "ms in the step before (limit 5 ms a step" in failure
