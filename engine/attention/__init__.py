@@ -104,11 +104,6 @@ def get_attention_backend(name: str, device: torch.device | str):
     raise ValueError(f"unknown attention backend {name!r}; choose one of {ATTENTION_BACKENDS}")
 
 
-def xformers_available(device: torch.device | str, dtype: torch.dtype = torch.bfloat16) -> bool:
-    """True when the xformers backend can run on ``device`` in ``dtype``."""
-    return xformers_problem(device, dtype) is None
-
-
 @functools.cache
 def xformers_problem(device: torch.device | str, dtype: torch.dtype = torch.bfloat16) -> str | None:
     """None when xformers' memory-efficient attention runs on ``device`` in ``dtype``;

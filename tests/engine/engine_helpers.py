@@ -8,7 +8,7 @@ import functools
 import pytest
 import torch
 
-from engine.attention import xformers_available
+from engine.attention import xformers_problem
 from engine.config import EngineConfig
 from engine.core.llm_engine import LLMEngine
 from engine.io.sampling_params import SamplingParams
@@ -22,7 +22,8 @@ GPU_ONLY = [
 XFORMERS_ONLY = [
     pytest.mark.gpu,
     pytest.mark.skipif(
-        not xformers_available("cuda"), reason="needs CUDA and an xformers build that runs here"
+        xformers_problem("cuda") is not None,
+        reason="needs CUDA and an xformers build that runs here",
     ),
 ]
 
