@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from engine import envs
-from engine.attention import get_attention_backend, xformers_problem
+from engine.attention import XFORMERS_NOT_INSTALLED, get_attention_backend, xformers_problem
 from engine.config import QUANTIZATIONS
 from engine.default_model import DEFAULT_MODEL_NAME, ModelLoadError, default_gguf_path
 from engine.kernels.build import cpu_flags, level_flags
@@ -150,7 +150,7 @@ def resolve_attn_backend(name: str, device: torch.device, dtype: torch.dtype) ->
             problem = xformers_problem(device, dtype)
             if problem is None:
                 return "xformers"
-            if not problem.startswith("xformers is not installed"):
+            if not problem.startswith(XFORMERS_NOT_INSTALLED):
                 _warn_once(f"{problem}; attention runs on the torch backend (SDPA)")
             return "torch"
         return "cpu" if kernels_for(device, dtype) is not None else "torch"

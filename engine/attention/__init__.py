@@ -104,6 +104,11 @@ def get_attention_backend(name: str, device: torch.device | str):
     raise ValueError(f"unknown attention backend {name!r}; choose one of {ATTENTION_BACKENDS}")
 
 
+# How xformers_problem's answer starts when xformers is not installed at all (the loader
+# falls back to torch without a warning then: a CPU-only or plain CUDA install).
+XFORMERS_NOT_INSTALLED = "xformers is not installed"
+
+
 @functools.cache
 def xformers_problem(device: torch.device | str, dtype: torch.dtype = torch.bfloat16) -> str | None:
     """None when xformers' memory-efficient attention runs on ``device`` in ``dtype``;
@@ -116,7 +121,7 @@ def xformers_problem(device: torch.device | str, dtype: torch.dtype = torch.bflo
         import xformers
         from xformers.ops import fmha
     except ImportError as exc:
-        return f"xformers is not installed (pip install 'specserve[gpu]'): {exc}"
+        return f"{XFORMERS_NOT_INSTALLED} (pip install 'specserve[gpu]'): {exc}"
     problem = probe_fmha(fmha, torch.device(device), dtype)
     if problem is None:
         return None

@@ -195,6 +195,13 @@ def test_explicit_xformers_that_cannot_run_is_one_clear_error(monkeypatch, caplo
     assert warnings == [f"{reason}; attention runs on the torch backend (SDPA)"]
     monkeypatch.setattr(loader, "xformers_problem", lambda device, dtype: None)
     assert loader.resolve_attn_backend("auto", cuda, torch.bfloat16) == "xformers"
+    # not installed at all (a plain CUDA install): torch, and nothing to warn about
+    missing = f"{loader.XFORMERS_NOT_INSTALLED} (pip install 'specserve[gpu]'): no module"
+    monkeypatch.setattr(loader, "xformers_problem", lambda device, dtype: missing)
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="engine.loader"):
+        assert loader.resolve_attn_backend("auto", cuda, torch.bfloat16) == "torch"
+    assert not caplog.records
 
 
 def test_cpu_backend_needs_its_kernels():
