@@ -17,15 +17,31 @@ def runnable_levels() -> list[str]:
 
 
 def kernels_at_level(request):
-    """The kernels of a fixture's level param: the native build (one that failed to
-    build fails the test), or the session's prebuilt library of that level."""
+    """The kernels of a fixture's level param (``kernels_of``)."""
+    return kernels_of(request, request.param)
+
+
+def kernels_of(request, level: str):
+    """The kernels of ``level``: the native build (one that failed to build fails the
+    test), or the session's prebuilt library of that level."""
     import pytest
 
     from engine.kernels.cpu import CpuKernels, cpu_kernels
 
-    if request.param == "native":
+    if level == "native":
         found = cpu_kernels()
         if found is None:
             pytest.fail("CPU kernels failed to build; see the warning logged by cpu_kernels()")
         return found
-    return CpuKernels(request.getfixturevalue("prebuilt_kernel_levels")[request.param])
+    return CpuKernels(request.getfixturevalue("prebuilt_kernel_levels")[level])
+
+
+def use_kernels(monkeypatch, kernels) -> None:
+    """Every layer of the process sees ``kernels``: the CPU kernels' users (attention,
+    the float and quantized Linear layers); loads made after this use them."""
+    from engine.kernels import cpu as cpu_mod
+    from engine.kernels import quant as quant_mod
+    from engine.models import layers as layers_mod
+
+    for module in (cpu_mod, layers_mod, quant_mod):
+        monkeypatch.setattr(module, "cpu_kernels", lambda: kernels)

@@ -12,14 +12,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.kernels import cpu as cpu_mod
-from engine.kernels import quant as quant_mod
 from engine.kernels.cpu import CpuKernels
 from engine.loader import load_model
-from engine.models import layers as layers_mod
 from engine.models import weights as weights_mod
 from engine.models.weights import PackedLinear
-from tests.engine.kernel_levels import kernels_at_level, runnable_levels
+from tests.engine.kernel_levels import kernels_at_level, runnable_levels, use_kernels
 from tests.engine.simple_runner import SimplePagedRunner
 from tests.engine.test_fused_decoder import check_one_call_matches_layers
 
@@ -32,8 +29,7 @@ def kernels(request) -> CpuKernels:
 @pytest.fixture()
 def at_level(kernels, monkeypatch) -> CpuKernels:
     """Every layer of the process sees ``kernels`` (loads made after this use them)."""
-    for module in (cpu_mod, layers_mod, quant_mod):
-        monkeypatch.setattr(module, "cpu_kernels", lambda: kernels)
+    use_kernels(monkeypatch, kernels)
     return kernels
 
 

@@ -32,10 +32,7 @@ import random
 from dataclasses import replace
 
 from engine.io.sampling_params import SamplingParams, StructuredOutput
-from engine.kernels import cpu as cpu_mod
-from engine.kernels import quant as quant_mod
-from engine.kernels.cpu import CpuKernels, cpu_kernels
-from engine.models import layers as layers_mod
+from engine.kernels.cpu import cpu_kernels
 from tests.engine.engine_helpers import (
     LogitPoison,
     assert_all_blocks_released,
@@ -43,7 +40,7 @@ from tests.engine.engine_helpers import (
     draft_proposer,
     make_engine,
 )
-from tests.engine.kernel_levels import runnable_levels
+from tests.engine.kernel_levels import kernels_of, runnable_levels, use_kernels
 from tests.engine.tree_helpers import install_tree_proposer
 
 
@@ -250,9 +247,7 @@ def test_randomized_engine_stress(
     levels = ["native", *reversed([lv for lv in runnable_levels() if lv != "native"])]
     level = levels[(stress_seed // 2) % len(levels)]
     if config["dtype"] == "float32" and level != "native":
-        chosen = CpuKernels(request.getfixturevalue("prebuilt_kernel_levels")[level])
-        for module in (cpu_mod, layers_mod, quant_mod):
-            monkeypatch.setattr(module, "cpu_kernels", lambda: chosen)
+        use_kernels(monkeypatch, kernels_of(request, level))
     kernels = cpu_kernels()
     if config["dtype"] == "bfloat16" and kernels is not None and kernels.bf16_linear_modes:
         # each bf16 Linear kernel this CPU has (AMX tiles, vdpbf16ps, FMA), by seed, for
