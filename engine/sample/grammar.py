@@ -83,7 +83,7 @@ class GrammarLimits:
     times it) after a step under ``1 / FORGIVE_AFTER_FRACTION`` of it. The operating
     system charges a thread's CPU clock with what it spends around it (page reclaim, a
     virtual machine's stolen time), and on a loaded machine a constraint whose masks
-    take 0.2 ms was once charged over 20 ms in one step; a costly grammar is costly
+    take under 0.4 ms was once charged over 20 ms in one step; a costly grammar is costly
     before it goes over (the hostile one in scripts/bench_hostile_constraint.py takes
     2-8 ms a step between its spikes) and is not forgiven.
 
