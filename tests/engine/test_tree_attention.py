@@ -24,12 +24,10 @@ import torch
 from engine.attention import cpu_backend
 from engine.attention.metadata import as_mask_tensor
 from engine.core.model_runner import ModelRunner, SeqInput
-from engine.kernels import cpu as cpu_mod
 from engine.kernels.cpu import CpuKernels, cpu_kernels
 from engine.loader import load_model
-from engine.models import layers as layers_mod
 from engine.spec_decode import paths
-from tests.engine.kernel_levels import kernels_at_level, runnable_levels
+from tests.engine.kernel_levels import kernels_at_level, runnable_levels, use_kernels
 
 BLOCK = 16
 
@@ -318,8 +316,7 @@ def test_tree_logits_equal_the_logits_of_each_path(tiny_model_factory, case, mon
 def test_tree_logits_at_every_kernel_level(kernels, tiny_model_factory, dtype, monkeypatch):
     """The model on the cpu backend with each prebuilt level's kernels (the fused
     decoder where the level has the bf16 Linear kernel it needs)."""
-    monkeypatch.setattr(cpu_mod, "cpu_kernels", lambda: kernels)
-    monkeypatch.setattr(layers_mod, "cpu_kernels", lambda: kernels)
+    use_kernels(monkeypatch, kernels)
     runner = _runner(tiny_model_factory(**HD32), dtype, "cpu")
     assert runner.model.model.layers[0].self_attn.attn_backend.kernels is kernels
     # the bf16 Linear kernel makes a row independent of the batch; oneDNN's GEMMs do not
