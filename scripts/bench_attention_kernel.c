@@ -1,6 +1,7 @@
-/* The bf16 paged-attention kernel alone, called from C (no Python wrapper, no torch):
- * one decode step of `seqs` sequences of `ctx` tokens, the default model's shape (9
- * query heads, 3 KV heads, head size 64, 16-token blocks scattered in random order).
+/* The bf16 paged-attention kernel (F32=1: the fp32 one, on the same values widened)
+ * alone, called from C (no Python wrapper, no torch): one decode step of `seqs`
+ * sequences of `ctx` tokens, the default model's shape (9 query heads, 3 KV heads,
+ * head size 64, 16-token blocks scattered in random order).
  *
  *     gcc -O2 scripts/bench_attention_kernel.c -o /tmp/attn $LIB -fopenmp -Wl,-rpath,$(dirname $LIB)
  *     /tmp/attn 8 150 1      # seqs, ctx, threads
@@ -11,11 +12,20 @@
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 #include <time.h>
 #include <omp.h>
 typedef uint16_t bf16;
 int specserve_paged_attention_bf16(bf16 *out, int64_t out_token_stride, const bf16 *q, int64_t q_token_stride,
              const bf16 *k_cache, const bf16 *v_cache, const int32_t *block_tables,
+             int64_t block_table_stride, int64_t table_width, const int32_t *seq_lens,
+             const int32_t *query_start_loc, int64_t num_seqs, int64_t num_tokens,
+             const int32_t *seq_ids, int64_t num_selected, int64_t num_heads,
+             int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
+             int64_t num_cache_blocks, float scale, int64_t max_rows, int32_t num_threads,
+             const int64_t *tree_masks);
+int specserve_paged_attention(float *out, int64_t out_token_stride, const float *q, int64_t q_token_stride,
+             const float *k_cache, const float *v_cache, const int32_t *block_tables,
              int64_t block_table_stride, int64_t table_width, const int32_t *seq_lens,
              const int32_t *query_start_loc, int64_t num_seqs, int64_t num_tokens,
              const int32_t *seq_ids, int64_t num_selected, int64_t num_heads,
@@ -31,6 +41,21 @@ int main(int argc, char **argv) {
     for (int64_t i = 0; i < nblocks * bs * kvh * hd; i++) kc[i] = vc[i] = 0x3f80 + (rand() % 64);
     bf16 *q = malloc(seqs * heads * hd * 2), *out = malloc(seqs * heads * hd * 2);
     for (int i = 0; i < seqs * heads * hd; i++) q[i] = 0x3c00 + rand() % 256;
+    const int f32 = getenv("F32") != NULL; /* the same values widened to fp32 */
+    float *kf = NULL, *vf = NULL, *qf = NULL, *outf = NULL;
+    if (f32) {
+        kf = malloc(nblocks * bs * kvh * hd * 4), vf = malloc(nblocks * bs * kvh * hd * 4);
+        qf = malloc(seqs * heads * hd * 4), outf = malloc(seqs * heads * hd * 4);
+        for (int64_t i = 0; i < nblocks * bs * kvh * hd; i++) {
+            const uint32_t w = (uint32_t)kc[i] << 16;
+            memcpy(&kf[i], &w, 4);
+            vf[i] = kf[i];
+        }
+        for (int i = 0; i < seqs * heads * hd; i++) {
+            const uint32_t w = (uint32_t)q[i] << 16;
+            memcpy(&qf[i], &w, 4);
+        }
+    }
     int32_t *tables = malloc(seqs * per * 4), *lens = malloc(seqs * 4), *starts = malloc((seqs + 1) * 4), *ids = malloc(seqs * 4);
     for (int i = 0; i < seqs * per; i++) tables[i] = 1 + i;
     if (!getenv("SEQUENTIAL")) /* blocks in random order, as a busy cache has them */
@@ -42,11 +67,14 @@ int main(int argc, char **argv) {
     for (int r = 0; r < 5; r++) {
         double t0 = now();
         for (int it = 0; it < iters; it++)
-            specserve_paged_attention_bf16(out, heads * hd, q, heads * hd, kc, vc, tables, per, per, lens, starts, seqs, seqs, ids, seqs, heads, kvh, hd, bs, nblocks, 0.125f, heads / kvh, threads, NULL);
+            if (f32)
+                specserve_paged_attention(outf, heads * hd, qf, heads * hd, kf, vf, tables, per, per, lens, starts, seqs, seqs, ids, seqs, heads, kvh, hd, bs, nblocks, 0.125f, heads / kvh, threads, NULL);
+            else
+                specserve_paged_attention_bf16(out, heads * hd, q, heads * hd, kc, vc, tables, per, per, lens, starts, seqs, seqs, ids, seqs, heads, kvh, hd, bs, nblocks, 0.125f, heads / kvh, threads, NULL);
         double t = (now() - t0) / iters;
         if (t < best) best = t;
     }
     double macs = (double)seqs * heads * ctx * hd * 2;
-    printf("%d seqs x %d ctx, %d threads: %.1f us a call, %.1f G MAC/s\n", seqs, ctx, threads, best * 1e6, macs / best / 1e9);
+    printf("%s, %d seqs x %d ctx, %d threads: %.1f us a call, %.1f G MAC/s\n", f32 ? "fp32" : "bf16", seqs, ctx, threads, best * 1e6, macs / best / 1e9);
     return 0;
 }
