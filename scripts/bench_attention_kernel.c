@@ -16,22 +16,18 @@
 #include <time.h>
 #include <omp.h>
 typedef uint16_t bf16;
-int specserve_paged_attention_bf16(bf16 *out, int64_t out_token_stride, const bf16 *q, int64_t q_token_stride,
-             const bf16 *k_cache, const bf16 *v_cache, const int32_t *block_tables,
-             int64_t block_table_stride, int64_t table_width, const int32_t *seq_lens,
-             const int32_t *query_start_loc, int64_t num_seqs, int64_t num_tokens,
-             const int32_t *seq_ids, int64_t num_selected, int64_t num_heads,
-             int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
-             int64_t num_cache_blocks, float scale, int64_t max_rows, int32_t num_threads,
+/* the kernels' two entry points, one per element type */
+#define PAGED_ATTENTION(NAME, T)                                                               \
+    int NAME(T *out, int64_t out_token_stride, const T *q, int64_t q_token_stride,             \
+             const T *k_cache, const T *v_cache, const int32_t *block_tables,                  \
+             int64_t block_table_stride, int64_t table_width, const int32_t *seq_lens,         \
+             const int32_t *query_start_loc, int64_t num_seqs, int64_t num_tokens,             \
+             const int32_t *seq_ids, int64_t num_selected, int64_t num_heads,                  \
+             int64_t num_kv_heads, int64_t head_dim, int64_t block_size,                       \
+             int64_t num_cache_blocks, float scale, int64_t max_rows, int32_t num_threads,     \
              const int64_t *tree_masks);
-int specserve_paged_attention(float *out, int64_t out_token_stride, const float *q, int64_t q_token_stride,
-             const float *k_cache, const float *v_cache, const int32_t *block_tables,
-             int64_t block_table_stride, int64_t table_width, const int32_t *seq_lens,
-             const int32_t *query_start_loc, int64_t num_seqs, int64_t num_tokens,
-             const int32_t *seq_ids, int64_t num_selected, int64_t num_heads,
-             int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
-             int64_t num_cache_blocks, float scale, int64_t max_rows, int32_t num_threads,
-             const int64_t *tree_masks);
+PAGED_ATTENTION(specserve_paged_attention_bf16, bf16)
+PAGED_ATTENTION(specserve_paged_attention, float)
 static double now(void) { struct timespec t; clock_gettime(CLOCK_MONOTONIC, &t); return t.tv_sec + t.tv_nsec * 1e-9; }
 int main(int argc, char **argv) {
     int seqs = atoi(argv[1]), ctx = atoi(argv[2]), threads = atoi(argv[3]);
