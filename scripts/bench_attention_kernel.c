@@ -28,6 +28,13 @@ typedef uint16_t bf16;
              const int64_t *tree_masks);
 PAGED_ATTENTION(specserve_paged_attention_bf16, bf16)
 PAGED_ATTENTION(specserve_paged_attention, float)
+/* dst[i] = src[i] as fp32 (a bf16 is the top half of its fp32) */
+static void widen(float *dst, const bf16 *src, int64_t n) {
+    for (int64_t i = 0; i < n; i++) {
+        const uint32_t w = (uint32_t)src[i] << 16;
+        memcpy(&dst[i], &w, 4);
+    }
+}
 static double now(void) { struct timespec t; clock_gettime(CLOCK_MONOTONIC, &t); return t.tv_sec + t.tv_nsec * 1e-9; }
 int main(int argc, char **argv) {
     int seqs = atoi(argv[1]), ctx = atoi(argv[2]), threads = atoi(argv[3]);
@@ -42,15 +49,9 @@ int main(int argc, char **argv) {
     if (f32) {
         kf = malloc(nblocks * bs * kvh * hd * 4), vf = malloc(nblocks * bs * kvh * hd * 4);
         qf = malloc(seqs * heads * hd * 4), outf = malloc(seqs * heads * hd * 4);
-        for (int64_t i = 0; i < nblocks * bs * kvh * hd; i++) {
-            const uint32_t w = (uint32_t)kc[i] << 16;
-            memcpy(&kf[i], &w, 4);
-            vf[i] = kf[i];
-        }
-        for (int i = 0; i < seqs * heads * hd; i++) {
-            const uint32_t w = (uint32_t)q[i] << 16;
-            memcpy(&qf[i], &w, 4);
-        }
+        widen(kf, kc, nblocks * bs * kvh * hd);
+        widen(vf, vc, nblocks * bs * kvh * hd);
+        widen(qf, q, (int64_t)seqs * heads * hd);
     }
     int32_t *tables = malloc(seqs * per * 4), *lens = malloc(seqs * 4), *starts = malloc((seqs + 1) * 4), *ids = malloc(seqs * 4);
     for (int i = 0; i < seqs * per; i++) tables[i] = 1 + i;
