@@ -8,7 +8,9 @@
  *
  * with LIB the built kernels (`ls -t ~/.cache/specserve/kernels/cpu_kernels-*.so | head -1`
  * after any specserve run). Prints the best of 5 loops of 2000 calls: us a call and G
- * multiply-adds/s (Q.K and P.V). SEQUENTIAL=1 lays each sequence's blocks out in order. */
+ * multiply-adds/s (Q.K and P.V). SEQUENTIAL=1 lays each sequence's blocks out in order.
+ * LAYERS=30 gives each call in turn its own cache, one of 30 (the model's layers), so
+ * the keys and values come from memory as they do in a decode step, not from L2/L3. */
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -40,17 +42,19 @@ int main(int argc, char **argv) {
     int seqs = atoi(argv[1]), ctx = atoi(argv[2]), threads = atoi(argv[3]);
     int heads = 9, kvh = 3, hd = 64, bs = 16, per = ctx / bs + 2;
     int64_t nblocks = (int64_t)seqs * per + 1;
-    bf16 *kc = malloc(nblocks * bs * kvh * hd * 2), *vc = malloc(nblocks * bs * kvh * hd * 2);
-    for (int64_t i = 0; i < nblocks * bs * kvh * hd; i++) kc[i] = vc[i] = 0x3f80 + (rand() % 64);
+    const int layers = getenv("LAYERS") ? atoi(getenv("LAYERS")) : 1;
+    const int64_t layer_size = nblocks * bs * kvh * hd, cache_size = layer_size * layers;
+    bf16 *kc = malloc(cache_size * 2), *vc = malloc(cache_size * 2);
+    for (int64_t i = 0; i < cache_size; i++) kc[i] = vc[i] = 0x3f80 + (rand() % 64);
     bf16 *q = malloc(seqs * heads * hd * 2), *out = malloc(seqs * heads * hd * 2);
     for (int i = 0; i < seqs * heads * hd; i++) q[i] = 0x3c00 + rand() % 256;
     const int f32 = getenv("F32") != NULL; /* the same values widened to fp32 */
     float *kf = NULL, *vf = NULL, *qf = NULL, *outf = NULL;
     if (f32) {
-        kf = malloc(nblocks * bs * kvh * hd * 4), vf = malloc(nblocks * bs * kvh * hd * 4);
+        kf = malloc(cache_size * 4), vf = malloc(cache_size * 4);
         qf = malloc(seqs * heads * hd * 4), outf = malloc(seqs * heads * hd * 4);
-        widen(kf, kc, nblocks * bs * kvh * hd);
-        widen(vf, vc, nblocks * bs * kvh * hd);
+        widen(kf, kc, cache_size);
+        widen(vf, vc, cache_size);
         widen(qf, q, (int64_t)seqs * heads * hd);
     }
     int32_t *tables = malloc(seqs * per * 4), *lens = malloc(seqs * 4), *starts = malloc((seqs + 1) * 4), *ids = malloc(seqs * 4);
@@ -63,15 +67,17 @@ int main(int argc, char **argv) {
     double best = 1e9;
     for (int r = 0; r < 5; r++) {
         double t0 = now();
-        for (int it = 0; it < iters; it++)
+        for (int it = 0; it < iters; it++) {
+            const int64_t at = (it % layers) * layer_size;
             if (f32)
-                specserve_paged_attention(outf, heads * hd, qf, heads * hd, kf, vf, tables, per, per, lens, starts, seqs, seqs, ids, seqs, heads, kvh, hd, bs, nblocks, 0.125f, heads / kvh, threads, NULL);
+                specserve_paged_attention(outf, heads * hd, qf, heads * hd, kf + at, vf + at, tables, per, per, lens, starts, seqs, seqs, ids, seqs, heads, kvh, hd, bs, nblocks, 0.125f, heads / kvh, threads, NULL);
             else
-                specserve_paged_attention_bf16(out, heads * hd, q, heads * hd, kc, vc, tables, per, per, lens, starts, seqs, seqs, ids, seqs, heads, kvh, hd, bs, nblocks, 0.125f, heads / kvh, threads, NULL);
+                specserve_paged_attention_bf16(out, heads * hd, q, heads * hd, kc + at, vc + at, tables, per, per, lens, starts, seqs, seqs, ids, seqs, heads, kvh, hd, bs, nblocks, 0.125f, heads / kvh, threads, NULL);
+        }
         double t = (now() - t0) / iters;
         if (t < best) best = t;
     }
     double macs = (double)seqs * heads * ctx * hd * 2;
-    printf("%s, %d seqs x %d ctx, %d threads: %.1f us a call, %.1f G MAC/s\n", f32 ? "fp32" : "bf16", seqs, ctx, threads, best * 1e6, macs / best / 1e9);
+    printf("%s, %d seqs x %d ctx, %d layers, %d threads: %.1f us a call, %.1f G MAC/s\n", f32 ? "fp32" : "bf16", seqs, ctx, layers, threads, best * 1e6, macs / best / 1e9);
     return 0;
 }

@@ -434,5 +434,15 @@ def _cpu_flags(cpuinfo: str | None = None) -> str:
     return ""
 
 
+def build_source(source: bytes) -> Path:
+    """``source`` (a translation unit in ``read_source``'s form, e.g. the kernels of
+    another revision) built for this CPU, for this process alone: benchmarks that
+    compare two builds side by side load it with ``CpuKernels``."""
+    cc = _compiler()
+    if cc is None:
+        raise KernelBuildError("no C compiler found (set $CC or install gcc)")
+    return _build_private(cc, source, library_name(cc, source))
+
+
 def _compiler() -> str | None:
     return shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")

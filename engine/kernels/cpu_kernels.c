@@ -47,6 +47,14 @@
 /* Query tokens per paged-attention work item (see PAGED_ATTENTION). */
 #define Q_TILE 32
 
+/* Cache blocks per key chunk of paged attention (see PAGED_ATTENTION): 128 keys at the
+ * default block size. */
+#define SPLIT_BLOCKS 8
+/* Paged attention splits a call's items by key chunk when it has fewer than this many
+ * items a thread, and the chunks' partial results fit in SPLIT_MAX_BYTES. */
+#define SPLIT_ITEMS_PER_THREAD 4
+#define SPLIT_MAX_BYTES ((int64_t)32 << 20)
+
 /* ---- AMX tiles: Linux lends a process the tile registers on request ----
  * (arch_prctl ARCH_REQ_XCOMP_PERM), once; refused, the kernels that would use them run
  * on AVX-512 (the quantized Linear's tdpbssd path, the bf16 Linear's tdpbf16ps one). */
@@ -593,14 +601,92 @@ INLINE int64_t tree_real_key(int64_t v, int64_t step_start, const int *seen, int
     return step_start + (u < num_seen ? seen[u] : 64 + (u - num_seen));
 }
 
+/* A key chunk's streaming softmax state, per row: its maximum, its sum of weights and
+ * its weighted values (acc, head_dim a row). */
+INLINE void chunk_reset(int64_t rows, int64_t head_dim, float *restrict row_max,
+                        float *restrict row_sum, float *restrict acc) {
+    for (int64_t r = 0; r < rows; r++) {
+        row_max[r] = NEG_BIG;
+        row_sum[r] = 0.0f;
+    }
+    memset(acc, 0, sizeof(float) * (size_t)(rows * head_dim));
+}
+
+/* Fold a chunk's state into the rows' total (the same form), each side rescaled to the
+ * larger maximum. The first chunk into a reset total is a copy (its weight is exp(0),
+ * the total's exp(NEG_BIG - m) = 0); a chunk a row sees no key of leaves it as it was. */
+INLINE void chunk_merge(int64_t rows, int64_t head_dim, const float *restrict c_max,
+                        const float *restrict c_sum, const float *restrict c_acc,
+                        float *restrict t_max, float *restrict t_sum, float *restrict t_acc) {
+    for (int64_t r = 0; r < rows; r++) {
+        const float m = c_max[r] > t_max[r] ? c_max[r] : t_max[r];
+        const float wt = expf(t_max[r] - m), wc = expf(c_max[r] - m);
+        t_max[r] = m;
+        t_sum[r] = t_sum[r] * wt + c_sum[r] * wc;
+        float *restrict ta = t_acc + r * head_dim;
+        const float *restrict ca = c_acc + r * head_dim;
+#pragma omp simd
+        for (int64_t d = 0; d < head_dim; d++) ta[d] = ta[d] * wt + ca[d] * wc;
+    }
+}
+
+/* Fold cache blocks [b0, b1) of a tile's context (num_blocks blocks in all) into its
+ * rows' chunk state: query head (of the KV head's group) major, query token minor; row
+ * j of a head sees keys up to seq_len - tl + j. qf: the query rows as fp32 (bf16 rows
+ * off the attend_rows path). */
+#define FOLD_BLOCKS(T, S)                                                                      \
+    INLINE void fold_blocks_##S(                                                               \
+        const T *q, int64_t q_token_stride, int64_t q_start, int64_t first_head,               \
+        int64_t group, int64_t tl, int64_t head_dim, const T *k_cache, const T *v_cache,       \
+        const int32_t *table, int64_t kv_head, int64_t kv_stride, int64_t block_size,          \
+        int64_t seq_len, int64_t b0, int64_t b1, int64_t num_blocks, int chunks, float scale,  \
+        const float *qf, float *scores, float *row_max, float *row_sum, float *acc) {          \
+        const int is_f32 = sizeof(T) == sizeof(float);                                         \
+        if (b0 < b1)                                                                           \
+            prefetch_block_##S(k_cache, v_cache, table[b0], block_size, kv_stride,             \
+                               kv_head * head_dim, head_dim);                                  \
+        for (int64_t b = b0; b < b1; b++) {                                                    \
+            const int64_t base =                                                               \
+                (int64_t)table[b] * block_size * kv_stride + kv_head * head_dim;               \
+            const int64_t first_key = b * block_size;                                          \
+            if (b + 1 < num_blocks)                                                            \
+                prefetch_block_##S(k_cache, v_cache, table[b + 1], block_size, kv_stride,      \
+                                   kv_head * head_dim, head_dim);                              \
+            if (chunks) {                                                                      \
+                attend_rows_##S(q, q_token_stride, q_start, first_head, group, tl, head_dim,   \
+                                k_cache + base, v_cache + base, kv_stride, block_size,         \
+                                seq_len, first_key, scale, row_max, row_sum, acc);             \
+                continue;                                                                      \
+            }                                                                                  \
+            for (int64_t hl = 0; hl < group; hl++) {                                           \
+                const int64_t head = first_head + hl;                                          \
+                for (int64_t j = 0; j < tl; j++) {                                             \
+                    /* keys first_key .. seq_len - tl + j are visible to query j */            \
+                    const int64_t visible = seq_len - tl + j + 1 - first_key;                  \
+                    if (visible <= 0) continue;                                                \
+                    const int n = (int)(visible < block_size ? visible : block_size);          \
+                    const int64_t r = hl * tl + j;                                             \
+                    const float *qr =                                                          \
+                        is_f32 ? (const float *)(q + (q_start + j) * q_token_stride +          \
+                                                 head * head_dim)                              \
+                               : qf + r * head_dim;                                            \
+                    attend_##S(qr, k_cache + base, v_cache + base, n, kv_stride, head_dim,     \
+                               scale, scores, row_max + r, row_sum + r, acc + r * head_dim);   \
+                }                                                                              \
+            }                                                                                  \
+        }                                                                                      \
+    }
+FOLD_BLOCKS(float, f32)
+FOLD_BLOCKS(bf16, bf16)
+
 #define TREE_ROWS(T, S)                                                                        \
     INLINE void tree_rows_##S(                                                                 \
         T *out, int64_t out_token_stride, const T *q, int64_t q_token_stride,                  \
         const T *k_cache, const T *v_cache, const int32_t *table, const int64_t *tree_masks,  \
         int64_t step_start, int64_t q_start, int64_t j0, int64_t tl, int64_t kv_head,          \
         int64_t group, int64_t head_dim, int64_t block_size, int64_t kv_stride, int chunks,    \
-        float scale, float *row_max, float *row_sum, float *acc, float *scores, float *qf,     \
-        T *kv_scratch) {                                                                       \
+        float scale, float *row_max, float *row_sum, float *acc, float *t_max, float *t_sum,   \
+        float *t_acc, float *scores, float *qf, T *kv_scratch) {                               \
         const int is_f32 = sizeof(T) == sizeof(float);                                         \
         const int64_t first_head = kv_head * group;                                            \
         T *k_scr = kv_scratch, *v_scr = kv_scratch + block_size * head_dim;                    \
@@ -623,14 +709,13 @@ INLINE int64_t tree_real_key(int64_t v, int64_t step_start, const int *seen, int
                 identity &= jj < 64 || num_seen == 64;                                         \
             }                                                                                  \
             for (int64_t hl = 0; hl < group; hl++) {                                           \
-                row_max[hl] = NEG_BIG;                                                         \
-                row_sum[hl] = 0.0f;                                                            \
                 if (!is_f32 && !chunks)                                                        \
                     load_query_##S(qf + hl * head_dim,                                         \
                                    q + token * q_token_stride + (first_head + hl) * head_dim,  \
                                    head_dim);                                                  \
             }                                                                                  \
-            memset(acc, 0, sizeof(float) * (size_t)group * head_dim);                          \
+            chunk_reset(group, head_dim, row_max, row_sum, acc);                               \
+            chunk_reset(group, head_dim, t_max, t_sum, t_acc);                                 \
             const int64_t num_blocks = (len + block_size - 1) / block_size;                    \
             for (int64_t b = 0; b < num_blocks; b++) {                                         \
                 const int64_t first_key = b * block_size;                                      \
@@ -660,24 +745,51 @@ INLINE int64_t tree_real_key(int64_t v, int64_t step_start, const int *seen, int
                     attend_rows_##S(q, q_token_stride, token, first_head, group, 1, head_dim,  \
                                     kb, vb, stride, block_size, len, first_key, scale,         \
                                     row_max, row_sum, acc);                                    \
-                    continue;                                                                  \
+                } else {                                                                       \
+                    for (int64_t hl = 0; hl < group; hl++) {                                   \
+                        const float *qr =                                                      \
+                            is_f32 ? (const float *)(q + token * q_token_stride +              \
+                                                     (first_head + hl) * head_dim)             \
+                                   : qf + hl * head_dim;                                       \
+                        attend_##S(qr, kb, vb, (int)(end - first_key), stride, head_dim,       \
+                                   scale, scores, row_max + hl, row_sum + hl,                  \
+                                   acc + hl * head_dim);                                       \
+                    }                                                                          \
                 }                                                                              \
-                for (int64_t hl = 0; hl < group; hl++) {                                       \
-                    const float *qr =                                                          \
-                        is_f32 ? (const float *)(q + token * q_token_stride +                  \
-                                                 (first_head + hl) * head_dim)                 \
-                               : qf + hl * head_dim;                                           \
-                    attend_##S(qr, kb, vb, (int)(end - first_key), stride, head_dim, scale,    \
-                               scores, row_max + hl, row_sum + hl, acc + hl * head_dim);       \
+                /* key chunks end where the plain rows' do (see PAGED_ATTENTION) */            \
+                if ((b + 1) % SPLIT_BLOCKS == 0 || b + 1 == num_blocks) {                      \
+                    chunk_merge(group, head_dim, row_max, row_sum, acc, t_max, t_sum, t_acc);  \
+                    chunk_reset(group, head_dim, row_max, row_sum, acc);                       \
                 }                                                                              \
             }                                                                                  \
             for (int64_t hl = 0; hl < group; hl++)                                             \
                 store_row_##S(out + token * out_token_stride + (first_head + hl) * head_dim,    \
-                              acc + hl * head_dim, 1.0f / row_sum[hl], head_dim);              \
+                              t_acc + hl * head_dim, 1.0f / t_sum[hl], head_dim);              \
         }                                                                                      \
     }
 TREE_ROWS(float, f32)
 TREE_ROWS(bf16, bf16)
+
+/* Tile t's query: its sequence, the sequence's query tokens q_len, the tile's first
+ * token j0 and its tl tokens from q_start, the context its last token sees (seq_len: what
+ * a query of tl tokens sees) and that context's cache blocks. */
+#define TILE_INFO(t)                                                                           \
+    const int64_t seq = seq_ids[tile_sel[(t)]];                                                \
+    const int64_t q_len = (int64_t)query_start_loc[seq + 1] - query_start_loc[seq];            \
+    const int64_t j0 = tile_j0[(t)];                                                           \
+    const int64_t tl = q_len - j0 < Q_TILE ? q_len - j0 : Q_TILE;                              \
+    const int64_t q_start = query_start_loc[seq] + j0;                                         \
+    const int64_t seq_len = seq_lens[seq] - (q_len - j0 - tl);                                 \
+    const int64_t num_blocks = (seq_len + block_size - 1) / block_size
+
+/* out rows of the item's tile and KV head from the total t_* */
+#define STORE_ROWS(S)                                                                          \
+    for (int64_t hl = 0; hl < group; hl++)                                                     \
+        for (int64_t j = 0; j < tl; j++) {                                                     \
+            const int64_t r = hl * tl + j;                                                     \
+            store_row_##S(out + (q_start + j) * out_token_stride + (first_head + hl) * head_dim, \
+                          t_acc + r * head_dim, 1.0f / t_sum[r], head_dim);                    \
+        }
 
 /* Attention of the query tokens of the selected sequences over their paged context,
  * causal with offset: sequence `seq` adds q_len tokens and holds seq_lens[seq] after
@@ -696,6 +808,19 @@ TREE_ROWS(bf16, bf16)
  * slower: 1.7x on the row-at-a-time loop, 1.3x on the vdpbf16ps one.) Where
  * attend_rows_bf16 does not apply, the bf16 kernel widens each query row to fp32 once
  * per item (into `qf`), the keys and values as it reads them.
+ *
+ * Key chunks: a row's keys are folded SPLIT_BLOCKS cache blocks at a time, each chunk
+ * into a streaming softmax of its own, merged into the row's total at the chunk's end in
+ * key order (chunk_merge; a token tree's rows the same, at the same blocks). A call of
+ * fewer than SPLIT_ITEMS_PER_THREAD items a thread, a lone decode for one (3 items for
+ * 2 threads, or for 16), then makes each chunk of each tile its own work item: the
+ * threads share one sequence's keys, each chunk's state is kept, and a second pass
+ * merges them in the same order, so every row has the same bits split or not, whatever
+ * the thread count and the batch. A batch-1 decode step of SmolLM2 on a 2-thread Zen 3
+ * (the one-call decoder, both kernels alternated in one process) was 3-9% faster at 300
+ * tokens of context and 7-9% at 900, the same at 20 (one chunk, nothing to split); one
+ * layer's attention with the cache in memory (bench_attention_kernel.c, LAYERS=150) 42-45
+ * us against 49-53. A tree tile is never split (its rows gather keys of their own).
  *
  * out[token, head, :] is written for every query token of the selected sequences.
  * Returns 0; 1 when scratch memory could not be allocated, 2 when a sequence has more
@@ -750,19 +875,67 @@ TREE_ROWS(bf16, bf16)
                 j0 += Q_TILE;                                                                  \
             } while (j0 < len);                                                                \
         }                                                                                      \
-        const int64_t num_items = num_tiles * num_kv_heads;                                    \
+        /* Split mode: a unit is a key chunk of a tile (a tree tile is one unit, computed   \
+         * whole), an item a unit's KV head; else a unit is a tile. */                       \
+        int64_t *unit_tile = NULL, *unit_chunk = NULL, *unit_off = NULL;                       \
+        int64_t num_units = num_tiles;                                                         \
+        float *partials = NULL;                                                                \
+        if (num_threads > 1 && num_tiles * num_kv_heads < SPLIT_ITEMS_PER_THREAD * num_threads) { \
+            int64_t units = 0, floats = 0;                                                     \
+            for (int64_t t = 0; t < num_tiles; t++) {                                          \
+                TILE_INFO(t);                                                                  \
+                const int64_t n = !tl || (tree_masks && tile_has_tree(tree_masks + q_start, tl)) \
+                                      ? 1                                                      \
+                                      : (num_blocks + SPLIT_BLOCKS - 1) / SPLIT_BLOCKS;        \
+                units += n > 0 ? n : 1;                                                        \
+                floats += (n > 0 ? n : 1) * num_kv_heads * group * tl * (head_dim + 2);        \
+            }                                                                                  \
+            if (units > num_tiles && floats * (int64_t)sizeof(float) <= SPLIT_MAX_BYTES) {     \
+                unit_tile = malloc(sizeof(int64_t) * (size_t)units);                           \
+                unit_chunk = malloc(sizeof(int64_t) * (size_t)units);                          \
+                unit_off = malloc(sizeof(int64_t) * (size_t)units);                            \
+                partials = malloc(sizeof(float) * (size_t)floats);                             \
+                if (!unit_tile || !unit_chunk || !unit_off || !partials) {                     \
+                    free(unit_tile);                                                           \
+                    free(unit_chunk);                                                          \
+                    free(unit_off);                                                            \
+                    free(partials);                                                            \
+                    free(tile_sel);                                                            \
+                    free(tile_j0);                                                             \
+                    return 1;                                                                  \
+                }                                                                              \
+                num_units = 0, floats = 0;                                                     \
+                for (int64_t t = 0; t < num_tiles; t++) {                                      \
+                    TILE_INFO(t);                                                              \
+                    int64_t n = !tl || (tree_masks && tile_has_tree(tree_masks + q_start, tl)) \
+                                    ? 1                                                        \
+                                    : (num_blocks + SPLIT_BLOCKS - 1) / SPLIT_BLOCKS;          \
+                    for (int64_t c = 0; c < (n > 0 ? n : 1); c++) {                            \
+                        unit_tile[num_units] = t;                                              \
+                        unit_chunk[num_units] = c;                                             \
+                        unit_off[num_units++] = floats;                                        \
+                        floats += num_kv_heads * group * tl * (head_dim + 2);                  \
+                    }                                                                          \
+                }                                                                              \
+            }                                                                                  \
+        }                                                                                      \
+        const int64_t num_items = num_units * num_kv_heads;                                    \
                                                                                                \
         _Pragma("omp parallel num_threads(num_threads)") {                                     \
+            /* a key chunk's state (row_max, row_sum, acc) and the rows' total (t_*) */        \
             float *acc = malloc(sizeof(float) * (size_t)max_rows * head_dim);                  \
             float *row_max = malloc(sizeof(float) * (size_t)max_rows);                         \
             float *row_sum = malloc(sizeof(float) * (size_t)max_rows);                         \
+            float *t_acc = malloc(sizeof(float) * (size_t)max_rows * head_dim);                \
+            float *t_max = malloc(sizeof(float) * (size_t)max_rows);                           \
+            float *t_sum = malloc(sizeof(float) * (size_t)max_rows);                           \
             float *scores = malloc(sizeof(float) * (size_t)block_size);                        \
             float *qf = is_f32 ? NULL : malloc(sizeof(float) * (size_t)max_rows * head_dim);   \
             /* a token tree's rows: their visible keys gathered, one block at a time */        \
             T *kv_scratch = tree_masks ? calloc((size_t)(2 * block_size * head_dim), sizeof(T))  \
                                        : NULL;                                                 \
-            if (!acc || !row_max || !row_sum || !scores || (!is_f32 && !qf) ||                 \
-                (tree_masks && !kv_scratch)) {                                                 \
+            if (!acc || !row_max || !row_sum || !t_acc || !t_max || !t_sum || !scores ||       \
+                (!is_f32 && !qf) || (tree_masks && !kv_scratch)) {                             \
                 _Pragma("omp atomic write") failed = 1;                                        \
             }                                                                                  \
             _Pragma("omp for schedule(dynamic, 1)") for (int64_t item = 0; item < num_items;   \
@@ -770,16 +943,9 @@ TREE_ROWS(bf16, bf16)
                 int stop;                                                                      \
                 _Pragma("omp atomic read") stop = failed;                                      \
                 if (stop) continue;                                                            \
-                const int64_t tile = item / num_kv_heads;                                      \
-                const int64_t seq = seq_ids[tile_sel[tile]];                                   \
+                const int64_t unit = item / num_kv_heads;                                      \
                 const int64_t kv_head = item % num_kv_heads;                                   \
-                const int64_t q_len = (int64_t)query_start_loc[seq + 1] - query_start_loc[seq]; \
-                const int64_t j0 = tile_j0[tile];                                              \
-                /* this tile's query tokens j0 .. j0 + tl, as a query of their own */         \
-                const int64_t tl = q_len - j0 < Q_TILE ? q_len - j0 : Q_TILE;                  \
-                const int64_t q_start = query_start_loc[seq] + j0;                             \
-                /* the context its last token sees: what a query of tl tokens sees */         \
-                const int64_t seq_len = seq_lens[seq] - (q_len - j0 - tl);                     \
+                TILE_INFO(partials ? unit_tile[unit] : unit);                                  \
                 /* rows: query head (of this KV head's group) major, query token minor */     \
                 const int64_t rows = group * tl;                                               \
                 const int32_t *table = block_tables + seq * block_table_stride;                \
@@ -787,75 +953,89 @@ TREE_ROWS(bf16, bf16)
                     tree_rows_##S(out, out_token_stride, q, q_token_stride, k_cache, v_cache,  \
                                   table, tree_masks, seq_lens[seq] - q_len, q_start, j0, tl,   \
                                   kv_head, group, head_dim, block_size, kv_stride, chunks,     \
-                                  scale, row_max, row_sum, acc, scores, qf, kv_scratch);       \
+                                  scale, row_max, row_sum, acc, t_max, t_sum, t_acc, scores,   \
+                                  qf, kv_scratch);                                             \
                     continue;                                                                  \
                 }                                                                              \
-                const int64_t num_blocks = (seq_len + block_size - 1) / block_size;            \
-                for (int64_t r = 0; r < rows; r++) {                                           \
-                    row_max[r] = NEG_BIG;                                                      \
-                    row_sum[r] = 0.0f;                                                         \
-                }                                                                              \
-                memset(acc, 0, sizeof(float) * (size_t)rows * head_dim);                       \
                 const int64_t first_head = kv_head * group;                                    \
                 if (!is_f32 && !chunks) {                                                      \
                     for (int64_t hl = 0; hl < group; hl++)                                     \
-                        for (int64_t j = 0; j < tl; j++)                                    \
-                            load_query_##S(qf + (hl * tl + j) * head_dim,                   \
+                        for (int64_t j = 0; j < tl; j++)                                       \
+                            load_query_##S(qf + (hl * tl + j) * head_dim,                      \
                                            q + (q_start + j) * q_token_stride +                \
                                                (first_head + hl) * head_dim,                   \
                                            head_dim);                                          \
                 }                                                                              \
-                if (num_blocks > 0)                                                            \
-                    prefetch_block_##S(k_cache, v_cache, table[0], block_size, kv_stride,      \
-                                       kv_head * head_dim, head_dim);                          \
-                for (int64_t b = 0; b < num_blocks; b++) {                                     \
-                    const int64_t base =                                                       \
-                        (int64_t)table[b] * block_size * kv_stride + kv_head * head_dim;       \
-                    const int64_t first_key = b * block_size;                                  \
-                    if (b + 1 < num_blocks)                                                    \
-                        prefetch_block_##S(k_cache, v_cache, table[b + 1], block_size,        \
-                                           kv_stride, kv_head * head_dim, head_dim);           \
-                    if (chunks) {                                                              \
-                        attend_rows_##S(q, q_token_stride, q_start, first_head, group, tl,     \
-                                        head_dim, k_cache + base, v_cache + base, kv_stride,   \
-                                        block_size, seq_len, first_key, scale, row_max,        \
-                                        row_sum, acc);                                         \
-                        continue;                                                              \
-                    }                                                                          \
-                    for (int64_t hl = 0; hl < group; hl++) {                                   \
-                        const int64_t head = first_head + hl;                                  \
-                        for (int64_t j = 0; j < tl; j++) {                                  \
-                            /* keys first_key .. seq_len - tl + j are visible to query j */ \
-                            const int64_t visible = seq_len - tl + j + 1 - first_key;       \
-                            if (visible <= 0) continue;                                        \
-                            const int n = (int)(visible < block_size ? visible : block_size);  \
-                            const int64_t r = hl * tl + j;                                  \
-                            const float *qr =                                                  \
-                                is_f32 ? (const float *)(q + (q_start + j) * q_token_stride +  \
-                                                         head * head_dim)                      \
-                                       : qf + r * head_dim;                                    \
-                            attend_##S(qr, k_cache + base, v_cache + base, n, kv_stride,       \
-                                       head_dim, scale, scores, row_max + r, row_sum + r,      \
-                                       acc + r * head_dim);                                    \
-                        }                                                                      \
-                    }                                                                          \
+                if (partials) { /* one key chunk, its state left for the merge below */       \
+                    const int64_t b0 = unit_chunk[unit] * SPLIT_BLOCKS;                        \
+                    chunk_reset(rows, head_dim, row_max, row_sum, acc);                        \
+                    fold_blocks_##S(q, q_token_stride, q_start, first_head, group, tl,         \
+                                    head_dim, k_cache, v_cache, table, kv_head, kv_stride,     \
+                                    block_size, seq_len, b0,                                   \
+                                    b0 + SPLIT_BLOCKS < num_blocks ? b0 + SPLIT_BLOCKS         \
+                                                                   : num_blocks,               \
+                                    num_blocks, chunks, scale, qf, scores, row_max, row_sum,   \
+                                    acc);                                                      \
+                    /* copied out once: the partials of two threads' items share lines */     \
+                    float *p_max = partials + unit_off[unit] + kv_head * rows * (head_dim + 2); \
+                    memcpy(p_max, row_max, sizeof(float) * (size_t)rows);                      \
+                    memcpy(p_max + rows, row_sum, sizeof(float) * (size_t)rows);               \
+                    memcpy(p_max + 2 * rows, acc, sizeof(float) * (size_t)(rows * head_dim));  \
+                    continue;                                                                  \
                 }                                                                              \
-                for (int64_t hl = 0; hl < group; hl++) {                                       \
-                    for (int64_t j = 0; j < tl; j++) {                                      \
-                        const int64_t r = hl * tl + j;                                      \
-                        T *o = out + (q_start + j) * out_token_stride +                        \
-                               (first_head + hl) * head_dim;                                   \
-                        store_row_##S(o, acc + r * head_dim, 1.0f / row_sum[r], head_dim);     \
+                chunk_reset(rows, head_dim, t_max, t_sum, t_acc);                              \
+                for (int64_t b0 = 0; b0 < num_blocks; b0 += SPLIT_BLOCKS) {                    \
+                    chunk_reset(rows, head_dim, row_max, row_sum, acc);                        \
+                    fold_blocks_##S(q, q_token_stride, q_start, first_head, group, tl,         \
+                                    head_dim, k_cache, v_cache, table, kv_head, kv_stride,     \
+                                    block_size, seq_len, b0,                                   \
+                                    b0 + SPLIT_BLOCKS < num_blocks ? b0 + SPLIT_BLOCKS         \
+                                                                   : num_blocks,               \
+                                    num_blocks, chunks, scale, qf, scores, row_max, row_sum,   \
+                                    acc);                                                      \
+                    chunk_merge(rows, head_dim, row_max, row_sum, acc, t_max, t_sum, t_acc);   \
+                }                                                                              \
+                STORE_ROWS(S);                                                                 \
+            }                                                                                  \
+            /* split mode: each tile's chunks merged in key order, as the loop above does */  \
+            if (partials) {                                                                    \
+                _Pragma("omp for schedule(dynamic, 1)") for (int64_t item = 0;                 \
+                                                             item < num_tiles * num_kv_heads;  \
+                                                             item++) {                         \
+                    int stop;                                                                  \
+                    _Pragma("omp atomic read") stop = failed;                                  \
+                    if (stop) continue;                                                        \
+                    const int64_t tile = item / num_kv_heads, kv_head = item % num_kv_heads;   \
+                    TILE_INFO(tile);                                                           \
+                    if (tree_masks && tile_has_tree(tree_masks + q_start, tl)) continue;       \
+                    const int64_t rows = group * tl, first_head = kv_head * group;             \
+                    int64_t unit = 0; /* the tile's first unit */                              \
+                    while (unit_tile[unit] != tile) unit++;                                    \
+                    (void)num_blocks, (void)seq_len;                                           \
+                    chunk_reset(rows, head_dim, t_max, t_sum, t_acc);                          \
+                    for (; unit < num_units && unit_tile[unit] == tile; unit++) {              \
+                        const float *p_max =                                                   \
+                            partials + unit_off[unit] + kv_head * rows * (head_dim + 2);       \
+                        chunk_merge(rows, head_dim, p_max, p_max + rows, p_max + 2 * rows,     \
+                                    t_max, t_sum, t_acc);                                      \
                     }                                                                          \
+                    STORE_ROWS(S);                                                             \
                 }                                                                              \
             }                                                                                  \
             free(acc);                                                                         \
             free(row_max);                                                                     \
             free(row_sum);                                                                     \
+            free(t_acc);                                                                       \
+            free(t_max);                                                                       \
+            free(t_sum);                                                                       \
             free(scores);                                                                      \
             free(qf);                                                                          \
             free(kv_scratch);                                                                  \
         }                                                                                      \
+        free(unit_tile);                                                                       \
+        free(unit_chunk);                                                                      \
+        free(unit_off);                                                                        \
+        free(partials);                                                                        \
         free(tile_sel);                                                                        \
         free(tile_j0);                                                                         \
         return failed;                                                                         \

@@ -487,6 +487,61 @@ def test_paged_attention_rows_do_not_depend_on_the_chunking(kernels, dtype):
     assert torch.equal(whole.view(bits), pieces.view(bits))
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim", [64, 24])  # 64: bf16's vdpbf16ps rows where built
+def test_paged_attention_rows_do_not_depend_on_threads_or_the_batch(kernels, dtype, head_dim):
+    """Keys are folded in chunks of 8 cache blocks, merged in order; a call of few work
+    items (a lone decode on 2+ threads) spreads one sequence's chunks over the threads.
+    Each sequence alone on 2, 3 and 4 threads (split across them) against all of them
+    in one call on one thread (never split): every row bit-identical, and close to the
+    reference. Contexts at and past the chunk edges, a verification query and a prompt
+    chunk."""
+    gen = torch.Generator().manual_seed(11)
+    heads, kv_heads, block_size = 9, 3, 16
+    seq_lens = [300, 129, 128, 17, 1000, 200, 300]
+    q_lens = [1, 1, 1, 1, 1, 5, 40]
+    per = [-(-n // block_size) for n in seq_lens]
+    num_blocks = sum(per) + 1
+    k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen).to(dtype)
+    v_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen).to(dtype)
+    ids = torch.randperm(num_blocks - 1, generator=gen) + 1
+    table = torch.zeros(len(seq_lens), max(per), dtype=torch.int32)
+    for i, n in enumerate(per):
+        table[i, :n] = ids[sum(per[:i]) : sum(per[: i + 1])]
+    q = torch.randn(sum(q_lens), heads, head_dim, generator=gen).to(dtype)
+    starts = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+    lens = torch.tensor(seq_lens, dtype=torch.int32)
+    scale = head_dim**-0.5
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        crowd = torch.full_like(q, float("nan"))
+        kernels.paged_attention(crowd, q, k_cache, v_cache, table, lens, starts,
+                                torch.arange(len(seq_lens), dtype=torch.int32), max(q_lens),
+                                scale)  # fmt: skip
+        for n in (2, 3, 4):
+            torch.set_num_threads(n)
+            for i in range(len(seq_lens)):
+                alone = torch.full_like(q, float("nan"))
+                kernels.paged_attention(alone, q, k_cache, v_cache, table, lens, starts,
+                                        torch.tensor([i], dtype=torch.int32), q_lens[i],
+                                        scale)  # fmt: skip
+                rows = slice(int(starts[i]), int(starts[i + 1]))
+                bits = torch.int16 if dtype == torch.bfloat16 else torch.int32
+                assert torch.equal(alone[rows].view(bits), crowd[rows].view(bits)), (
+                    n, seq_lens[i], q_lens[i],
+                )  # fmt: skip
+    finally:
+        torch.set_num_threads(threads)
+    expected = _reference_attention(q.float(), k_cache.float(), v_cache.float(),
+                                    [t[:n].tolist() for t, n in zip(table, per, strict=True)],
+                                    seq_lens, q_lens, scale)  # fmt: skip
+    if dtype == torch.float32:
+        torch.testing.assert_close(crowd, expected, rtol=1e-5, atol=1e-5)
+    else:
+        torch.testing.assert_close(crowd.float(), expected, **BF16_ATTENTION_TOL)
+
+
 # --- bf16 Linear layers (vdpbf16ps on AVX512-BF16, widen + FMA with FMA, AMX tiles) ----
 
 

@@ -53,7 +53,7 @@ def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("head_dim", [64, 24])  # 64: the bf16 vdpbf16ps rows; 24: the generic
-@pytest.mark.parametrize("context", [5, 16, 37])
+@pytest.mark.parametrize("context", [5, 16, 37, 150])  # 150: past a key chunk (8 blocks)
 @pytest.mark.parametrize("tree", list(TREES))
 def test_each_tree_row_is_its_paths_plain_row_bit_for_bit(kernels, tree, context, head_dim,
                                                           dtype):  # fmt: skip

@@ -1,0 +1,101 @@
+"""Two builds of the CPU kernels, the one-call decode step of each alternated in one
+process: a kernel change measured against the revision before it.
+
+    .venv/bin/python scripts/bench_kernel_ab.py --base HEAD~1 --context 300 --rounds 100
+
+``--base``: a git revision whose engine/kernels/*.c are built (for this CPU, privately);
+the other build is the working tree's. Each loads the default model as served (or
+``--model``) with its own kernels and fills the caches of ``--batch`` sequences of
+``--context`` tokens; then one decode step of each (the one-call decoder at batch 1)
+runs in turn, ``--rounds`` times: medians in ms, and new / base. Both
+builds share the process, the hour and the memory, so the ratio holds where a
+machine's speed moves between runs of separate commands by more than the change.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+def base_source(revision: str) -> bytes:
+    """read_source()'s translation unit, from the kernel files at ``revision``."""
+    from engine.kernels import build
+
+    parts = []
+    for path in build.SOURCES:
+        rel = path.relative_to(REPO_ROOT).as_posix()
+        shown = subprocess.run(["git", "-C", str(REPO_ROOT), "show", f"{revision}:{rel}"],
+                               capture_output=True)  # fmt: skip
+        if shown.returncode:
+            raise SystemExit(f"error: cannot read {rel} at {revision!r}: "
+                             f"{shown.stderr.decode().strip()}")  # fmt: skip
+        parts.append(f'#line 1 "{path.name}"\n'.encode() + shown.stdout)
+    return b"".join(parts)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--base", default="HEAD", help="git revision of the base kernels")
+    parser.add_argument("--context", type=int, default=300)
+    parser.add_argument("--batch", type=int, default=1, help="sequences decoded in each step")
+    parser.add_argument("--rounds", type=int, default=100)
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    parser.add_argument("--model", default=None, help="default: the built-in default model")
+    args = parser.parse_args()
+    if min(args.context, args.rounds, args.batch) < 1:
+        parser.error("--context, --rounds and --batch must be at least 1")
+
+    from engine.core.model_runner import ModelRunner, SeqInput
+    from engine.kernels import build
+    from engine.kernels import cpu as cpu_mod
+    from engine.kernels import quant as quant_mod
+    from engine.kernels.cpu import CpuKernels
+    from engine.loader import load_model
+    from engine.models import layers as layers_mod
+
+    print(f"building the kernels at {args.base} and the working tree's ...", file=sys.stderr)
+    libs = {"base": build.build_source(base_source(args.base)),
+            "new": build.build_source(build.read_source())}  # fmt: skip
+    block = 16
+    per = (args.context + block) // block + 1  # cache blocks a sequence
+    tables = [list(range(1 + i * per, 1 + (i + 1) * per)) for i in range(args.batch)]
+    runners = {}
+    for name, lib in libs.items():
+        kernels = CpuKernels(lib)
+        for module in (cpu_mod, layers_mod, quant_mod):
+            module.cpu_kernels = lambda k=kernels: k
+        loaded = load_model(args.model, dtype=args.dtype, device="cpu", quantization="auto")
+        runner = ModelRunner(loaded, num_blocks=args.batch * per + 1, block_size=block)
+        if args.batch == 1 and runner.model.model.fused is None:
+            raise SystemExit(f"error: the {name} kernels give this model no one-call decoder")
+        runners[name] = runner
+    prompts = [[100 + (i * 7 + j) % 1000 for j in range(args.context + 1)]
+               for i in range(args.batch)]  # fmt: skip
+    for runner in runners.values():
+        for prompt, table in zip(prompts, tables, strict=True):
+            runner.forward([SeqInput(prompt[:-1], 0, table, 1)])
+    step = [SeqInput(p[-1:], args.context, t, 1) for p, t in zip(prompts, tables, strict=True)]
+    times: dict[str, list[float]] = {name: [] for name in runners}
+    for r in range(args.rounds):
+        for name, runner in runners.items():
+            prepared = runner.prepare(step)
+            start = time.perf_counter()
+            runner.execute(prepared)
+            times[name].append(time.perf_counter() - start)
+        if r % 20 == 19:
+            print(f"round {r + 1}/{args.rounds}", file=sys.stderr, flush=True)
+    base, new = (1e3 * statistics.median(times[name]) for name in ("base", "new"))
+    print(f"{args.batch} x context {args.context}: base ({args.base}) {base:.2f} ms, "
+          f"new {new:.2f} ms, new / base {new / base:.3f}")  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
