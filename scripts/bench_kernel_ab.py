@@ -7,9 +7,10 @@ process: a kernel change measured against the revision before it.
 the other build is the working tree's. Each loads the default model as served (or
 ``--model``) with its own kernels and fills the caches of ``--batch`` sequences of
 ``--context`` tokens; then one decode step of each (the one-call decoder at batch 1)
-runs in turn, ``--rounds`` times: medians in ms, and new / base. Both
-builds share the process, the hour and the memory, so the ratio holds where a
-machine's speed moves between runs of separate commands by more than the change.
+runs in turn, each first in every other round, ``--rounds`` times: medians in ms, and
+new / base. Both builds share the process, the hour and the memory, so the ratio holds
+where a machine's speed moves between runs of separate commands by more than the
+change. ``--base HEAD`` with a clean tree is the control: two identical builds.
 """
 
 from __future__ import annotations
@@ -84,7 +85,8 @@ def main() -> int:
     step = [SeqInput(p[-1:], args.context, t, 1) for p, t in zip(prompts, tables, strict=True)]
     times: dict[str, list[float]] = {name: [] for name in runners}
     for r in range(args.rounds):
-        for name, runner in runners.items():
+        order = list(runners.items())  # each first in every other round
+        for name, runner in order if r % 2 == 0 else order[::-1]:
             prepared = runner.prepare(step)
             start = time.perf_counter()
             runner.execute(prepared)
