@@ -406,6 +406,18 @@ def test_build_is_cached_per_source(tmp_path):
     assert build_library(tmp_path) == first and first.stat().st_mtime_ns == mtime
 
 
+def test_build_source_builds_the_source_it_is_given(kernels):
+    """scripts/bench_kernel_ab.py builds another revision's kernels this way: the
+    working tree's source gives the kernels' own outputs; a source that does not compile
+    is one line naming the error, not a fallback."""
+    built = CpuKernels(build_mod.build_source(build_mod.read_source()))
+    x = torch.randn(5, 64, generator=torch.Generator().manual_seed(2))
+    assert torch.equal(built.silu_and_mul(x), kernels.silu_and_mul(x))
+    with pytest.raises(KernelBuildError, match=r"failed to build the CPU kernels: .*error") as e:
+        build_mod.build_source(b"int broken = ;\n")
+    assert "\n" not in str(e.value)
+
+
 def test_loading_the_kernels_leaves_subnormals_alone(kernels):
     """-ffast-math at link time would set flush-to-zero for the whole process."""
     tiny = torch.tensor([1e-40], dtype=torch.float32)  # subnormal in fp32
