@@ -782,6 +782,18 @@ TREE_ROWS(bf16, bf16)
     const int64_t seq_len = seq_lens[seq] - (q_len - j0 - tl);                                 \
     const int64_t num_blocks = (seq_len + block_size - 1) / block_size
 
+/* The item's rows over the key chunk from block b0, into a fresh chunk state */
+#define FOLD_CHUNK(S, b0)                                                                      \
+    do {                                                                                       \
+        const int64_t from_ = (b0), to_ = from_ + SPLIT_BLOCKS < num_blocks                    \
+                                              ? from_ + SPLIT_BLOCKS                           \
+                                              : num_blocks;                                    \
+        chunk_reset(rows, head_dim, row_max, row_sum, acc);                                    \
+        fold_blocks_##S(q, q_token_stride, q_start, first_head, group, tl, head_dim, k_cache,  \
+                        v_cache, table, kv_head, kv_stride, block_size, seq_len, from_, to_,   \
+                        num_blocks, chunks, scale, qf, scores, row_max, row_sum, acc);         \
+    } while (0)
+
 /* out rows of the item's tile and KV head from the total t_* */
 #define STORE_ROWS(S)                                                                          \
     for (int64_t hl = 0; hl < group; hl++)                                                     \
@@ -895,17 +907,9 @@ TREE_ROWS(bf16, bf16)
                 unit_chunk = malloc(sizeof(int64_t) * (size_t)units);                          \
                 unit_off = malloc(sizeof(int64_t) * (size_t)units);                            \
                 partials = malloc(sizeof(float) * (size_t)floats);                             \
-                if (!unit_tile || !unit_chunk || !unit_off || !partials) {                     \
-                    free(unit_tile);                                                           \
-                    free(unit_chunk);                                                          \
-                    free(unit_off);                                                            \
-                    free(partials);                                                            \
-                    free(tile_sel);                                                            \
-                    free(tile_j0);                                                             \
-                    return 1;                                                                  \
-                }                                                                              \
+                if (!unit_tile || !unit_chunk || !unit_off || !partials) failed = 1;          \
                 num_units = 0, floats = 0;                                                     \
-                for (int64_t t = 0; t < num_tiles; t++) {                                      \
+                for (int64_t t = 0; t < num_tiles && !failed; t++) {                           \
                     TILE_INFO(t);                                                              \
                     int64_t n = !tl || (tree_masks && tile_has_tree(tree_masks + q_start, tl)) \
                                     ? 1                                                        \
@@ -919,7 +923,8 @@ TREE_ROWS(bf16, bf16)
                 }                                                                              \
             }                                                                                  \
         }                                                                                      \
-        const int64_t num_items = num_units * num_kv_heads;                                    \
+        /* no item runs when the split's buffers could not be allocated (all are freed) */  \
+        const int64_t num_items = failed ? 0 : num_units * num_kv_heads;                       \
                                                                                                \
         _Pragma("omp parallel num_threads(num_threads)") {                                     \
             /* a key chunk's state (row_max, row_sum, acc) and the rows' total (t_*) */        \
@@ -967,15 +972,7 @@ TREE_ROWS(bf16, bf16)
                                            head_dim);                                          \
                 }                                                                              \
                 if (partials) { /* one key chunk, its state left for the merge below */       \
-                    const int64_t b0 = unit_chunk[unit] * SPLIT_BLOCKS;                        \
-                    chunk_reset(rows, head_dim, row_max, row_sum, acc);                        \
-                    fold_blocks_##S(q, q_token_stride, q_start, first_head, group, tl,         \
-                                    head_dim, k_cache, v_cache, table, kv_head, kv_stride,     \
-                                    block_size, seq_len, b0,                                   \
-                                    b0 + SPLIT_BLOCKS < num_blocks ? b0 + SPLIT_BLOCKS         \
-                                                                   : num_blocks,               \
-                                    num_blocks, chunks, scale, qf, scores, row_max, row_sum,   \
-                                    acc);                                                      \
+                    FOLD_CHUNK(S, unit_chunk[unit] * SPLIT_BLOCKS);                            \
                     /* copied out once: the partials of two threads' items share lines */     \
                     float *p_max = partials + unit_off[unit] + kv_head * rows * (head_dim + 2); \
                     memcpy(p_max, row_max, sizeof(float) * (size_t)rows);                      \
@@ -985,14 +982,7 @@ TREE_ROWS(bf16, bf16)
                 }                                                                              \
                 chunk_reset(rows, head_dim, t_max, t_sum, t_acc);                              \
                 for (int64_t b0 = 0; b0 < num_blocks; b0 += SPLIT_BLOCKS) {                    \
-                    chunk_reset(rows, head_dim, row_max, row_sum, acc);                        \
-                    fold_blocks_##S(q, q_token_stride, q_start, first_head, group, tl,         \
-                                    head_dim, k_cache, v_cache, table, kv_head, kv_stride,     \
-                                    block_size, seq_len, b0,                                   \
-                                    b0 + SPLIT_BLOCKS < num_blocks ? b0 + SPLIT_BLOCKS         \
-                                                                   : num_blocks,               \
-                                    num_blocks, chunks, scale, qf, scores, row_max, row_sum,   \
-                                    acc);                                                      \
+                    FOLD_CHUNK(S, b0);                                                         \
                     chunk_merge(rows, head_dim, row_max, row_sum, acc, t_max, t_sum, t_acc);   \
                 }                                                                              \
                 STORE_ROWS(S);                                                                 \
