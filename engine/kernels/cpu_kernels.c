@@ -829,10 +829,11 @@ TREE_ROWS(bf16, bf16)
  * threads share one sequence's keys, each chunk's state is kept, and a second pass
  * merges them in the same order, so every row has the same bits split or not, whatever
  * the thread count and the batch. A batch-1 decode step of SmolLM2 on a 2-thread Zen 3
- * (the one-call decoder, both kernels alternated in one process) was 3-9% faster at 300
- * tokens of context and 7-9% at 900, the same at 20 (one chunk, nothing to split); one
- * layer's attention with the cache in memory (bench_attention_kernel.c, LAYERS=150) 42-45
- * us against 49-53. A tree tile is never split (its rows gather keys of their own).
+ * (scripts/bench_kernel_ab.py: the one-call decoder, both builds alternated in one
+ * process) took 0.959x the time at 300 tokens of context and 0.920x at 900 (medians of
+ * five runs); one layer's attention with the cache in memory
+ * (scripts/bench_attention_kernel.c, LAYERS=150) 39.5-40.2 us against 46.3-47.6. A tree
+ * tile is never split (its rows gather keys of their own).
  *
  * out[token, head, :] is written for every query token of the selected sequences.
  * Returns 0; 1 when scratch memory could not be allocated, 2 when a sequence has more
