@@ -29,16 +29,16 @@ def base_source(revision: str) -> bytes:
     """read_source()'s translation unit, from the kernel files at ``revision``."""
     from engine.kernels import build
 
-    parts = []
-    for path in build.SOURCES:
+    def at_revision(path: Path) -> bytes:
         rel = path.relative_to(REPO_ROOT).as_posix()
         shown = subprocess.run(["git", "-C", str(REPO_ROOT), "show", f"{revision}:{rel}"],
                                capture_output=True)  # fmt: skip
         if shown.returncode:
             raise SystemExit(f"error: cannot read {rel} at {revision!r}: "
                              f"{shown.stderr.decode().strip()}")  # fmt: skip
-        parts.append(f'#line 1 "{path.name}"\n'.encode() + shown.stdout)
-    return b"".join(parts)
+        return shown.stdout
+
+    return build.read_source(at_revision)
 
 
 def main() -> int:

@@ -33,7 +33,7 @@ import shutil
 import stat
 import subprocess
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from engine import envs
@@ -90,10 +90,11 @@ class KernelBuildError(RuntimeError):
     pass
 
 
-def read_source() -> bytes:
+def read_source(read: Callable[[Path], bytes] = Path.read_bytes) -> bytes:
     """The kernels' translation unit: every part of SOURCES, each after a #line
-    directive naming it."""
-    return b"".join(f'#line 1 "{path.name}"\n'.encode() + path.read_bytes() for path in SOURCES)
+    directive naming it. ``read`` gives a part's bytes (default: the file's; a benchmark
+    comparing builds reads another revision's)."""
+    return b"".join(f'#line 1 "{path.name}"\n'.encode() + read(path) for path in SOURCES)
 
 
 def build_library(out_dir: Path | None = None) -> Path:

@@ -794,6 +794,10 @@ TREE_ROWS(bf16, bf16)
                         num_blocks, chunks, scale, qf, scores, row_max, row_sum, acc);         \
     } while (0)
 
+/* Split mode: the (max, sum, acc) of tile t's chunk c for the item's KV head, its rows */
+#define PARTIAL(t, c)                                                                          \
+    (partials + tile_off[(t)] + ((c) * num_kv_heads + kv_head) * rows * (head_dim + 2))
+
 /* out rows of the item's tile and KV head from the total t_* */
 #define STORE_ROWS(S)                                                                          \
     for (int64_t hl = 0; hl < group; hl++)                                                     \
@@ -889,39 +893,39 @@ TREE_ROWS(bf16, bf16)
             } while (j0 < len);                                                                \
         }                                                                                      \
         /* Split mode: a unit is a key chunk of a tile (a tree tile is one unit, computed   \
-         * whole), an item a unit's KV head; else a unit is a tile. */                       \
-        int64_t *unit_tile = NULL, *unit_chunk = NULL, *unit_off = NULL;                       \
+         * whole), an item a unit's KV head; tile t's units are tile_unit0[t] .. [t + 1],   \
+         * their chunk states from partials + tile_off[t] (PARTIAL). Else a unit is a tile. */ \
+        int64_t *tile_unit0 = NULL, *tile_off = NULL, *unit_tile = NULL;                       \
         int64_t num_units = num_tiles;                                                         \
         float *partials = NULL;                                                                \
         if (num_threads > 1 && num_tiles * num_kv_heads < SPLIT_ITEMS_PER_THREAD * num_threads) { \
-            int64_t units = 0, floats = 0;                                                     \
-            for (int64_t t = 0; t < num_tiles; t++) {                                          \
-                TILE_INFO(t);                                                                  \
-                const int64_t n = !tl || (tree_masks && tile_has_tree(tree_masks + q_start, tl)) \
-                                      ? 1                                                      \
-                                      : (num_blocks + SPLIT_BLOCKS - 1) / SPLIT_BLOCKS;        \
-                units += n > 0 ? n : 1;                                                        \
-                floats += (n > 0 ? n : 1) * num_kv_heads * group * tl * (head_dim + 2);        \
+            tile_unit0 = malloc(sizeof(int64_t) * (size_t)(2 * num_tiles + 1));                \
+            int64_t floats = 0;                                                                \
+            if (tile_unit0) {                                                                  \
+                tile_off = tile_unit0 + num_tiles + 1;                                         \
+                tile_unit0[0] = 0;                                                             \
+            } else {                                                                           \
+                failed = 1;                                                                    \
             }                                                                                  \
-            if (units > num_tiles && floats * (int64_t)sizeof(float) <= SPLIT_MAX_BYTES) {     \
-                unit_tile = malloc(sizeof(int64_t) * (size_t)units);                           \
-                unit_chunk = malloc(sizeof(int64_t) * (size_t)units);                          \
-                unit_off = malloc(sizeof(int64_t) * (size_t)units);                            \
+            for (int64_t t = 0; t < num_tiles && !failed; t++) {                               \
+                TILE_INFO(t);                                                                  \
+                const int64_t chunks_seen = (num_blocks + SPLIT_BLOCKS - 1) / SPLIT_BLOCKS;    \
+                const int64_t n = !tl || (tree_masks && tile_has_tree(tree_masks + q_start, tl)) \
+                                          || chunks_seen < 1                                   \
+                                      ? 1                                                      \
+                                      : chunks_seen;                                           \
+                tile_unit0[t + 1] = tile_unit0[t] + n;                                         \
+                tile_off[t] = floats;                                                          \
+                floats += n * num_kv_heads * group * tl * (head_dim + 2);                      \
+            }                                                                                  \
+            if (!failed && tile_unit0[num_tiles] > num_tiles &&                                \
+                floats * (int64_t)sizeof(float) <= SPLIT_MAX_BYTES) {                          \
+                unit_tile = malloc(sizeof(int64_t) * (size_t)tile_unit0[num_tiles]);           \
                 partials = malloc(sizeof(float) * (size_t)floats);                             \
-                if (!unit_tile || !unit_chunk || !unit_off || !partials) failed = 1;          \
-                num_units = 0, floats = 0;                                                     \
-                for (int64_t t = 0; t < num_tiles && !failed; t++) {                           \
-                    TILE_INFO(t);                                                              \
-                    int64_t n = !tl || (tree_masks && tile_has_tree(tree_masks + q_start, tl)) \
-                                    ? 1                                                        \
-                                    : (num_blocks + SPLIT_BLOCKS - 1) / SPLIT_BLOCKS;          \
-                    for (int64_t c = 0; c < (n > 0 ? n : 1); c++) {                            \
-                        unit_tile[num_units] = t;                                              \
-                        unit_chunk[num_units] = c;                                             \
-                        unit_off[num_units++] = floats;                                        \
-                        floats += num_kv_heads * group * tl * (head_dim + 2);                  \
-                    }                                                                          \
-                }                                                                              \
+                if (!unit_tile || !partials) failed = 1;                                       \
+                for (int64_t t = 0; t < num_tiles && !failed; t++)                             \
+                    for (int64_t u = tile_unit0[t]; u < tile_unit0[t + 1]; u++) unit_tile[u] = t; \
+                num_units = tile_unit0[num_tiles];                                             \
             }                                                                                  \
         }                                                                                      \
         /* no item runs when the split's buffers could not be allocated (all are freed) */  \
@@ -973,9 +977,10 @@ TREE_ROWS(bf16, bf16)
                                            head_dim);                                          \
                 }                                                                              \
                 if (partials) { /* one key chunk, its state left for the merge below */       \
-                    FOLD_CHUNK(S, unit_chunk[unit] * SPLIT_BLOCKS);                            \
+                    const int64_t chunk = unit - tile_unit0[unit_tile[unit]];                  \
+                    FOLD_CHUNK(S, chunk * SPLIT_BLOCKS);                                       \
                     /* copied out once: the partials of two threads' items share lines */     \
-                    float *p_max = partials + unit_off[unit] + kv_head * rows * (head_dim + 2); \
+                    float *p_max = PARTIAL(unit_tile[unit], chunk);                            \
                     memcpy(p_max, row_max, sizeof(float) * (size_t)rows);                      \
                     memcpy(p_max + rows, row_sum, sizeof(float) * (size_t)rows);               \
                     memcpy(p_max + 2 * rows, acc, sizeof(float) * (size_t)(rows * head_dim));  \
@@ -1000,13 +1005,10 @@ TREE_ROWS(bf16, bf16)
                     TILE_INFO(tile);                                                           \
                     if (tree_masks && tile_has_tree(tree_masks + q_start, tl)) continue;       \
                     const int64_t rows = group * tl, first_head = kv_head * group;             \
-                    int64_t unit = 0; /* the tile's first unit */                              \
-                    while (unit_tile[unit] != tile) unit++;                                    \
                     (void)num_blocks, (void)seq_len;                                           \
                     chunk_reset(rows, head_dim, t_max, t_sum, t_acc);                          \
-                    for (; unit < num_units && unit_tile[unit] == tile; unit++) {              \
-                        const float *p_max =                                                   \
-                            partials + unit_off[unit] + kv_head * rows * (head_dim + 2);       \
+                    for (int64_t c = 0; c < tile_unit0[tile + 1] - tile_unit0[tile]; c++) {    \
+                        const float *p_max = PARTIAL(tile, c);                                 \
                         chunk_merge(rows, head_dim, p_max, p_max + rows, p_max + 2 * rows,     \
                                     t_max, t_sum, t_acc);                                      \
                     }                                                                          \
@@ -1023,9 +1025,8 @@ TREE_ROWS(bf16, bf16)
             free(qf);                                                                          \
             free(kv_scratch);                                                                  \
         }                                                                                      \
+        free(tile_unit0);                                                                      \
         free(unit_tile);                                                                       \
-        free(unit_chunk);                                                                      \
-        free(unit_off);                                                                        \
         free(partials);                                                                        \
         free(tile_sel);                                                                        \
         free(tile_j0);                                                                         \
