@@ -152,17 +152,25 @@ INLINE float inv_rms_bf16(float sq, int64_t hidden, float eps) {
 INLINE void softmax_fold(float *restrict scores, int n, float block_max, float *restrict row_max,
                          float *restrict row_sum, float *restrict acc, int head_dim) {
     const float new_max = block_max > *row_max ? block_max : *row_max;
-    const float rescale = expf(*row_max - new_max);
-    *row_max = new_max;
     float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
     for (int t = 0; t < n; t++) {
         scores[t] = expf(scores[t] - new_max);
         sum += scores[t];
     }
-    *row_sum = *row_sum * rescale + sum;
+    /* The rescale is exp(0) = 1 where the maximum stays (most blocks after the first
+     * few), and exp(NEG_BIG - new_max) = 0 for a row's first keys (its sum and acc are
+     * still 0): neither is computed, the same bits without a call to expf a block (or
+     * its underflow path) and a pass over acc. */
+    if (new_max != *row_max) {
+        const float rescale = *row_max == NEG_BIG ? 0.0f : expf(*row_max - new_max);
+        *row_max = new_max;
+        *row_sum = *row_sum * rescale + sum;
 #pragma omp simd
-    for (int d = 0; d < head_dim; d++) acc[d] *= rescale;
+        for (int d = 0; d < head_dim; d++) acc[d] *= rescale;
+    } else {
+        *row_sum += sum;
+    }
 }
 
 /* One query row against keys [0, n) of one cache block, folded into the row's running
