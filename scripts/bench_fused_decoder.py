@@ -4,13 +4,14 @@
 
 The default model as served (the .gguf's Q4_1 layers as stored; ``--model DIR`` another,
 e.g. a bf16 checkpoint served in float32, its Linear layers on the fp32 kernel with
-bf16 storage), one sequence with a
-300-token context, one decode step's forward (embedding to logits) timed with the
-decoder in one C call and layer by layer, alternated call by call; per level the median
-of each, their ratio, and the weight stream's share of the read bound (the bytes a
-token reads / the step time, against `bench bounds`' read GB/s measured with that
-level's kernels). A prebuilt level runs this machine's CPU with that level's code: the
-AVX2 level here shows what the AVX2 code does, on this machine's memory and cores.
+bf16 storage), one sequence with a 300-token context, one decode step's forward
+(embedding to logits) timed with the decoder in one C call and layer by layer,
+alternated call by call; per level the median of each, their ratio, the weight
+stream's share of the read bound (the bytes a token reads / the step time, against
+`bench bounds`' read GB/s measured with that level's kernels), and the same share for
+all the step reads: the weights and the context's keys and values (as the cache holds
+them). A prebuilt level runs this machine's CPU with that level's code: the AVX2 level
+here shows what the AVX2 code does, on this machine's memory and cores.
 """
 
 from __future__ import annotations
@@ -50,8 +51,8 @@ def main() -> int:
         names = [name for name, _ in build_mod.PREBUILT_LEVELS[build_mod.platform.machine()]]
         built = dict(zip(names, build_mod.prebuild(out), strict=True))
     print("| level | one call ms | layer by layer ms | one call vs layers | "
-          "weight stream GB/s (share of read bound) |")  # fmt: skip
-    print("|---|---|---|---|---|")
+          "weight stream GB/s (share of read bound) | weights + KV GB/s (share) |")  # fmt: skip
+    print("|---|---|---|---|---|---|")
     for level in levels:
         kernels = cpu_mod.cpu_kernels() if level == "native" else CpuKernels(built[level])
         for module in (cpu_mod, layers_mod, quant_mod):  # bounds imports it from cpu_mod
@@ -62,7 +63,7 @@ def main() -> int:
         runner = ModelRunner(loaded, num_blocks=64, block_size=16)
         fused = runner.model.model.fused
         if fused is None:
-            print(f"| {level} | - | - | (no one-call decoder at this level) | - |")
+            print(f"| {level} | - | - | (no one-call decoder at this level) | - | - |")
             continue
         blocks = list(range(1, (args.context + 24) // 16 + 2))
         tokens = [100 + i % 1000 for i in range(args.context + 1)]
@@ -80,11 +81,16 @@ def main() -> int:
         runner.model.model.fused = fused
         one, layers = (statistics.median(times[k]) for k in (True, False))
         streamed = _streamed_bytes(loaded.model)
+        cache = runner.kv_caches[0]  # [2, blocks, block_size, kv_heads, head_dim] a layer
+        kv_bytes = (args.context + 1) * len(runner.kv_caches) * 2 * cache[0, 0, 0].numel()
+        kv_bytes *= cache.element_size()
         bound = bounds_mod.measure()
-        gbps = streamed / one / 1e9
-        share = f"{gbps:.1f} ({gbps / bound.read_gbps:.0%} of {bound.read_gbps:.1f})"
+        shares = []
+        for nbytes in (streamed, streamed + kv_bytes):
+            gbps = nbytes / one / 1e9
+            shares.append(f"{gbps:.1f} ({gbps / bound.read_gbps:.0%} of {bound.read_gbps:.1f})")
         print(f"| {level} | {1e3 * one:.2f} | {1e3 * layers:.2f} | {layers / one:.2f}x | "
-              f"{share} |", flush=True)  # fmt: skip
+              f"{shares[0]} | {shares[1]} |", flush=True)  # fmt: skip
     return 0
 
 
