@@ -530,23 +530,16 @@ INLINE void store_row_bf16(bf16 *restrict o, const float *restrict acc, float in
  * prefetchers cannot guess the next one. Into L2 (prefetcht1), not L1: the 64 requests
  * of a bf16 block into L1 held up the loads of the block in use. The default model's
  * 32-request decode step spent 4.3-5.0 ms in attention with L2, 5.8-6.6 with L1 (bf16),
- * and 6.8-7.8 against 8.8-9.5 ms in fp32.
- * One request per 128 bytes of a slot's values, not per 64-byte line: the L2's
- * adjacent-line prefetcher (AMD and Intel alike) fetches the other line of each
- * 128-byte pair, and the requests themselves cost issue slots (an fp32 block of the
- * default model: 64 of them a block, not 128). Batch-1 decode step on the 2-core Zen 3,
- * scripts/bench_kernel_ab.py: 0.979x the time at 300 tokens (median of 5 runs,
- * 0.974-0.992), 0.963x at 900, 0.987x at 32 x 300; bf16 0.987-0.995x. */
+ * and 6.8-7.8 against 8.8-9.5 ms in fp32. */
 #define PREFETCH_LOCALITY 2
-#define PREFETCH_BYTES 128
 #define PREFETCH_BLOCK(T, S)                                                                   \
     INLINE void prefetch_block_##S(const T *k_cache, const T *v_cache, int64_t block,          \
                                    int64_t block_size, int64_t kv_stride, int64_t offset,      \
                                    int64_t width) {                                            \
-        const int64_t step = PREFETCH_BYTES / (int64_t)sizeof(T);                              \
+        const int64_t line = 64 / (int64_t)sizeof(T);                                          \
         const int64_t base = block * block_size * kv_stride + offset;                          \
         for (int64_t t = 0; t < block_size; t++)                                               \
-            for (int64_t d = 0; d < width; d += step) {                                        \
+            for (int64_t d = 0; d < width; d += line) {                                        \
                 __builtin_prefetch(k_cache + base + t * kv_stride + d, 0, PREFETCH_LOCALITY);     \
                 __builtin_prefetch(v_cache + base + t * kv_stride + d, 0, PREFETCH_LOCALITY);     \
             }                                                                                  \
