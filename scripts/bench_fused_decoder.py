@@ -34,6 +34,7 @@ def main() -> int:
     parser.add_argument("--quantization", default="auto", choices=("auto", "none", "int8"))
     args = parser.parse_args()
 
+    from engine.attention import kv_cache_bytes_per_block
     from engine.benchmarks import bounds as bounds_mod
     from engine.core.model_runner import ModelRunner, SeqInput
     from engine.kernels import build as build_mod
@@ -81,9 +82,10 @@ def main() -> int:
         runner.model.model.fused = fused
         one, layers = (statistics.median(times[k]) for k in (True, False))
         streamed = _streamed_bytes(loaded.model)
-        cache = runner.kv_caches[0]  # [2, blocks, block_size, kv_heads, head_dim] a layer
-        kv_bytes = (args.context + 1) * len(runner.kv_caches) * 2 * cache[0, 0, 0].numel()
-        kv_bytes *= cache.element_size()
+        arch = runner.arch  # the context's K/V: one block of one token a position
+        kv_bytes = (args.context + 1) * kv_cache_bytes_per_block(
+            arch.num_layers, 1, arch.num_kv_heads, arch.head_dim, runner.kv_caches[0].dtype
+        )
         bound = bounds_mod.measure()
         shares = []
         for nbytes in (streamed, streamed + kv_bytes):
