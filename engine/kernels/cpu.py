@@ -2,9 +2,12 @@
 and bfloat16.
 
 Each wrapper takes float32 or bfloat16 tensors, all of one dtype per call, and calls
-that dtype's C entry point. bfloat16 is computed in fp32 and rounded where torch's
-bfloat16 ops round (``layers.RMSNorm._norm``, ``x + residual``, ``apply_rope``,
-``F.silu(gate) * up``): the residual add, rotary and SiLU-and-mul give torch's bfloat16
+that dtype's C entry point; ``write_kv`` and ``paged_attention`` also take a float32
+model's rows with a bfloat16 cache (``--kv-cache-dtype bfloat16``: K/V rounded to
+bf16 as torch rounds them when written, widened back to fp32 when read). bfloat16 is
+computed in fp32 and rounded where torch's bfloat16 ops round
+(``layers.RMSNorm._norm``, ``x + residual``, ``apply_rope``, ``F.silu(gate) * up``):
+the residual add, rotary and SiLU-and-mul give torch's bfloat16
 results bit for bit. RMSNorm sums its squares in another order than torch, so about
 one element in 10^5 lands on the other side of a rounding boundary (at most 2 ulps).
 Attention accumulates in fp32 and rounds its output once (within half an ulp of the
@@ -63,6 +66,9 @@ _FLOATS = (torch.float32, torch.bfloat16)
 BF16_LINEAR = {"vdpbf16ps": 1, "fma": 2, "amx": 4}
 _PICK_ITERS = 100_000  # a few ms per instruction: the two peaks are 2x apart where measured
 _SUFFIX = {torch.float32: "", torch.bfloat16: "_bf16"}
+# float32 rows over a bfloat16 cache: these entry points + this suffix, same arguments
+_BF16_KV = ("specserve_paged_attention", "specserve_write_kv")
+_BF16_KV_SUFFIX = "_f32_bf16kv"
 
 
 class _Entries:
@@ -86,6 +92,16 @@ class CpuKernels:
                 fn = getattr(self.lib, name + suffix)
                 fn.restype, fn.argtypes = restype, argtypes
                 setattr(entries, name.removeprefix("specserve_"), fn)
+        # (rows' dtype, cache's dtype) -> entries; the rows' own dtype for one dtype
+        self._kv_entries: dict[tuple[torch.dtype, torch.dtype], _Entries] = {
+            (dtype, dtype): entries for dtype, entries in self._entries.items()
+        }
+        mixed = self._kv_entries[(torch.float32, torch.bfloat16)] = _Entries()
+        for name in _BF16_KV:
+            restype, argtypes = _SIGNATURES[name]
+            fn = getattr(self.lib, name + _BF16_KV_SUFFIX)
+            fn.restype, fn.argtypes = restype, argtypes
+            setattr(mixed, name.removeprefix("specserve_"), fn)
         self.path = path
         linear = self.lib.specserve_linear_bf16
         linear.restype, linear.argtypes = _I32, [_P, _P, _I64, _P, _P, _I64, _I64, _I64, _I32]
@@ -290,7 +306,7 @@ class CpuKernels:
     ) -> None:
         dtype = _check_float("query", query, 3, rows_strided=True)
         _check_float("out", out, 3, (dtype, "query"), rows_strided=True)
-        _check_kv_cache(k_cache, v_cache, (dtype, "query"))
+        cache_dtype = _check_kv_cache(k_cache, v_cache, (dtype, "query"))
         num_tokens, num_heads, head_dim = query.shape
         num_blocks, block_size, num_kv_heads, kv_head_dim = k_cache.shape
         if kv_head_dim != head_dim or num_heads % num_kv_heads:
@@ -305,7 +321,7 @@ class CpuKernels:
         max_rows = max_query_len * (num_heads // num_kv_heads)
         if tree_masks is not None:
             _check_tree_masks(tree_masks, num_tokens)
-        status = self._entries[dtype].paged_attention(
+        status = self._kv_entries[(dtype, cache_dtype)].paged_attention(
             out.data_ptr(),
             out.stride(0),
             query.data_ptr(),
@@ -412,7 +428,7 @@ class CpuKernels:
     ) -> None:
         dtype = _check_float("key", key, 3, rows_strided=True)
         _check_float("value", value, 3, (dtype, "key"), rows_strided=True)
-        _check_kv_cache(k_cache, v_cache, (dtype, "key"))
+        cache_dtype = _check_kv_cache(k_cache, v_cache, (dtype, "key"))
         if key.shape[1:] != k_cache.shape[2:] or value.shape != key.shape:
             raise ValueError(
                 f"key {tuple(key.shape)} / value {tuple(value.shape)} do not fit cache "
@@ -420,7 +436,7 @@ class CpuKernels:
             )
         _check_index("slots", slots, key.shape[0])
         num_slots = k_cache.shape[0] * k_cache.shape[1]
-        status = self._entries[dtype].write_kv(
+        status = self._kv_entries[(dtype, cache_dtype)].write_kv(
             key.data_ptr(),
             key.stride(0),
             value.data_ptr(),
@@ -539,8 +555,13 @@ def _check_float(
 
 def _check_kv_cache(
     k_cache: torch.Tensor, v_cache: torch.Tensor, like: tuple[torch.dtype, str]
-) -> None:
-    _check_float("k_cache", k_cache, 4, like)
+) -> torch.dtype:
+    """The caches' dtype: the rows' (``like``), or bfloat16 under float32 rows."""
+    if like[0] is torch.float32 and k_cache.dtype is torch.bfloat16:
+        _check_float("k_cache", k_cache, 4)
+        like = (torch.bfloat16, "k_cache")
+    else:
+        _check_float("k_cache", k_cache, 4, like)
     _check_float("v_cache", v_cache, 4, like)
     shape = k_cache.shape
     if v_cache.shape != shape:
@@ -549,6 +570,7 @@ def _check_kv_cache(
         raise ValueError(
             f"k_cache {tuple(shape)}: block_size, num_kv_heads and head_dim must be >= 1"
         )
+    return like[0]
 
 
 def _check_index(name: str, t: torch.Tensor, length: int) -> None:

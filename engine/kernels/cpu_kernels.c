@@ -525,6 +525,48 @@ INLINE void store_row_bf16(bf16 *restrict o, const float *restrict acc, float in
                                                          << 16;
 }
 
+/* fp32 query rows over a bf16 cache (--kv-cache-dtype bfloat16 on a float32 model):
+ * attend_bf16 reads the cache, so a row is loaded into its layout (the even elements,
+ * then the odd ones, for an even head size) and stored back from it; no attend_rows
+ * path (it takes bf16 rows). */
+INLINE int dot_chunks_f32_bf16kv(int64_t head_dim) { return (void)head_dim, 0; }
+INLINE void attend_rows_f32_bf16kv(const float *q, int64_t q_token_stride, int64_t q_start,
+                                   int64_t first_head, int64_t group, int64_t tl,
+                                   int64_t head_dim, const bf16 *kb, const bf16 *vb,
+                                   int64_t kv_stride, int64_t block_size, int64_t seq_len,
+                                   int64_t first_key, float scale, float *row_max,
+                                   float *row_sum, float *acc) {
+    (void)q, (void)q_token_stride, (void)q_start, (void)first_head, (void)group, (void)tl;
+    (void)head_dim, (void)kb, (void)vb, (void)kv_stride, (void)block_size, (void)seq_len;
+    (void)first_key, (void)scale, (void)row_max, (void)row_sum, (void)acc;
+}
+INLINE void load_query_f32_bf16kv(float *restrict dst, const float *restrict src,
+                                  int64_t head_dim) {
+    if (head_dim % 2) {
+        memcpy(dst, src, sizeof(float) * (size_t)head_dim);
+        return;
+    }
+    const int64_t half = head_dim / 2;
+#pragma omp simd
+    for (int64_t i = 0; i < half; i++) {
+        dst[i] = src[2 * i];
+        dst[half + i] = src[2 * i + 1];
+    }
+}
+INLINE void store_row_f32_bf16kv(float *restrict o, const float *restrict acc, float inv,
+                                 int64_t head_dim) {
+    if (head_dim % 2) {
+        store_row_f32(o, acc, inv, head_dim);
+        return;
+    }
+    const int64_t half = head_dim / 2;
+#pragma omp simd
+    for (int64_t i = 0; i < half; i++) {
+        o[2 * i] = acc[i] * inv;
+        o[2 * i + 1] = acc[half + i] * inv;
+    }
+}
+
 /* Ask for `width` values of each slot of cache block `block` (from `offset`), keys and
  * values, ahead of their use: blocks are anywhere in the cache, so the hardware
  * prefetchers cannot guess the next one. Into L2 (prefetcht1), not L1: the 64 requests
@@ -642,26 +684,26 @@ INLINE void chunk_merge(int64_t rows, int64_t head_dim, const float *restrict c_
  * rows' chunk state: query head (of the KV head's group) major, query token minor; row
  * j of a head sees keys up to seq_len - tl + j. qf: the query rows as fp32 (bf16 rows
  * off the attend_rows path). */
-#define FOLD_BLOCKS(T, S)                                                                      \
-    INLINE void fold_blocks_##S(                                                               \
+#define FOLD_BLOCKS(T, KT, KS, V)                                                                    \
+    INLINE void fold_blocks_##V(                                                               \
         const T *q, int64_t q_token_stride, int64_t q_start, int64_t first_head,               \
-        int64_t group, int64_t tl, int64_t head_dim, const T *k_cache, const T *v_cache,       \
+        int64_t group, int64_t tl, int64_t head_dim, const KT *k_cache, const KT *v_cache,       \
         const int32_t *table, int64_t kv_head, int64_t kv_stride, int64_t block_size,          \
         int64_t seq_len, int64_t b0, int64_t b1, int64_t num_blocks, int chunks, float scale,  \
         const float *qf, float *scores, float *row_max, float *row_sum, float *acc) {          \
-        const int is_f32 = sizeof(T) == sizeof(float);                                         \
+        const int is_f32 = sizeof(T) == sizeof(float) && sizeof(KT) == sizeof(float);                                         \
         if (b0 < b1)                                                                           \
-            prefetch_block_##S(k_cache, v_cache, table[b0], block_size, kv_stride,             \
+            prefetch_block_##KS(k_cache, v_cache, table[b0], block_size, kv_stride,             \
                                kv_head * head_dim, head_dim);                                  \
         for (int64_t b = b0; b < b1; b++) {                                                    \
             const int64_t base =                                                               \
                 (int64_t)table[b] * block_size * kv_stride + kv_head * head_dim;               \
             const int64_t first_key = b * block_size;                                          \
             if (b + 1 < num_blocks)                                                            \
-                prefetch_block_##S(k_cache, v_cache, table[b + 1], block_size, kv_stride,      \
+                prefetch_block_##KS(k_cache, v_cache, table[b + 1], block_size, kv_stride,      \
                                    kv_head * head_dim, head_dim);                              \
             if (chunks) {                                                                      \
-                attend_rows_##S(q, q_token_stride, q_start, first_head, group, tl, head_dim,   \
+                attend_rows_##V(q, q_token_stride, q_start, first_head, group, tl, head_dim,   \
                                 k_cache + base, v_cache + base, kv_stride, block_size,         \
                                 seq_len, first_key, scale, row_max, row_sum, acc);             \
                 continue;                                                                      \
@@ -678,26 +720,27 @@ INLINE void chunk_merge(int64_t rows, int64_t head_dim, const float *restrict c_
                         is_f32 ? (const float *)(q + (q_start + j) * q_token_stride +          \
                                                  head * head_dim)                              \
                                : qf + r * head_dim;                                            \
-                    attend_##S(qr, k_cache + base, v_cache + base, n, kv_stride, head_dim,     \
+                    attend_##KS(qr, k_cache + base, v_cache + base, n, kv_stride, head_dim,     \
                                scale, scores, row_max + r, row_sum + r, acc + r * head_dim);   \
                 }                                                                              \
             }                                                                                  \
         }                                                                                      \
     }
-FOLD_BLOCKS(float, f32)
-FOLD_BLOCKS(bf16, bf16)
+FOLD_BLOCKS(float, float, f32, f32)
+FOLD_BLOCKS(bf16, bf16, bf16, bf16)
+FOLD_BLOCKS(float, bf16, bf16, f32_bf16kv)
 
-#define TREE_ROWS(T, S)                                                                        \
-    INLINE void tree_rows_##S(                                                                 \
+#define TREE_ROWS(T, KT, KS, V)                                                                      \
+    INLINE void tree_rows_##V(                                                                 \
         T *out, int64_t out_token_stride, const T *q, int64_t q_token_stride,                  \
-        const T *k_cache, const T *v_cache, const int32_t *table, const int64_t *tree_masks,  \
+        const KT *k_cache, const KT *v_cache, const int32_t *table, const int64_t *tree_masks,  \
         int64_t step_start, int64_t q_start, int64_t j0, int64_t tl, int64_t kv_head,          \
         int64_t group, int64_t head_dim, int64_t block_size, int64_t kv_stride, int chunks,    \
         float scale, float *row_max, float *row_sum, float *acc, float *t_max, float *t_sum,   \
-        float *t_acc, float *scores, float *qf, T *kv_scratch) {                               \
-        const int is_f32 = sizeof(T) == sizeof(float);                                         \
+        float *t_acc, float *scores, float *qf, KT *kv_scratch) {                               \
+        const int is_f32 = sizeof(T) == sizeof(float) && sizeof(KT) == sizeof(float);                                         \
         const int64_t first_head = kv_head * group;                                            \
-        T *k_scr = kv_scratch, *v_scr = kv_scratch + block_size * head_dim;                    \
+        KT *k_scr = kv_scratch, *v_scr = kv_scratch + block_size * head_dim;                    \
         int seen[64];                                                                          \
         for (int64_t j = 0; j < tl; j++) {                                                     \
             const int64_t token = q_start + j, jj = j0 + j;                                    \
@@ -718,7 +761,7 @@ FOLD_BLOCKS(bf16, bf16)
             }                                                                                  \
             for (int64_t hl = 0; hl < group; hl++) {                                           \
                 if (!is_f32 && !chunks)                                                        \
-                    load_query_##S(qf + hl * head_dim,                                         \
+                    load_query_##V(qf + hl * head_dim,                                         \
                                    q + token * q_token_stride + (first_head + hl) * head_dim,  \
                                    head_dim);                                                  \
             }                                                                                  \
@@ -728,7 +771,7 @@ FOLD_BLOCKS(bf16, bf16)
             for (int64_t b = 0; b < num_blocks; b++) {                                         \
                 const int64_t first_key = b * block_size;                                      \
                 const int64_t end = len - first_key < block_size ? len : first_key + block_size; \
-                const T *kb, *vb;                                                              \
+                const KT *kb, *vb;                                                              \
                 int64_t stride;                                                                \
                 if (identity || end <= step_start) {                                           \
                     const int64_t base =                                                       \
@@ -743,14 +786,14 @@ FOLD_BLOCKS(bf16, bf16)
                                             (key % block_size) * kv_stride +                   \
                                             kv_head * head_dim;                                \
                         memcpy(k_scr + (v - first_key) * head_dim, k_cache + src,              \
-                               sizeof(T) * (size_t)head_dim);                                  \
+                               sizeof(KT) * (size_t)head_dim);                                  \
                         memcpy(v_scr + (v - first_key) * head_dim, v_cache + src,              \
-                               sizeof(T) * (size_t)head_dim);                                  \
+                               sizeof(KT) * (size_t)head_dim);                                  \
                     }                                                                          \
                     kb = k_scr, vb = v_scr, stride = head_dim;                                 \
                 }                                                                              \
                 if (chunks) {                                                                  \
-                    attend_rows_##S(q, q_token_stride, token, first_head, group, 1, head_dim,  \
+                    attend_rows_##V(q, q_token_stride, token, first_head, group, 1, head_dim,  \
                                     kb, vb, stride, block_size, len, first_key, scale,         \
                                     row_max, row_sum, acc);                                    \
                 } else {                                                                       \
@@ -759,7 +802,7 @@ FOLD_BLOCKS(bf16, bf16)
                             is_f32 ? (const float *)(q + token * q_token_stride +              \
                                                      (first_head + hl) * head_dim)             \
                                    : qf + hl * head_dim;                                       \
-                        attend_##S(qr, kb, vb, (int)(end - first_key), stride, head_dim,       \
+                        attend_##KS(qr, kb, vb, (int)(end - first_key), stride, head_dim,       \
                                    scale, scores, row_max + hl, row_sum + hl,                  \
                                    acc + hl * head_dim);                                       \
                     }                                                                          \
@@ -771,12 +814,13 @@ FOLD_BLOCKS(bf16, bf16)
                 }                                                                              \
             }                                                                                  \
             for (int64_t hl = 0; hl < group; hl++)                                             \
-                store_row_##S(out + token * out_token_stride + (first_head + hl) * head_dim,    \
+                store_row_##V(out + token * out_token_stride + (first_head + hl) * head_dim,    \
                               t_acc + hl * head_dim, 1.0f / t_sum[hl], head_dim);              \
         }                                                                                      \
     }
-TREE_ROWS(float, f32)
-TREE_ROWS(bf16, bf16)
+TREE_ROWS(float, float, f32, f32)
+TREE_ROWS(bf16, bf16, bf16, bf16)
+TREE_ROWS(float, bf16, bf16, f32_bf16kv)
 
 /* Tile t's query: its sequence, the sequence's query tokens q_len, the tile's first
  * token j0 and its tl tokens from q_start, the context its last token sees (seq_len: what
@@ -853,9 +897,9 @@ TREE_ROWS(bf16, bf16)
  * block id or a length does not fit the buffers passed, or a size is out of range
  * (nothing is read out of bounds in any case, and for 2 and 3 nothing is written).
  */
-#define PAGED_ATTENTION(T, S, NAME)                                                            \
+#define PAGED_ATTENTION(T, KT, V, NAME)                                                          \
     int NAME(T *out, int64_t out_token_stride, const T *q, int64_t q_token_stride,             \
-             const T *k_cache, const T *v_cache, const int32_t *block_tables,                  \
+             const KT *k_cache, const KT *v_cache, const int32_t *block_tables,                \
              int64_t block_table_stride, int64_t table_width, const int32_t *seq_lens,         \
              const int32_t *query_start_loc, int64_t num_seqs, int64_t num_tokens,             \
              const int32_t *seq_ids, int64_t num_selected, int64_t num_heads,                  \
@@ -867,9 +911,9 @@ TREE_ROWS(bf16, bf16)
         if (num_kv_heads < 1 || num_heads < 0 || num_heads % num_kv_heads || head_dim < 1 ||   \
             head_dim > INT32_MAX || block_size < 1 || block_size > INT32_MAX || max_rows < 1)  \
             return 3;                                                                          \
-        const int is_f32 = sizeof(T) == sizeof(float);                                         \
+        const int is_f32 = sizeof(T) == sizeof(float) && sizeof(KT) == sizeof(float);                                         \
         const int64_t group = num_heads / num_kv_heads;                                        \
-        const int chunks = dot_chunks_##S(head_dim);                                           \
+        const int chunks = dot_chunks_##V(head_dim);                                           \
         const int64_t kv_stride = num_kv_heads * head_dim;                                     \
         int failed = check_sequences(block_tables, block_table_stride, table_width, seq_lens,  \
                                      query_start_loc, num_seqs, num_tokens, seq_ids,           \
@@ -950,7 +994,7 @@ TREE_ROWS(bf16, bf16)
             float *scores = malloc(sizeof(float) * (size_t)block_size);                        \
             float *qf = is_f32 ? NULL : malloc(sizeof(float) * (size_t)max_rows * head_dim);   \
             /* a token tree's rows: their visible keys gathered, one block at a time */        \
-            T *kv_scratch = tree_masks ? calloc((size_t)(2 * block_size * head_dim), sizeof(T))  \
+            KT *kv_scratch = tree_masks ? calloc((size_t)(2 * block_size * head_dim), sizeof(KT))\
                                        : NULL;                                                 \
             if (!acc || !row_max || !row_sum || !t_acc || !t_max || !t_sum || !scores ||       \
                 (!is_f32 && !qf) || (tree_masks && !kv_scratch)) {                             \
@@ -968,7 +1012,7 @@ TREE_ROWS(bf16, bf16)
                 const int64_t rows = group * tl;                                               \
                 const int32_t *table = block_tables + seq * block_table_stride;                \
                 if (tree_masks && tile_has_tree(tree_masks + q_start, tl)) {                   \
-                    tree_rows_##S(out, out_token_stride, q, q_token_stride, k_cache, v_cache,  \
+                    tree_rows_##V(out, out_token_stride, q, q_token_stride, k_cache, v_cache,  \
                                   table, tree_masks, seq_lens[seq] - q_len, q_start, j0, tl,   \
                                   kv_head, group, head_dim, block_size, kv_stride, chunks,     \
                                   scale, row_max, row_sum, acc, t_max, t_sum, t_acc, scores,   \
@@ -979,14 +1023,14 @@ TREE_ROWS(bf16, bf16)
                 if (!is_f32 && !chunks) {                                                      \
                     for (int64_t hl = 0; hl < group; hl++)                                     \
                         for (int64_t j = 0; j < tl; j++)                                       \
-                            load_query_##S(qf + (hl * tl + j) * head_dim,                      \
+                            load_query_##V(qf + (hl * tl + j) * head_dim,                      \
                                            q + (q_start + j) * q_token_stride +                \
                                                (first_head + hl) * head_dim,                   \
                                            head_dim);                                          \
                 }                                                                              \
                 if (partials) { /* one key chunk, its state left for the merge below */       \
                     const int64_t chunk = unit - tile_unit0[unit_tile[unit]];                  \
-                    FOLD_CHUNK(S, chunk * SPLIT_BLOCKS);                                       \
+                    FOLD_CHUNK(V, chunk * SPLIT_BLOCKS);                                       \
                     /* copied out once: the partials of two threads' items share lines */     \
                     float *p_max = PARTIAL(unit_tile[unit], chunk);                            \
                     memcpy(p_max, row_max, sizeof(float) * (size_t)rows);                      \
@@ -996,10 +1040,10 @@ TREE_ROWS(bf16, bf16)
                 }                                                                              \
                 chunk_reset(rows, head_dim, t_max, t_sum, t_acc);                              \
                 for (int64_t b0 = 0; b0 < num_blocks; b0 += SPLIT_BLOCKS) {                    \
-                    FOLD_CHUNK(S, b0);                                                         \
+                    FOLD_CHUNK(V, b0);                                                         \
                     chunk_merge(rows, head_dim, row_max, row_sum, acc, t_max, t_sum, t_acc);   \
                 }                                                                              \
-                STORE_ROWS(S);                                                                 \
+                STORE_ROWS(V);                                                                 \
             }                                                                                  \
             /* split mode: each tile's chunks merged in key order, as the loop above does */  \
             if (partials) {                                                                    \
@@ -1020,7 +1064,7 @@ TREE_ROWS(bf16, bf16)
                         chunk_merge(rows, head_dim, p_max, p_max + rows, p_max + 2 * rows,     \
                                     t_max, t_sum, t_acc);                                      \
                     }                                                                          \
-                    STORE_ROWS(S);                                                             \
+                    STORE_ROWS(V);                                                             \
                 }                                                                              \
             }                                                                                  \
             free(acc);                                                                         \
@@ -1041,8 +1085,9 @@ TREE_ROWS(bf16, bf16)
         return failed;                                                                         \
     }
 
-PAGED_ATTENTION(float, f32, specserve_paged_attention)
-PAGED_ATTENTION(bf16, bf16, specserve_paged_attention_bf16)
+PAGED_ATTENTION(float, float, f32, specserve_paged_attention)
+PAGED_ATTENTION(bf16, bf16, bf16, specserve_paged_attention_bf16)
+PAGED_ATTENTION(float, bf16, f32_bf16kv, specserve_paged_attention_f32_bf16kv)
 
 /* ---- row-wise kernels ---- */
 
@@ -1162,6 +1207,36 @@ ROPE(bf16, bf16, specserve_rope_bf16)
 
 WRITE_KV(float, specserve_write_kv)
 WRITE_KV(bf16, specserve_write_kv_bf16)
+
+/* fp32 K/V rows into a bf16 cache (--kv-cache-dtype bfloat16): each value rounded to
+ * the nearest bf16, ties to even, as torch's .to(torch.bfloat16) rounds; a NaN stays a
+ * quiet NaN of its sign (rounding its bits could carry into the sign or make an
+ * infinity). Returns 1, writing nothing, when a slot is past the cache. */
+INLINE bf16 f32_to_bf16_nan_safe(float x) {
+    const uint32_t bits = F32_TO_BITS(x);
+    if ((bits & 0x7fffffffu) > F32_INF_BITS) return (bf16)((bits >> 16) | 0x0040u);
+    return (bf16)(BF16_ROUNDED_BITS(bits) >> 16);
+}
+int specserve_write_kv_f32_bf16kv(const float *key, int64_t key_row_stride, const float *value,
+                                  int64_t value_row_stride, int64_t num_tokens, int64_t width,
+                                  bf16 *k_cache, bf16 *v_cache, const int64_t *slots,
+                                  int64_t num_slots) {
+    for (int64_t i = 0; i < num_tokens; i++) {
+        if (slots[i] >= num_slots) return 1;
+    }
+    for (int64_t i = 0; i < num_tokens; i++) {
+        const int64_t slot = slots[i];
+        if (slot < 0) continue;
+        const float *k = key + i * key_row_stride, *v = value + i * value_row_stride;
+        bf16 *kc = k_cache + slot * width, *vc = v_cache + slot * width;
+#pragma omp simd
+        for (int64_t d = 0; d < width; d++) {
+            kc[d] = f32_to_bf16_nan_safe(k[d]);
+            vc[d] = f32_to_bf16_nan_safe(v[d]);
+        }
+    }
+    return 0;
+}
 
 /* out[i, :] = silu(x[i, :inter]) * x[i, inter:] for x [num_rows, 2 * inter]; silu
  * rounded, then the product rounded (torch: F.silu(gate) * up). fast-math divides by

@@ -4,7 +4,8 @@ At batch 1 on CPU the Python around each layer's six kernel calls (module calls,
 wrapper checks, views, the attention plan) cost about as much as the layer's own work:
 ~5 of 12 ms per token on the default model, because each layer's weight stream has
 flushed the caches that Python's objects live in. ``specserve_decoder_layers_bf16`` (and
-``specserve_decoder_layers`` in float32) makes the same calls in the same order on the
+``specserve_decoder_layers`` in float32, ``specserve_decoder_layers_f32_bf16kv`` for a
+float32 model over a bf16 KV cache) makes the same calls in the same order on the
 same buffers, so the hidden states are bit-identical to the Python forward (tested),
 and Python is left with the embedding, the final norm and the LM head.
 
@@ -65,6 +66,13 @@ class FusedDecoderLayers:
         self.eps = float(config.rms_norm_eps)
         self.scale = config.head_dim**-0.5
         self.num_cache_blocks, self.block_size = kv_caches[0].shape[1], kv_caches[0].shape[2]
+        # the model's dtype, or bf16 under a float32 model (--kv-cache-dtype bfloat16)
+        self.kv_dtype = kv_caches[0].dtype
+        if self.kv_dtype is not self.dtype and (self.dtype, self.kv_dtype) != (
+            torch.float32,
+            torch.bfloat16,
+        ):
+            raise ValueError(f"fused decoder: no kernels for a {self.kv_dtype} cache")
         self._keep: list[torch.Tensor] = []
         rows = []
         for layer, cache in zip(model.layers, kv_caches, strict=True):
@@ -81,14 +89,20 @@ class FusedDecoderLayers:
                     self._ptr(layer.post_attention_layernorm.weight),
                     gate_up,
                     down,
-                    self._ptr(cache[0]),
-                    self._ptr(cache[1]),
+                    self._ptr(cache[0], self.kv_dtype),
+                    self._ptr(cache[1], self.kv_dtype),
                     *formats,
                 )
             )
         self.layers = (_Layer * len(rows))(*rows)
         self.num_layers = len(rows)
-        name = "specserve_decoder_layers" + ("_bf16" if self.dtype is torch.bfloat16 else "")
+        name = "specserve_decoder_layers" + (
+            "_bf16"
+            if self.dtype is torch.bfloat16
+            else "_f32_bf16kv"
+            if self.kv_dtype is torch.bfloat16
+            else ""
+        )
         fn = getattr(kernels.lib, name)
         fn.restype, fn.argtypes = ctypes.c_int, _ARGTYPES
         self._fn = fn

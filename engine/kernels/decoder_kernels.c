@@ -20,7 +20,8 @@ struct specserve_layer {
     const void *post_norm;       /* [hidden] */
     const void *gate_up;         /* packed [2 inter, hidden] */
     const void *down;            /* packed [hidden, inter] */
-    void *k_cache;               /* [num_blocks, block_size, num_kv_heads, head_dim] */
+    void *k_cache;               /* [num_blocks, block_size, num_kv_heads, head_dim], the
+                                  * model's dtype or bf16 (the _f32_bf16kv entry point) */
     void *v_cache;
     /* Each Linear's weight format: FMT_FLOAT_PACKED or FMT_BF16_STORED (below), else a
      * GGML type id, packed for the quantized Linear. */
@@ -61,7 +62,7 @@ INLINE int decoder_linear_f32(float *out, const float *x, int64_t x_stride, cons
  * continue_residual, hidden and residual come in as a previous call left them (the
  * layers before these ones): a model run in several calls computes exactly what one
  * call does. */
-#define DECODER_LAYERS(T, S, NAME, NORM_FN, ROPE_FN, KV_FN, ATTN_FN, SILU_FN)                      \
+#define DECODER_LAYERS(T, S, KT, NAME, NORM_FN, ROPE_FN, KV_FN, ATTN_FN, SILU_FN)                  \
     int NAME(const struct specserve_layer *layers, int64_t num_layers, T *hidden, T *residual,     \
              T *normed, T *qkv, T *attn, T *gate_up, T *act, int64_t n, int64_t hidden_size,       \
              int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t inter,             \
@@ -93,10 +94,10 @@ INLINE int decoder_linear_f32(float *out, const float *x, int64_t x_stride, cons
                      num_heads + num_kv_heads, head_dim, num_threads))                             \
                 return 1;                                                                          \
             if (KV_FN(qkv + q_size, qkv_size, qkv + q_size + kv_size, qkv_size, n, kv_size,        \
-                         (T *)w->k_cache, (T *)w->v_cache, slots, num_slots))                      \
+                         (KT *)w->k_cache, (KT *)w->v_cache, slots, num_slots))                    \
                 return 2;                                                                          \
-            status = ATTN_FN(attn, q_size, qkv, qkv_size, (const T *)w->k_cache,                   \
-                               (const T *)w->v_cache, block_tables, block_table_stride,            \
+            status = ATTN_FN(attn, q_size, qkv, qkv_size, (const KT *)w->k_cache,                  \
+                               (const KT *)w->v_cache, block_tables, block_table_stride,           \
                                table_width, seq_lens, query_start_loc, num_seqs, n, seq_ids,       \
                                num_selected, num_heads, num_kv_heads, head_dim, block_size,        \
                                num_cache_blocks, scale, max_rows, num_threads, tree_masks);        \
@@ -117,8 +118,12 @@ INLINE int decoder_linear_f32(float *out, const float *x, int64_t x_stride, cons
         }                                                                                          \
         return 0;                                                                                  \
     }
-DECODER_LAYERS(bf16, bf16, specserve_decoder_layers_bf16, specserve_rms_norm_bf16,
+DECODER_LAYERS(bf16, bf16, bf16, specserve_decoder_layers_bf16, specserve_rms_norm_bf16,
                specserve_rope_bf16, specserve_write_kv_bf16, specserve_paged_attention_bf16,
                specserve_silu_and_mul_bf16)
-DECODER_LAYERS(float, f32, specserve_decoder_layers, specserve_rms_norm, specserve_rope,
+DECODER_LAYERS(float, f32, float, specserve_decoder_layers, specserve_rms_norm, specserve_rope,
                specserve_write_kv, specserve_paged_attention, specserve_silu_and_mul)
+/* a float32 model over a bf16 KV cache (--kv-cache-dtype bfloat16) */
+DECODER_LAYERS(float, f32, bf16, specserve_decoder_layers_f32_bf16kv, specserve_rms_norm,
+               specserve_rope, specserve_write_kv_f32_bf16kv,
+               specserve_paged_attention_f32_bf16kv, specserve_silu_and_mul)

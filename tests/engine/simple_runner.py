@@ -15,7 +15,14 @@ from engine.attention import allocate_kv_caches, build_attention_metadata, set_a
 
 
 class SimplePagedRunner:
-    def __init__(self, model, num_blocks: int = 256, block_size: int = 16, seed: int = 0):
+    def __init__(
+        self,
+        model,
+        num_blocks: int = 256,
+        block_size: int = 16,
+        seed: int = 0,
+        kv_dtype: torch.dtype | None = None,  # default the model's
+    ):
         param = next(model.parameters())
         self.model = model
         self.device, self.dtype = param.device, param.dtype
@@ -23,7 +30,7 @@ class SimplePagedRunner:
         cfg = model.config
         caches = allocate_kv_caches(
             cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim,
-            self.dtype, self.device,
+            kv_dtype or self.dtype, self.device,
         )  # fmt: skip
         model.bind_kv_caches(caches)
         self.free_blocks = list(range(1, num_blocks))  # block 0 is the null block

@@ -29,6 +29,13 @@ DTYPES = [
     pytest.param(torch.float32, id="fp32"),
     pytest.param(torch.bfloat16, id="bf16"),
 ]
+# (rows' dtype, KV cache's dtype): the model's dtype for both, or float32 rows over a
+# bfloat16 cache (--kv-cache-dtype bfloat16)
+KV_DTYPES = [
+    pytest.param((torch.float32, torch.float32), id="fp32"),
+    pytest.param((torch.bfloat16, torch.bfloat16), id="bf16"),
+    pytest.param((torch.float32, torch.bfloat16), id="fp32-bf16kv"),
+]
 # bf16 attention: half an ulp of rounding (<= 2^-8 relative) plus fp32 sums
 BF16_ATTENTION_TOL = {"rtol": 4e-3, "atol": 1e-5}
 
@@ -88,7 +95,7 @@ def _torch_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.
     return norm._norm(x)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dtypes", KV_DTYPES)
 @pytest.mark.parametrize(
     ("heads", "kv_heads", "head_dim", "q_lens", "seq_lens"),
     [
@@ -107,12 +114,13 @@ def _torch_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.
     ],
 )
 def test_paged_attention_matches_reference(
-    kernels, heads, kv_heads, head_dim, q_lens, seq_lens, dtype
+    kernels, heads, kv_heads, head_dim, q_lens, seq_lens, dtypes
 ):
+    dtype, kv_dtype = dtypes
     gen = torch.Generator().manual_seed(0)
     block_size, num_blocks = 16, 32
-    k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen).to(dtype)
-    v_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen).to(dtype)
+    k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen).to(kv_dtype)
+    v_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen).to(kv_dtype)
     free = torch.randperm(num_blocks - 1, generator=gen).add(1).tolist()  # shuffled, no 0
     tables = [[free.pop() for _ in range(-(-s // block_size))] for s in seq_lens]
     width = max(map(len, tables))
@@ -324,19 +332,61 @@ def test_rope_rotates_q_and_k_heads_in_place(kernels, dtype):
         kernels.rope(qkv, torch.full((n,), 64), cos_sin, heads + kv_heads)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_write_kv_skips_padding_and_refuses_out_of_range_slots(kernels, dtype):
-    k_cache = torch.zeros(3, 4, 2, 8, dtype=dtype)
-    v_cache = torch.zeros(3, 4, 2, 8, dtype=dtype)
+@pytest.mark.parametrize("dtypes", KV_DTYPES)
+def test_write_kv_skips_padding_and_refuses_out_of_range_slots(kernels, dtypes):
+    dtype, kv_dtype = dtypes
+    k_cache = torch.zeros(3, 4, 2, 8, dtype=kv_dtype)
+    v_cache = torch.zeros(3, 4, 2, 8, dtype=kv_dtype)
     fused = torch.randn(3, 48).to(dtype)
     key = fused[:, 16:32].view(3, 2, 8)
     value = fused[:, 32:48].view(3, 2, 8)
     kernels.write_kv(key, value, k_cache, v_cache, torch.tensor([5, -1, 11]))
     flat_k, flat_v = k_cache.view(12, 2, 8), v_cache.view(12, 2, 8)
-    assert torch.equal(flat_k[5], key[0]) and torch.equal(flat_v[11], value[2])
+    # into a bf16 cache rounded as torch rounds (nearest, ties to even)
+    assert torch.equal(flat_k[5], key[0].to(kv_dtype))
+    assert torch.equal(flat_v[11], value[2].to(kv_dtype))
     assert int((flat_k.abs().sum((1, 2)) > 0).sum()) == 2  # the -1 slot wrote nothing
     with pytest.raises(ValueError, match="past the cache's 12 slots"):
         kernels.write_kv(key, value, k_cache, v_cache, torch.tensor([0, 1, 12]))
+
+
+def test_write_kv_into_a_bf16_cache_rounds_every_float_as_torch_does(kernels):
+    """fp32 K/V into a bf16 cache (--kv-cache-dtype bfloat16): ties, the largest finite
+    values, subnormals, infinities and NaNs (whose bits rounding would carry into the
+    sign or the exponent) come out as torch's .to(torch.bfloat16) makes them."""
+    specials = torch.tensor(
+        [1.0 + 2**-8, 1.0 + 3 * 2**-8, -(1.0 + 2**-8), 3.3895314e38, -3.4028235e38, 1e-40,
+         float("inf"), float("-inf"), 0.0, -0.0],
+    )  # fmt: skip
+    bits = torch.tensor([0x7FFFFFFF, 0xFFFFFFFF, 0x7F800001, 0x7FC00000], dtype=torch.int64)
+    nans = bits.to(torch.int32).view(torch.float32)  # largest-mantissa, signed, signalling
+    gen = torch.Generator().manual_seed(5)
+    rows = torch.randn(64 * 16 - specials.numel() - nans.numel(), generator=gen) * 100
+    values = torch.cat([specials, nans, rows]).view(64, 2, 8)
+    k_cache = torch.zeros(16, 4, 2, 8, dtype=torch.bfloat16)
+    v_cache = torch.zeros_like(k_cache)
+    kernels.write_kv(values, -values, k_cache, v_cache, torch.arange(64))
+    k, v = k_cache.view(64, 2, 8), v_cache.view(64, 2, 8)
+    finite = ~values.isnan()
+    assert torch.equal(
+        k[finite].view(torch.int16), values[finite].to(torch.bfloat16).view(torch.int16)
+    )
+    assert torch.equal(v[finite], (-values[finite]).to(torch.bfloat16))
+    assert k[~finite].isnan().all() and v[~finite].isnan().all()
+    # a NaN keeps its sign
+    assert torch.equal(k[~finite].view(torch.int16) < 0, values[~finite].view(torch.int32) < 0)
+
+
+def test_bf16_cache_takes_float32_rows_only(kernels):
+    """A bf16 cache under float32 rows is --kv-cache-dtype bfloat16; any other mix of
+    dtypes is refused, naming the arguments."""
+    key = torch.randn(1, 1, 8, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="k_cache is torch.float32 but key is torch.bfloat16"):
+        kernels.write_kv(key, key, torch.zeros(2, 4, 1, 8), torch.zeros(2, 4, 1, 8),
+                         torch.tensor([0]))  # fmt: skip
+    with pytest.raises(ValueError, match="v_cache is torch.float32 but k_cache is torch.bfloat16"):
+        kernels.write_kv(key.float(), key.float(), torch.zeros(2, 4, 1, 8, dtype=torch.bfloat16),
+                         torch.zeros(2, 4, 1, 8), torch.tensor([0]))  # fmt: skip
 
 
 @pytest.mark.parametrize("rows", [2, 80])
@@ -471,15 +521,16 @@ def test_compiler_failure_is_one_line(monkeypatch, tmp_path):
         build_library(tmp_path / "out")
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_paged_attention_rows_do_not_depend_on_the_chunking(kernels, dtype):
+@pytest.mark.parametrize("dtypes", KV_DTYPES)
+def test_paged_attention_rows_do_not_depend_on_the_chunking(kernels, dtypes):
     """A 100-token prompt's attention in one call (four query tiles) and as chunks of
     37, 1 and 62 tokens (other tiles, other work items): every row bit-identical. bf16
     greedy output with and without speculation rests on this."""
+    dtype, kv_dtype = dtypes
     gen = torch.Generator().manual_seed(3)
     heads, kv_heads, head_dim, block_size, seq_len = 6, 3, 32, 16, 100
-    k_cache = torch.randn(16, block_size, kv_heads, head_dim, generator=gen).to(dtype)
-    v_cache = torch.randn(16, block_size, kv_heads, head_dim, generator=gen).to(dtype)
+    k_cache = torch.randn(16, block_size, kv_heads, head_dim, generator=gen).to(kv_dtype)
+    v_cache = torch.randn(16, block_size, kv_heads, head_dim, generator=gen).to(kv_dtype)
     table = torch.tensor([[9, 3, 14, 1, 7, 12, 5]], dtype=torch.int32)
     q = torch.randn(seq_len, heads, head_dim, generator=gen).to(dtype)
 
@@ -499,23 +550,24 @@ def test_paged_attention_rows_do_not_depend_on_the_chunking(kernels, dtype):
     assert torch.equal(whole.view(bits), pieces.view(bits))
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("head_dim", [64, 24])  # 64: bf16's vdpbf16ps rows where built
-def test_paged_attention_rows_do_not_depend_on_threads_or_the_batch(kernels, dtype, head_dim):
+@pytest.mark.parametrize("dtypes", KV_DTYPES)
+@pytest.mark.parametrize("head_dim", [64, 24, 13])  # 64: bf16's vdpbf16ps rows where built
+def test_paged_attention_rows_do_not_depend_on_threads_or_the_batch(kernels, dtypes, head_dim):
     """Keys are folded in chunks of 8 cache blocks, merged in order; a call of few work
     items (a lone decode on 2+ threads) spreads one sequence's chunks over the threads.
     Each sequence alone on 2, 3 and 4 threads (split across them) against all of them
     in one call on one thread (never split): every row bit-identical, and close to the
     reference. Contexts at and past the chunk edges, a verification query and a prompt
     chunk."""
+    dtype, kv_dtype = dtypes
     gen = torch.Generator().manual_seed(11)
     heads, kv_heads, block_size = 9, 3, 16
     seq_lens = [300, 129, 128, 17, 1000, 200, 300]
     q_lens = [1, 1, 1, 1, 1, 5, 40]
     per = [-(-n // block_size) for n in seq_lens]
     num_blocks = sum(per) + 1
-    k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen).to(dtype)
-    v_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen).to(dtype)
+    k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen).to(kv_dtype)
+    v_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen).to(kv_dtype)
     ids = torch.randperm(num_blocks - 1, generator=gen) + 1
     table = torch.zeros(len(seq_lens), max(per), dtype=torch.int32)
     for i, n in enumerate(per):

@@ -33,9 +33,15 @@ def at_level(kernels, monkeypatch) -> CpuKernels:
     return kernels
 
 
-def _runners(model_path: str) -> tuple[SimplePagedRunner, SimplePagedRunner]:
-    fused = SimplePagedRunner(load_model(model_path, dtype="float32").model, num_blocks=64)
-    plain = SimplePagedRunner(load_model(model_path, dtype="float32").model, num_blocks=64)
+def _runners(
+    model_path: str, kv_dtype: torch.dtype | None = None
+) -> tuple[SimplePagedRunner, SimplePagedRunner]:
+    fused, plain = (
+        SimplePagedRunner(
+            load_model(model_path, dtype="float32").model, num_blocks=64, kv_dtype=kv_dtype
+        )
+        for _ in range(2)
+    )
     assert fused.model.model.fused is not None, "a quantized fp32 model runs in one call"
     plain.model.model.fused = None
     return fused, plain
@@ -53,6 +59,32 @@ def test_fp32_greedy_output_is_the_same_in_one_call_or_not(at_level, tiny_gguf_p
     fused, plain = _runners(tiny_gguf_path)
     prompts = [[5, 6, 7, 8, 9], [100, 3], list(range(20, 60))]
     assert fused.generate_greedy(prompts, 24) == plain.generate_greedy(prompts, 24)
+
+
+@pytest.mark.parametrize("checkpoint", ["gguf", "fp32"])
+def test_fp32_over_a_bf16_cache_in_one_call_is_the_layer_by_layer_forward(
+    at_level, tiny_gguf_path, tiny_model_dir, checkpoint, monkeypatch
+):
+    """--kv-cache-dtype bfloat16: a float32 model over a bf16 KV cache runs in one call
+    (specserve_decoder_layers_f32_bf16kv), bit for bit the layer-by-layer forward on the
+    same cache dtype; and the cache changes the logits a little, not the model."""
+    if checkpoint == "fp32" and not at_level.has_f32_linear:
+        pytest.skip("a level without FMA: float Linear layers run on oneDNN, layer by layer")
+    path = tiny_gguf_path if checkpoint == "gguf" else tiny_model_dir
+    fused, plain = _runners(path, torch.bfloat16)
+    assert fused.model.model.fused.kv_dtype is torch.bfloat16
+    assert fused.model.model.layers[0].self_attn.kv_cache.dtype is torch.bfloat16
+    check_one_call_matches_layers(fused, plain, monkeypatch)
+    prompts = [[5, 6, 7, 8, 9], [100, 3], list(range(20, 60))]
+    assert fused.generate_greedy(prompts, 16) == plain.generate_greedy(prompts, 16)
+    full, _ = _runners(path)
+    for runner in (fused, full):
+        runner.add_sequence(99)
+    a = fused.step([(99, list(range(30, 70)))], all_logits=True)
+    b = full.step([(99, list(range(30, 70)))], all_logits=True)
+    assert not torch.equal(a, b)  # the cache is bf16: K/V were rounded
+    # bf16 keeps ~3 significant digits; a random tiny model amplifies them to ~2%
+    assert float((a - b).norm() / b.norm()) < 0.05
 
 
 def _fused_after_bind(path, **kwargs):

@@ -46,25 +46,34 @@ def kernels(request) -> CpuKernels:
     return kernels_at_level(request)
 
 
+# (rows' dtype, KV cache's dtype): fp32 rows over a bf16 cache is --kv-cache-dtype bfloat16
+KV_DTYPES = [
+    (torch.float32, torch.float32),
+    (torch.bfloat16, torch.bfloat16),
+    (torch.float32, torch.bfloat16),
+]
+KV_IDS = ["fp32", "bf16", "fp32-bf16kv"]
+
+
 def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     view = {torch.float32: torch.int32, torch.bfloat16: torch.int16}[a.dtype]
     return torch.equal(a.contiguous().view(view), b.contiguous().view(view))
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("dtype,kv_dtype", KV_DTYPES, ids=KV_IDS)
 @pytest.mark.parametrize("head_dim", [64, 24])  # 64: the bf16 vdpbf16ps rows; 24: the generic
 @pytest.mark.parametrize("context", [5, 16, 37, 150])  # 150: past a key chunk (8 blocks)
 @pytest.mark.parametrize("tree", list(TREES))
 def test_each_tree_row_is_its_paths_plain_row_bit_for_bit(kernels, tree, context, head_dim,
-                                                          dtype):  # fmt: skip
+                                                          dtype, kv_dtype):  # fmt: skip
     parents, m = TREES[tree]
     heads, kv_heads = 6, 2
     gen = torch.Generator().manual_seed(len(parents) * 100 + context)
     n_nodes = len(parents)
     q_len = m + n_nodes
     num_blocks = 64
-    k_cache = torch.randn(num_blocks, BLOCK, kv_heads, head_dim, generator=gen).to(dtype)
-    v_cache = torch.randn(num_blocks, BLOCK, kv_heads, head_dim, generator=gen).to(dtype)
+    k_cache = torch.randn(num_blocks, BLOCK, kv_heads, head_dim, generator=gen).to(kv_dtype)
+    v_cache = torch.randn(num_blocks, BLOCK, kv_heads, head_dim, generator=gen).to(kv_dtype)
     step_start = context  # keys before the step: the context
     seq_len = step_start + q_len
     free = list(range(1, num_blocks))
@@ -130,9 +139,9 @@ def _random_masks(rng: random.Random, q_len: int, density: float) -> list[int]:
     ]
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("dtype,kv_dtype", KV_DTYPES, ids=KV_IDS)
 @pytest.mark.parametrize("head_dim", [64, 24])
-def test_masked_rows_match_a_float64_reference(kernels, head_dim, dtype):
+def test_masked_rows_match_a_float64_reference(kernels, head_dim, dtype, kv_dtype):
     # A tree after a long context; 80 fed tokens (rows past Q_TILE = 32 and past bit 63,
     # where fed tokens 64 on are seen causally); plain causal rows beside them; a step
     # with no context before it; a decode; a sequence whose second tile alone has trees.
@@ -147,8 +156,8 @@ def test_masked_rows_match_a_float64_reference(kernels, head_dim, dtype):
     masks += [m | -(1 << 12) for m in _random_masks(rng, 12, 0.3)]  # high bits set, unused
     heads, kv_heads, num_blocks = 6, 2, 40
     gen = torch.Generator().manual_seed(head_dim)
-    k_cache = torch.randn(num_blocks, BLOCK, kv_heads, head_dim, generator=gen).to(dtype)
-    v_cache = torch.randn(num_blocks, BLOCK, kv_heads, head_dim, generator=gen).to(dtype)
+    k_cache = torch.randn(num_blocks, BLOCK, kv_heads, head_dim, generator=gen).to(kv_dtype)
+    v_cache = torch.randn(num_blocks, BLOCK, kv_heads, head_dim, generator=gen).to(kv_dtype)
     free = list(range(1, num_blocks))
     rng.shuffle(free)
     tables = [[free.pop() for _ in range(-(-s // BLOCK))] for s in seq_lens]
@@ -176,9 +185,11 @@ def test_masked_rows_match_a_float64_reference(kernels, head_dim, dtype):
     [("k", float("nan")), ("v", float("nan")), ("v", float("inf"))],
     ids=["k-nan", "v-nan", "v-inf"],
 )
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("dtype,kv_dtype", KV_DTYPES, ids=KV_IDS)
 @pytest.mark.parametrize("head_dim", [64, 24])
-def test_a_key_a_row_does_not_see_never_reaches_it(kernels, head_dim, dtype, where, value):
+def test_a_key_a_row_does_not_see_never_reaches_it(
+    kernels, head_dim, dtype, kv_dtype, where, value
+):
     """A non-finite K or V of a tree node reaches its own row and its descendants' and
     no other: its siblings' rows are the clean rows bit for bit (a masked key is
     skipped, never weighted 0; 0 * NaN is NaN)."""
@@ -188,8 +199,8 @@ def test_a_key_a_row_does_not_see_never_reaches_it(kernels, head_dim, dtype, whe
     table = [5, 2, 7]
     gen = torch.Generator().manual_seed(head_dim)
     cache = {
-        "k": torch.randn(8, BLOCK, 2, head_dim, generator=gen).to(dtype),
-        "v": torch.randn(8, BLOCK, 2, head_dim, generator=gen).to(dtype),
+        "k": torch.randn(8, BLOCK, 2, head_dim, generator=gen).to(kv_dtype),
+        "v": torch.randn(8, BLOCK, 2, head_dim, generator=gen).to(kv_dtype),
     }
     q = torch.randn(q_len, 4, head_dim, generator=gen).to(dtype)
     masks = as_mask_tensor(paths.ancestor_masks(parents, m, len(parents)), "cpu")
