@@ -9,6 +9,7 @@
  * with LIB the built kernels (`ls -t ~/.cache/specserve/kernels/cpu_kernels-*.so | head -1`
  * after any specserve run). Prints the best of 5 loops of 2000 calls: us a call and G
  * multiply-adds/s (Q.K and P.V). SEQUENTIAL=1 lays each sequence's blocks out in order.
+ * BF16KV=1 times fp32 query rows over the bf16 cache (--kv-cache-dtype bfloat16).
  * LAYERS=30 gives each call in turn its own cache, one of 30 (the model's layers), so
  * the keys and values come from memory as they do in a decode step, not from L2/L3. */
 #include <stdint.h>
@@ -18,7 +19,7 @@
 #include <time.h>
 #include <omp.h>
 typedef uint16_t bf16;
-/* the kernels' two entry points, one per element type */
+/* the kernels' entry points: bf16, fp32, and fp32 rows over a bf16 cache */
 #define PAGED_ATTENTION(NAME, T)                                                               \
     int NAME(T *out, int64_t out_token_stride, const T *q, int64_t q_token_stride,             \
              const T *k_cache, const T *v_cache, const int32_t *block_tables,                  \
@@ -30,6 +31,14 @@ typedef uint16_t bf16;
              const int64_t *tree_masks);
 PAGED_ATTENTION(specserve_paged_attention_bf16, bf16)
 PAGED_ATTENTION(specserve_paged_attention, float)
+int specserve_paged_attention_f32_bf16kv(float *out, int64_t out_token_stride, const float *q, int64_t q_token_stride,
+             const bf16 *k_cache, const bf16 *v_cache, const int32_t *block_tables,
+             int64_t block_table_stride, int64_t table_width, const int32_t *seq_lens,
+             const int32_t *query_start_loc, int64_t num_seqs, int64_t num_tokens,
+             const int32_t *seq_ids, int64_t num_selected, int64_t num_heads,
+             int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
+             int64_t num_cache_blocks, float scale, int64_t max_rows, int32_t num_threads,
+             const int64_t *tree_masks);
 /* dst[i] = src[i] as fp32 (a bf16 is the top half of its fp32) */
 static void widen(float *dst, const bf16 *src, int64_t n) {
     for (int64_t i = 0; i < n; i++) {
@@ -49,13 +58,17 @@ int main(int argc, char **argv) {
     bf16 *q = malloc(seqs * heads * hd * 2), *out = malloc(seqs * heads * hd * 2);
     for (int i = 0; i < seqs * heads * hd; i++) q[i] = 0x3c00 + rand() % 256;
     const int f32 = getenv("F32") != NULL; /* the same values widened to fp32 */
+    /* BF16KV=1: fp32 query rows over the bf16 cache (--kv-cache-dtype bfloat16) */
+    const int bf16kv = getenv("BF16KV") != NULL;
     float *kf = NULL, *vf = NULL, *qf = NULL, *outf = NULL;
+    if (f32 || bf16kv) {
+        qf = malloc(seqs * heads * hd * 4), outf = malloc(seqs * heads * hd * 4);
+        widen(qf, q, (int64_t)seqs * heads * hd);
+    }
     if (f32) {
         kf = malloc(cache_size * 4), vf = malloc(cache_size * 4);
-        qf = malloc(seqs * heads * hd * 4), outf = malloc(seqs * heads * hd * 4);
         widen(kf, kc, cache_size);
         widen(vf, vc, cache_size);
-        widen(qf, q, (int64_t)seqs * heads * hd);
     }
     int32_t *tables = malloc(seqs * per * 4), *lens = malloc(seqs * 4), *starts = malloc((seqs + 1) * 4), *ids = malloc(seqs * 4);
     for (int i = 0; i < seqs * per; i++) tables[i] = 1 + i;
@@ -69,7 +82,9 @@ int main(int argc, char **argv) {
         double t0 = now();
         for (int it = 0; it < iters; it++) {
             const int64_t at = (it % layers) * layer_size;
-            if (f32)
+            if (bf16kv)
+                specserve_paged_attention_f32_bf16kv(outf, heads * hd, qf, heads * hd, kc + at, vc + at, tables, per, per, lens, starts, seqs, seqs, ids, seqs, heads, kvh, hd, bs, nblocks, 0.125f, heads / kvh, threads, NULL);
+            else if (f32)
                 specserve_paged_attention(outf, heads * hd, qf, heads * hd, kf + at, vf + at, tables, per, per, lens, starts, seqs, seqs, ids, seqs, heads, kvh, hd, bs, nblocks, 0.125f, heads / kvh, threads, NULL);
             else
                 specserve_paged_attention_bf16(out, heads * hd, q, heads * hd, kc + at, vc + at, tables, per, per, lens, starts, seqs, seqs, ids, seqs, heads, kvh, hd, bs, nblocks, 0.125f, heads / kvh, threads, NULL);
@@ -78,6 +93,6 @@ int main(int argc, char **argv) {
         if (t < best) best = t;
     }
     double macs = (double)seqs * heads * ctx * hd * 2;
-    printf("%s, %d seqs x %d ctx, %d layers, %d threads: %.1f us a call, %.1f G MAC/s\n", f32 ? "fp32" : "bf16", seqs, ctx, layers, threads, best * 1e6, macs / best / 1e9);
+    printf("%s, %d seqs x %d ctx, %d layers, %d threads: %.1f us a call, %.1f G MAC/s\n", bf16kv ? "fp32 over bf16 KV" : f32 ? "fp32" : "bf16", seqs, ctx, layers, threads, best * 1e6, macs / best / 1e9);
     return 0;
 }
