@@ -12,6 +12,7 @@ SPECULATIVE_METHODS = (
 ATTENTION_BACKENDS = ("auto", "cpu", "torch", "xformers")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 QUANTIZATIONS = ("auto", "none", "int8")
+KV_CACHE_DTYPES = ("auto", "bfloat16")
 
 # The methods that run a draft model (eagle, eagle-tree: one made by train-draft
 # --method eagle).
@@ -64,6 +65,11 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     device: str = "auto"
     dtype: str = "auto"
+    # The target's KV cache: "auto" the model's dtype; "bfloat16" K and V stored as bf16
+    # under a float32 model (half the KV memory, half the bytes attention reads; outputs
+    # differ slightly from float32's; speculation stays lossless against the target so
+    # served). A draft model keeps a cache of its own dtype.
+    kv_cache_dtype: str = "auto"
     attn_backend: str = "auto"
     # "auto": a .gguf's Q4_0/Q4_1/Q8_0 tensors served as stored on the CPU kernels (float
     # models as they are); "none": dequantized; "int8": every Linear weight of any model
@@ -85,6 +91,7 @@ class EngineConfig:
         _in("speculative_method", self.speculative_method, (None, *SPECULATIVE_METHODS))
         _in("attn_backend", self.attn_backend, ATTENTION_BACKENDS)
         _in("dtype", self.dtype, DTYPES)
+        _in("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
         _in("quantization", self.quantization, QUANTIZATIONS)
         check_int(
             "num_speculative_tokens", self.num_speculative_tokens, 1, MAX_NUM_SPECULATIVE_TOKENS

@@ -46,6 +46,7 @@ __all__ = [
     "resolve_attn_backend",
     "resolve_device",
     "resolve_dtype",
+    "resolve_kv_cache_dtype",
 ]
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -79,6 +80,24 @@ class LoadedModel:
         if self.gguf_path is not None:
             return ensure_converted(self.gguf_path, weights=True)
         return self.model_dir
+
+
+def resolve_kv_cache_dtype(kv_cache_dtype: str, dtype: torch.dtype) -> torch.dtype:
+    """The KV cache's dtype for a model computing in ``dtype``: "auto" the same;
+    "bfloat16" bf16 under a float32 (or bfloat16) model."""
+    if kv_cache_dtype == "auto":
+        return dtype
+    if kv_cache_dtype != "bfloat16":
+        raise ValueError(
+            f"kv_cache_dtype must be one of 'auto', 'bfloat16', got {kv_cache_dtype!r}"
+        )
+    if dtype not in (torch.float32, torch.bfloat16):
+        name = str(dtype).removeprefix("torch.")
+        raise ValueError(
+            f"kv_cache_dtype 'bfloat16' needs a float32 or bfloat16 model, got {name}; "
+            "use --kv-cache-dtype auto"
+        )
+    return torch.bfloat16
 
 
 def resolve_device(device: str = "auto") -> torch.device:

@@ -10,8 +10,11 @@ alternated call by call; per level the median of each, their ratio, the weight
 stream's share of the read bound (the bytes a token reads / the step time, against
 `bench bounds`' read GB/s measured with that level's kernels), and the same share for
 all the step reads: the weights and the context's keys and values (as the cache holds
-them). A prebuilt level runs this machine's CPU with that level's code: the AVX2 level
-here shows what the AVX2 code does, on this machine's memory and cores.
+them). ``--kv-cache-dtype auto,bfloat16`` times the step over each KV cache dtype
+(``bfloat16``: a bf16 cache under a float32 model), all alternated in one process, with
+each one-call time's ratio to the first's. A prebuilt level runs this machine's CPU with
+that level's code: the AVX2 level here shows what the AVX2 code does, on this machine's
+memory and cores.
 """
 
 from __future__ import annotations
@@ -32,6 +35,11 @@ def main() -> int:
     parser.add_argument("--context", type=int, default=300)
     parser.add_argument("--model", default=None, help="default: the built-in default model")
     parser.add_argument("--quantization", default="auto", choices=("auto", "none", "int8"))
+    parser.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        help="auto, bfloat16, or both comma-separated (timed alternately)",
+    )
     args = parser.parse_args()
 
     from engine.attention import kv_cache_bytes_per_block
@@ -41,19 +49,22 @@ def main() -> int:
     from engine.kernels import cpu as cpu_mod
     from engine.kernels import quant as quant_mod
     from engine.kernels.cpu import CpuKernels
-    from engine.loader import load_model
+    from engine.loader import load_model, resolve_kv_cache_dtype
     from engine.models import layers as layers_mod
 
     levels = [level.strip() for level in args.levels.split(",") if level.strip()]
+    kv_names = [kv.strip() for kv in args.kv_cache_dtype.split(",") if kv.strip()]
     built: dict[str, Path] = {}
     if any(level != "native" for level in levels):
         print("building the prebuilt kernel levels (a minute or two) ...", file=sys.stderr)
         out = Path(tempfile.mkdtemp(prefix="specserve-levels-"))
         names = [name for name, _ in build_mod.PREBUILT_LEVELS[build_mod.platform.machine()]]
         built = dict(zip(names, build_mod.prebuild(out), strict=True))
-    print("| level | one call ms | layer by layer ms | one call vs layers | "
-          "weight stream GB/s (share of read bound) | weights + KV GB/s (share) |")  # fmt: skip
-    print("|---|---|---|---|---|---|")
+    print(
+        "| level | KV cache | one call ms | vs first KV | layer by layer ms | one call vs "
+        "layers | weight stream GB/s (share of read bound) | weights + KV GB/s (share) |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
     for level in levels:
         kernels = cpu_mod.cpu_kernels() if level == "native" else CpuKernels(built[level])
         for module in (cpu_mod, layers_mod, quant_mod):  # bounds imports it from cpu_mod
@@ -61,38 +72,49 @@ def main() -> int:
         loaded = load_model(
             args.model, dtype=args.dtype, device="cpu", quantization=args.quantization
         )
-        runner = ModelRunner(loaded, num_blocks=64, block_size=16)
-        fused = runner.model.model.fused
-        if fused is None:
-            print(f"| {level} | - | - | (no one-call decoder at this level) | - | - |")
+        runners, fused = {}, {}
+        for kv in kv_names:
+            kv_dtype = resolve_kv_cache_dtype(kv, loaded.dtype)
+            runners[kv] = ModelRunner(loaded, num_blocks=64, block_size=16, kv_dtype=kv_dtype)
+            fused[kv] = runners[kv].model.model.fused  # bound to this runner's caches
+        if any(f is None for f in fused.values()):
+            print(f"| {level} | - | - | - | - | (no one-call decoder at this level) | - | - |")
             continue
         blocks = list(range(1, (args.context + 24) // 16 + 2))
         tokens = [100 + i % 1000 for i in range(args.context + 1)]
-        runner.forward([SeqInput(tokens[:-1], 0, blocks, 1)])
-        times = {True: [], False: []}
+        for kv, runner in runners.items():
+            runner.model.model.fused = fused[kv]
+            runner.model.bind_kv_caches(runner.kv_caches)
+            runner.forward([SeqInput(tokens[:-1], 0, blocks, 1)])
+        times = {(kv, one_call): [] for kv in kv_names for one_call in (True, False)}
         for r in range(args.rounds):
-            for one_call in (True, False):
-                runner.model.model.fused = fused if one_call else None
-                prepared = runner.prepare([SeqInput(tokens[-1:], args.context, blocks, 1)])
-                start = time.perf_counter()
-                runner.execute(prepared)
-                times[one_call].append(time.perf_counter() - start)
+            for kv, runner in runners.items():
+                runner.model.bind_kv_caches(runner.kv_caches)  # one model, each its caches
+                for one_call in (True, False):
+                    runner.model.model.fused = fused[kv] if one_call else None
+                    prepared = runner.prepare([SeqInput(tokens[-1:], args.context, blocks, 1)])
+                    start = time.perf_counter()
+                    runner.execute(prepared)
+                    times[kv, one_call].append(time.perf_counter() - start)
             if r % 10 == 9:
                 print(f"{level}: round {r + 1}/{args.rounds}", file=sys.stderr, flush=True)
-        runner.model.model.fused = fused
-        one, layers = (statistics.median(times[k]) for k in (True, False))
         streamed = _streamed_bytes(loaded.model)
-        arch = runner.arch  # the context's K/V: one block of one token a position
-        kv_bytes = (args.context + 1) * kv_cache_bytes_per_block(
-            arch.num_layers, 1, arch.num_kv_heads, arch.head_dim, runner.kv_caches[0].dtype
-        )
         bound = bounds_mod.measure()
-        shares = []
-        for nbytes in (streamed, streamed + kv_bytes):
-            gbps = nbytes / one / 1e9
-            shares.append(f"{gbps:.1f} ({gbps / bound.read_gbps:.0%} of {bound.read_gbps:.1f})")
-        print(f"| {level} | {1e3 * one:.2f} | {1e3 * layers:.2f} | {layers / one:.2f}x | "
-              f"{shares[0]} | {shares[1]} |", flush=True)  # fmt: skip
+        first = statistics.median(times[kv_names[0], True])
+        for kv, runner in runners.items():
+            one, layers = (statistics.median(times[kv, k]) for k in (True, False))
+            arch = runner.arch  # the context's K/V: one block of one token a position
+            kv_bytes = (args.context + 1) * kv_cache_bytes_per_block(
+                arch.num_layers, 1, arch.num_kv_heads, arch.head_dim, runner.kv_caches[0].dtype
+            )
+            shares = []
+            for nbytes in (streamed, streamed + kv_bytes):
+                gbps = nbytes / one / 1e9
+                shares.append(f"{gbps:.1f} ({gbps / bound.read_gbps:.0%} of {bound.read_gbps:.1f})")
+            cache = str(runner.kv_caches[0].dtype).removeprefix("torch.")
+            print(f"| {level} | {cache} | {1e3 * one:.2f} | {one / first:.3f} | "
+                  f"{1e3 * layers:.2f} | {layers / one:.2f}x | {shares[0]} | {shares[1]} |",
+                  flush=True)  # fmt: skip
     return 0
 
 

@@ -1,7 +1,9 @@
 """Paged KV cache operations shared by the attention backends.
 
 Per layer the cache is ``[2, num_blocks, block_size, num_kv_heads, head_dim]``
-(index 0 = K, 1 = V); block 0 is the null block that pads block tables.
+(index 0 = K, 1 = V); block 0 is the null block that pads block tables. Its dtype is
+the model's, or bfloat16 under a float32 model (``--kv-cache-dtype bfloat16``): K/V are
+rounded to it when written, and the backends widen what they gather to the query's.
 """
 
 from __future__ import annotations
@@ -35,6 +37,8 @@ def write_kv(
     flat = kv_cache.view(2, -1, num_kv_heads, head_dim)  # [2, num_slots, kv_heads, head_dim]
     if token_idx is not None:
         key, value = key.index_select(0, token_idx), value.index_select(0, token_idx)
+    if key.dtype != kv_cache.dtype:  # a bf16 cache under a float32 model
+        key, value = key.to(kv_cache.dtype), value.to(kv_cache.dtype)
     flat[0].index_copy_(0, slots, key)
     flat[1].index_copy_(0, slots, value)
 

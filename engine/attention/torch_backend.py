@@ -66,6 +66,8 @@ def attend(
 ) -> torch.Tensor:  # [num_tokens, num_heads * head_dim]
     """Gather each sequence's context (already written) and run SDPA over it."""
     kv = gather_kv(kv_cache, plan.block_ids)[:, :, : plan.kv_len]  # [2, seqs, kv_len, kvh, hd]
+    if kv.dtype != query.dtype:  # a bf16 cache under a float32 model: widened (exact)
+        kv = kv.to(query.dtype)
     k, v = kv[0].transpose(1, 2), kv[1].transpose(1, 2)  # [seqs, kv_heads, kv_len, hd]
     num_tokens, num_heads, head_dim = query.shape
     if metadata.max_query_len == 1:

@@ -57,6 +57,8 @@ class XFormersAttentionBackend:
         token_idx, slots, block_ids, attn_bias = plan
         write_kv(kv_cache, key, value, token_idx, slots)
         kv = gather_kv(kv_cache, block_ids)  # [2, seqs, kv_len, kv_heads, hd]
+        if kv.dtype != query.dtype:  # a bf16 cache under a float32 model: widened (exact)
+            kv = kv.to(query.dtype)
         num_tokens, num_heads, head_dim = query.shape
         num_kv_heads = kv.shape[3]
         group = num_heads // num_kv_heads

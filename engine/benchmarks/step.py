@@ -40,7 +40,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--num-threads", type=int, default=None, help="torch CPU threads (default: one per core)"
     )
     parser.add_argument(
-        "--dtype", choices=DTYPES, default="float32", help="model, activation and KV cache dtype"
+        "--dtype", choices=DTYPES, default="float32", help="model and activation dtype"
+    )
+    parser.add_argument(
+        "--kv-cache-dtype",
+        choices=("auto", "bfloat16"),
+        default="auto",
+        help="auto: the KV cache in --dtype; bfloat16: a bf16 cache under float32",
     )
     parser.add_argument(
         "--quantization",
@@ -88,6 +94,7 @@ def _profile(args: argparse.Namespace, kernels: bool, fused: bool) -> dict[str, 
                 model=args.model,
                 device="cpu",
                 dtype=args.dtype,
+                kv_cache_dtype=args.kv_cache_dtype,
                 attn_backend="cpu" if kernels else "torch",
                 num_threads=args.num_threads,
                 quantization=args.quantization if kernels else "none",

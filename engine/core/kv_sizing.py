@@ -20,10 +20,10 @@ class KVCachePlan:
     bytes_per_block: int  # target + draft together
 
 
-def _bytes_per_block(loaded, block_size: int) -> int:
+def _bytes_per_block(loaded, block_size: int, kv_dtype=None) -> int:
     arch = loaded.arch
     return kv_cache_bytes_per_block(
-        arch.num_layers, block_size, arch.num_kv_heads, arch.head_dim, loaded.dtype
+        arch.num_layers, block_size, arch.num_kv_heads, arch.head_dim, kv_dtype or loaded.dtype
     )
 
 
@@ -39,7 +39,10 @@ def _context_limit(loaded, which: str) -> tuple[int, str]:
 
 
 def plan_kv_cache(config: EngineConfig, loaded, draft_loaded=None) -> KVCachePlan:
-    per_block = _bytes_per_block(loaded, config.block_size)
+    from engine.loader import resolve_kv_cache_dtype
+
+    kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, loaded.dtype)
+    per_block = _bytes_per_block(loaded, config.block_size, kv_dtype)
     if draft_loaded is not None:
         per_block += _bytes_per_block(draft_loaded, config.block_size)
     if config.num_kv_blocks is not None:

@@ -98,9 +98,16 @@ def resolve_spec_disable_batch_size(value: int | None, device: torch.device) -> 
     return 16 if device.type == "cuda" else 4
 
 
+def _prefix_cache_key(loaded, kv_cache_dtype: torch.dtype) -> str:
+    """What a prefix-cache hash is salted with: the model, its dtype and, when it is
+    another, the KV cache's dtype (a bf16 cache holds other values than an fp32 one)."""
+    key = f"{loaded.name}:{loaded.dtype}"
+    return key if kv_cache_dtype is loaded.dtype else f"{key}:kv-{kv_cache_dtype}"
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig, loaded=None, draft_loaded=None) -> None:
-        from engine.loader import load_model
+        from engine.loader import load_model, resolve_kv_cache_dtype
 
         self.config = config
         if config.num_threads is not None:
@@ -120,6 +127,7 @@ class LLMEngine:
             draft_loaded = load_draft(
                 config.resolved_draft_model, self.loaded, config.attn_backend, config.quantization
             )
+        self.kv_cache_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.loaded.dtype)
         plan = plan_kv_cache(config, self.loaded, draft_loaded)
         self.max_model_len = plan.max_model_len
         self.num_kv_blocks = plan.num_blocks
@@ -130,10 +138,12 @@ class LLMEngine:
             plan.num_blocks,
             config.block_size,
             enable_caching=config.enable_prefix_caching,
-            cache_key=f"{self.loaded.name}:{self.loaded.dtype}",
+            cache_key=_prefix_cache_key(self.loaded, self.kv_cache_dtype),
             event_sink=self.kv_events,
         )
-        self.runner = ModelRunner(self.loaded, plan.num_blocks, config.block_size)
+        self.runner = ModelRunner(
+            self.loaded, plan.num_blocks, config.block_size, self.kv_cache_dtype
+        )
         # An EAGLE proposer turns the target's feature capture on; a target shared with
         # an earlier engine (benchmarks run several on one loaded model) starts without.
         self.loaded.model.model.capture_layers = ()
@@ -615,6 +625,7 @@ class LLMEngine:
             "eos_token_ids": sorted(self.eos_token_ids),
             "device": str(self.device),
             "dtype": str(self.loaded.dtype).removeprefix("torch."),
+            "kv_cache_dtype": str(self.kv_cache_dtype).removeprefix("torch."),
             "attn_backend": self.loaded.model.model.layers[0].self_attn.attn_backend.name,
             "quantization": self.loaded.quantization,
             "architectures": list(self.loaded.arch.architectures),

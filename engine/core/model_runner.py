@@ -37,7 +37,9 @@ class PreparedBatch(NamedTuple):
 
 
 class ModelRunner:
-    def __init__(self, loaded, num_blocks: int, block_size: int) -> None:
+    def __init__(
+        self, loaded, num_blocks: int, block_size: int, kv_dtype: torch.dtype | None = None
+    ) -> None:
         self.model = loaded.model
         self.arch = loaded.arch
         self.device = torch.device(loaded.device)
@@ -49,7 +51,7 @@ class ModelRunner:
             block_size,
             self.arch.num_kv_heads,
             self.arch.head_dim,
-            loaded.dtype,
+            kv_dtype or loaded.dtype,  # --kv-cache-dtype; default the model's dtype
             self.device,
         )
         self.model.bind_kv_caches(self.kv_caches)

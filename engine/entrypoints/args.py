@@ -9,6 +9,7 @@ from dataclasses import fields
 from engine.config import (
     ATTENTION_BACKENDS,
     DTYPES,
+    KV_CACHE_DTYPES,
     QUANTIZATIONS,
     SPECULATIVE_METHODS,
     EngineConfig,
@@ -131,6 +132,13 @@ def add_engine_args(parser: argparse.ArgumentParser, *, with_seed: bool = True) 
         choices=DTYPES,
     )
     flag(
+        "--kv-cache-dtype",
+        "auto: the KV cache in the model's dtype; bfloat16: K/V stored as bf16 under a "
+        "float32 model, half the KV memory and the bytes attention reads (outputs differ "
+        "slightly from float32's; speculation stays lossless; a draft keeps its own dtype)",
+        choices=KV_CACHE_DTYPES,
+    )
+    flag(
         "--attn-backend",
         "auto: xformers on CUDA when installed, the compiled kernels (cpu) on CPU in float32 "
         "or bfloat16 when they build, else torch",
@@ -184,6 +192,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         enable_prefix_caching=not args.no_prefix_caching,
         device=args.device,
         dtype=args.dtype,
+        kv_cache_dtype=args.kv_cache_dtype,
         attn_backend=args.attn_backend,
         quantization=args.quantization,
         seed=getattr(args, "seed", _ENGINE_DEFAULTS["seed"]),

@@ -63,6 +63,7 @@ def to_model_info(info: dict[str, Any]) -> pb.ModelInfo:
         dtype=str(info.get("dtype") or ""),
         attn_backend=str(info.get("attn_backend") or ""),
         quantization=str(info.get("quantization") or ""),
+        kv_cache_dtype=str(info.get("kv_cache_dtype") or ""),
     )
 
 

@@ -60,7 +60,12 @@ async def _serve(
                 options.host,
                 port,
                 info.get("device"),
-                describe_dtype(config.dtype, info.get("dtype"), info.get("device")),
+                describe_dtype(config.dtype, info.get("dtype"), info.get("device"))
+                + (
+                    f", KV cache {info.get('kv_cache_dtype')}"
+                    if info.get("kv_cache_dtype") not in (None, info.get("dtype"))
+                    else ""
+                ),
                 describe_quantization(info.get("quantization")),
                 info.get("attn_backend"),
                 describe_speculation(info),

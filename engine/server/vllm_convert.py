@@ -111,6 +111,7 @@ def server_info(
     info: dict[str, Any], num_in_flight: int, start_time: float, last_receive_time: float
 ) -> vpb.GetServerInfoResponse:
     dtype = str(info.get("dtype") or "")
+    kv_dtype = str(info.get("kv_cache_dtype") or dtype)
     return vpb.GetServerInfoResponse(
         active_requests=num_in_flight,
         is_paused=False,
@@ -118,7 +119,8 @@ def server_info(
         uptime_seconds=time.time() - start_time,
         server_type=SERVER_TYPE,
         data_parallel_size=1,
-        kv_cache_dtype="auto",  # the KV cache is kept in the model's dtype
+        # vLLM's names: "auto" is the model's dtype (--kv-cache-dtype as given)
+        kv_cache_dtype="auto" if kv_dtype == dtype else kv_dtype,
         block_size=int(info.get("block_size") or 0),
         model_dtype=f"torch.{dtype}" if dtype else "",
         max_num_seqs=int(info.get("max_num_seqs") or 0),

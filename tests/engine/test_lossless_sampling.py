@@ -80,14 +80,17 @@ PENALIZED = {
 }
 
 
-def exact_distribution(model_dir, prompt, features=None, dtype=torch.float32, allowed=None):
+def exact_distribution(
+    model_dir, prompt, features=None, dtype=torch.float32, allowed=None, kv_dtype=None
+):
     """P(t1 .. t4) of the target with temperature 1 and top-k 2, by enumeration. With
     ``features`` (penalties, logit_bias, min_tokens, stop_token_ids) the reference
     applies them at each step first, and a stop token ends a sequence early; with
     ``allowed`` (seq -> the token ids a constraint allows next) it masks the rest after
     them. A .gguf target's logits come from the engine's own forward of it, anything
-    else's from transformers."""
-    next_logits = _next_logits(model_dir, prompt, dtype)
+    else's from transformers (with ``kv_dtype``, a KV cache of another dtype than the
+    model's: from the engine's forward too)."""
+    next_logits = _next_logits(model_dir, prompt, dtype, kv_dtype)
     params = SamplingParams(ignore_eos=True, **(features or {}))
     stop_ids = stop_ids_of(params, {EOS_ID})
 
@@ -113,11 +116,11 @@ def exact_distribution(model_dir, prompt, features=None, dtype=torch.float32, al
     return exact
 
 
-def _next_logits(model_dir, prompt, dtype):
+def _next_logits(model_dir, prompt, dtype, kv_dtype=None):
     """seq -> the target's raw logits [vocab] after prompt + seq."""
-    if str(model_dir).endswith(".gguf"):
+    if str(model_dir).endswith(".gguf") or kv_dtype is not None:
         model = load_model(model_dir, device="cpu", dtype=str(dtype).removeprefix("torch.")).model
-        runner = SimplePagedRunner(model, num_blocks=64)
+        runner = SimplePagedRunner(model, num_blocks=64, kv_dtype=kv_dtype)
         count = iter(range(10**6))
 
         def from_engine(seq):
@@ -177,6 +180,7 @@ def sample_sequences(
     seeded=False,
     dtype="float32",
     constraint=None,
+    kv_cache_dtype="auto",
 ):
     """NUM_SAMPLES sequences from one engine speculating with ``proposer`` (a PROPOSERS
     key, or "none"); checks that drafts were both accepted and rejected."""
@@ -184,6 +188,7 @@ def sample_sequences(
     engine = make_engine(
         model_dir,
         dtype=dtype,
+        kv_cache_dtype=kv_cache_dtype,
         speculative_method=method,
         draft_model=draft_dirs[draft] if draft else None,
         speculative_disable_batch_size=4096,
@@ -309,6 +314,33 @@ def test_a_bf16_checkpoint_in_float32_follows_its_distribution(
     model, dirs, prompt = _case(targets, draft_dirs, proposer, "bf16-checkpoint")
     exact = exact_distribution(model, prompt)
     samples = sample_sequences(model, dirs, proposer, prompt, seeded=seeded)
+    assert set(samples) <= set(exact)
+    assert tv(samples, exact) < ENGINE_TV_BOUND
+
+
+@pytest.mark.parametrize(
+    ("proposer", "target", "seeded"),
+    [
+        ("none", "float", False),
+        ("hybrid", "float", True),
+        ("ngram", "float", False),
+        ("draft", "gguf", True),
+        ("eagle-tree", "gguf", False),
+        ("random-trees", "gguf", True),
+    ],
+)
+def test_a_bf16_kv_cache_follows_its_own_distribution(
+    targets, draft_dirs, proposer, target, seeded
+):
+    """--kv-cache-dtype bfloat16 on a float32 target: speculation stays lossless against
+    the target as served, whose keys and values are rounded to bf16 (its distribution
+    from the engine's own forward over a bf16 cache); chains, mixed batches and trees,
+    rejection and coupling."""
+    model, dirs, prompt = _case(targets, draft_dirs, proposer, target)
+    exact = exact_distribution(model, prompt, kv_dtype=torch.bfloat16)
+    samples = sample_sequences(
+        model, dirs, proposer, prompt, seeded=seeded, kv_cache_dtype="bfloat16"
+    )
     assert set(samples) <= set(exact)
     assert tv(samples, exact) < ENGINE_TV_BOUND
 

@@ -6,7 +6,8 @@ include_stop_str_in_output, truncate_prompt_tokens x structured-output constrain
 that fails mid-output among them) x a model whose logits turn NaN for a request from
 some output token on x a float target (its checkpoint in fp32, or in bf16: in float32
 its Linear weights stored as bf16) or a quantized one (the tiny model as a .gguf served
-as stored) x the speculation gate on or off (its lanes choosing k by timing); odd seeds
+as stored) x the speculation gate on or off (its lanes choosing k by timing) x a KV
+cache in the model's dtype or, for half the float32 seeds, in bf16; odd seeds
 in bfloat16, each on one of the bf16 Linear kernels this CPU has (AMX tiles, vdpbf16ps,
 FMA); even seeds in float32, each on the native build or one of the prebuilt kernel
 levels this CPU executes (the AVX2 one among them).
@@ -248,6 +249,10 @@ def test_randomized_engine_stress(
     level = levels[(stress_seed // 2) % len(levels)]
     if config["dtype"] == "float32" and level != "native":
         use_kernels(monkeypatch, kernels_of(request, level))
+    # half the float32 seeds over a bf16 KV cache (--kv-cache-dtype bfloat16), engine
+    # and reference alike: seeds 4 and 6 of CI's 8 (0 and 2 keep the fp32 cache)
+    kv = "bfloat16" if config["dtype"] == "float32" and (stress_seed // 4) % 2 else "auto"
+    config["kv_cache_dtype"] = kv
     kernels = cpu_kernels()
     if config["dtype"] == "bfloat16" and kernels is not None and kernels.bf16_linear_modes:
         # each bf16 Linear kernel this CPU has (AMX tiles, vdpbf16ps, FMA), by seed, for
@@ -298,7 +303,11 @@ def test_randomized_engine_stress(
     # whose argmax the constraint refuses.
     monkeypatch.setenv("SPECSERVE_LAZY_GREEDY_MASKS", "0")
     reference = make_engine(
-        target, num_kv_blocks=256, dtype=config["dtype"], structured_output_step_budget_ms=6e4
+        target,
+        num_kv_blocks=256,
+        dtype=config["dtype"],
+        kv_cache_dtype=kv,
+        structured_output_step_budget_ms=6e4,
     )
     plain = [(rid, p, replace(params, num_speculative_tokens=None), "") for rid, p, params in exact]
     expected = _run(reference, {0: plain}, {})
