@@ -23,7 +23,9 @@ from tests.engine.engine_helpers import GPU_ONLY, XFORMERS_ONLY
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, NUM_BLOCKS = 4, 2, 8, 4, 64
 
 
-# (device, backend, dtype): every backend in the dtypes it serves
+# (device, backend, dtype): every backend in the dtypes it serves; "fp32-bf16kv": float32
+# rows over a bf16 cache (--kv-cache-dtype bfloat16)
+F32_BF16KV = (torch.float32, torch.bfloat16)
 BACKENDS = [
     pytest.param("cpu", "torch", torch.float32, id="cpu-torch-fp32"),
     pytest.param("cpu", "torch", torch.bfloat16, id="cpu-torch-bf16"),
@@ -32,6 +34,12 @@ BACKENDS = [
     pytest.param("cuda", "torch", torch.bfloat16, marks=GPU_ONLY, id="cuda-torch-bf16"),
     pytest.param("cuda", "xformers", torch.bfloat16, marks=XFORMERS_ONLY, id="cuda-xformers-bf16"),
     pytest.param("cuda", "xformers", torch.float16, marks=XFORMERS_ONLY, id="cuda-xformers-fp16"),
+    pytest.param("cpu", "torch", F32_BF16KV, id="cpu-torch-fp32-bf16kv"),
+    pytest.param("cpu", "cpu", F32_BF16KV, id="cpu-cpu-fp32-bf16kv"),
+    pytest.param("cuda", "torch", F32_BF16KV, marks=GPU_ONLY, id="cuda-torch-fp32-bf16kv"),
+    pytest.param(
+        "cuda", "xformers", F32_BF16KV, marks=XFORMERS_ONLY, id="cuda-xformers-fp32-bf16kv"
+    ),
 ]
 
 
@@ -46,11 +54,11 @@ def _naive_attention(q, k, v, scale):
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).reshape(q_len, -1)
 
 
-def _run_step(backend, cache, q_lens, s_lens, tables, history):
+def _run_step(backend, cache, q_lens, s_lens, tables, history, dtype):
     """One packed step; history[i] holds sequence i's full (k, v) so far for the reference
     (fp32 on the CPU, of the values as rounded to the cache's dtype)."""
     n = sum(q_lens)
-    device, dtype = cache.device, cache.dtype
+    device = cache.device
     q, k, v = (
         torch.randn(n, h, HEAD_DIM).to(device, dtype)
         for h in (NUM_HEADS, NUM_KV_HEADS, NUM_KV_HEADS)
@@ -58,7 +66,8 @@ def _run_step(backend, cache, q_lens, s_lens, tables, history):
     metadata = build_attention_metadata(q_lens, s_lens, tables, BLOCK_SIZE, device)
     with set_attention_metadata(metadata):
         out = backend.forward(q, k, v, cache, 0.3).float().cpu()
-    q, k, v = q.float().cpu(), k.float().cpu(), v.float().cpu()
+    q = q.float().cpu()
+    k, v = (t.to(cache.dtype).float().cpu() for t in (k, v))  # as the cache holds them
     tol = 1e-5 if dtype == torch.float32 else 3e-2
     start = 0
     for i, q_len in enumerate(q_lens):
@@ -84,8 +93,11 @@ def _run_step(backend, cache, q_lens, s_lens, tables, history):
 @pytest.mark.parametrize(("device", "backend_name", "dtype"), BACKENDS)
 def test_backend_matches_naive(steps, device, backend_name, dtype):
     torch.manual_seed(0)
+    dtype, kv_dtype = dtype if isinstance(dtype, tuple) else (dtype, dtype)
     backend = get_attention_backend(backend_name, device)
-    cache = allocate_kv_caches(1, NUM_BLOCKS, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, dtype, device)[0]
+    cache = allocate_kv_caches(1, NUM_BLOCKS, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, kv_dtype, device)[
+        0
+    ]
     free = list(range(1, NUM_BLOCKS))
     random.Random(0).shuffle(free)
     num_seqs = len(steps[0])
@@ -96,7 +108,7 @@ def test_backend_matches_naive(steps, device, backend_name, dtype):
             s_lens[i] += q_len
             while len(tables[i]) * BLOCK_SIZE < s_lens[i]:
                 tables[i].append(free.pop())
-        _run_step(backend, cache, q_lens, list(s_lens), [list(t) for t in tables], history)
+        _run_step(backend, cache, q_lens, list(s_lens), [list(t) for t in tables], history, dtype)
 
 
 @pytest.mark.parametrize("backend_name", ["torch", "cpu"])
