@@ -386,6 +386,7 @@ def _print_report(args, concurrency, results: list[RunResult], machine=None) -> 
         f"concurrency {concurrency}, "
         f"{'greedy' if args.temperature == 0 else f'temperature {args.temperature}'}, "
         f"dtype {args.dtype}"
+        + (f", KV cache {kv}" if (kv := getattr(args, "kv_cache_dtype", "auto")) != "auto" else "")
     )
     if machine is not None:
         print(machine.line())
