@@ -582,8 +582,8 @@ INLINE void store_row_f32_bf16kv(float *restrict o, const float *restrict acc, f
         const int64_t base = block * block_size * kv_stride + offset;                          \
         for (int64_t t = 0; t < block_size; t++)                                               \
             for (int64_t d = 0; d < width; d += line) {                                        \
-                __builtin_prefetch(k_cache + base + t * kv_stride + d, 0, PREFETCH_LOCALITY);     \
-                __builtin_prefetch(v_cache + base + t * kv_stride + d, 0, PREFETCH_LOCALITY);     \
+                __builtin_prefetch(k_cache + base + t * kv_stride + d, 0, PREFETCH_LOCALITY);  \
+                __builtin_prefetch(v_cache + base + t * kv_stride + d, 0, PREFETCH_LOCALITY);  \
             }                                                                                  \
     }
 PREFETCH_BLOCK(float, f32)
@@ -684,23 +684,24 @@ INLINE void chunk_merge(int64_t rows, int64_t head_dim, const float *restrict c_
  * rows' chunk state: query head (of the KV head's group) major, query token minor; row
  * j of a head sees keys up to seq_len - tl + j. qf: the query rows as fp32 (bf16 rows
  * off the attend_rows path). */
-#define FOLD_BLOCKS(T, KT, KS, V)                                                                    \
+#define FOLD_BLOCKS(T, KT, KS, V)                                                              \
     INLINE void fold_blocks_##V(                                                               \
         const T *q, int64_t q_token_stride, int64_t q_start, int64_t first_head,               \
-        int64_t group, int64_t tl, int64_t head_dim, const KT *k_cache, const KT *v_cache,       \
+        int64_t group, int64_t tl, int64_t head_dim, const KT *k_cache, const KT *v_cache,     \
         const int32_t *table, int64_t kv_head, int64_t kv_stride, int64_t block_size,          \
         int64_t seq_len, int64_t b0, int64_t b1, int64_t num_blocks, int chunks, float scale,  \
         const float *qf, float *scores, float *row_max, float *row_sum, float *acc) {          \
-        const int is_f32 = sizeof(T) == sizeof(float) && sizeof(KT) == sizeof(float);                                         \
+        /* fp32 rows over an fp32 cache: read in place, never copied */ \
+        const int is_f32 = sizeof(T) == sizeof(float) && sizeof(KT) == sizeof(float);          \
         if (b0 < b1)                                                                           \
-            prefetch_block_##KS(k_cache, v_cache, table[b0], block_size, kv_stride,             \
+            prefetch_block_##KS(k_cache, v_cache, table[b0], block_size, kv_stride,            \
                                kv_head * head_dim, head_dim);                                  \
         for (int64_t b = b0; b < b1; b++) {                                                    \
             const int64_t base =                                                               \
                 (int64_t)table[b] * block_size * kv_stride + kv_head * head_dim;               \
             const int64_t first_key = b * block_size;                                          \
             if (b + 1 < num_blocks)                                                            \
-                prefetch_block_##KS(k_cache, v_cache, table[b + 1], block_size, kv_stride,      \
+                prefetch_block_##KS(k_cache, v_cache, table[b + 1], block_size, kv_stride,     \
                                    kv_head * head_dim, head_dim);                              \
             if (chunks) {                                                                      \
                 attend_rows_##V(q, q_token_stride, q_start, first_head, group, tl, head_dim,   \
@@ -720,7 +721,7 @@ INLINE void chunk_merge(int64_t rows, int64_t head_dim, const float *restrict c_
                         is_f32 ? (const float *)(q + (q_start + j) * q_token_stride +          \
                                                  head * head_dim)                              \
                                : qf + r * head_dim;                                            \
-                    attend_##KS(qr, k_cache + base, v_cache + base, n, kv_stride, head_dim,     \
+                    attend_##KS(qr, k_cache + base, v_cache + base, n, kv_stride, head_dim,    \
                                scale, scores, row_max + r, row_sum + r, acc + r * head_dim);   \
                 }                                                                              \
             }                                                                                  \
@@ -730,17 +731,18 @@ FOLD_BLOCKS(float, float, f32, f32)
 FOLD_BLOCKS(bf16, bf16, bf16, bf16)
 FOLD_BLOCKS(float, bf16, bf16, f32_bf16kv)
 
-#define TREE_ROWS(T, KT, KS, V)                                                                      \
+#define TREE_ROWS(T, KT, KS, V)                                                                \
     INLINE void tree_rows_##V(                                                                 \
         T *out, int64_t out_token_stride, const T *q, int64_t q_token_stride,                  \
-        const KT *k_cache, const KT *v_cache, const int32_t *table, const int64_t *tree_masks,  \
+        const KT *k_cache, const KT *v_cache, const int32_t *table, const int64_t *tree_masks, \
         int64_t step_start, int64_t q_start, int64_t j0, int64_t tl, int64_t kv_head,          \
         int64_t group, int64_t head_dim, int64_t block_size, int64_t kv_stride, int chunks,    \
         float scale, float *row_max, float *row_sum, float *acc, float *t_max, float *t_sum,   \
-        float *t_acc, float *scores, float *qf, KT *kv_scratch) {                               \
-        const int is_f32 = sizeof(T) == sizeof(float) && sizeof(KT) == sizeof(float);                                         \
+        float *t_acc, float *scores, float *qf, KT *kv_scratch) {                              \
+        /* fp32 rows over an fp32 cache: read in place, never copied */ \
+        const int is_f32 = sizeof(T) == sizeof(float) && sizeof(KT) == sizeof(float);          \
         const int64_t first_head = kv_head * group;                                            \
-        KT *k_scr = kv_scratch, *v_scr = kv_scratch + block_size * head_dim;                    \
+        KT *k_scr = kv_scratch, *v_scr = kv_scratch + block_size * head_dim;                   \
         int seen[64];                                                                          \
         for (int64_t j = 0; j < tl; j++) {                                                     \
             const int64_t token = q_start + j, jj = j0 + j;                                    \
@@ -771,7 +773,7 @@ FOLD_BLOCKS(float, bf16, bf16, f32_bf16kv)
             for (int64_t b = 0; b < num_blocks; b++) {                                         \
                 const int64_t first_key = b * block_size;                                      \
                 const int64_t end = len - first_key < block_size ? len : first_key + block_size; \
-                const KT *kb, *vb;                                                              \
+                const KT *kb, *vb;                                                             \
                 int64_t stride;                                                                \
                 if (identity || end <= step_start) {                                           \
                     const int64_t base =                                                       \
@@ -786,9 +788,9 @@ FOLD_BLOCKS(float, bf16, bf16, f32_bf16kv)
                                             (key % block_size) * kv_stride +                   \
                                             kv_head * head_dim;                                \
                         memcpy(k_scr + (v - first_key) * head_dim, k_cache + src,              \
-                               sizeof(KT) * (size_t)head_dim);                                  \
+                               sizeof(KT) * (size_t)head_dim);                                 \
                         memcpy(v_scr + (v - first_key) * head_dim, v_cache + src,              \
-                               sizeof(KT) * (size_t)head_dim);                                  \
+                               sizeof(KT) * (size_t)head_dim);                                 \
                     }                                                                          \
                     kb = k_scr, vb = v_scr, stride = head_dim;                                 \
                 }                                                                              \
@@ -802,7 +804,7 @@ FOLD_BLOCKS(float, bf16, bf16, f32_bf16kv)
                             is_f32 ? (const float *)(q + token * q_token_stride +              \
                                                      (first_head + hl) * head_dim)             \
                                    : qf + hl * head_dim;                                       \
-                        attend_##KS(qr, kb, vb, (int)(end - first_key), stride, head_dim,       \
+                        attend_##KS(qr, kb, vb, (int)(end - first_key), stride, head_dim,      \
                                    scale, scores, row_max + hl, row_sum + hl,                  \
                                    acc + hl * head_dim);                                       \
                     }                                                                          \
@@ -814,7 +816,7 @@ FOLD_BLOCKS(float, bf16, bf16, f32_bf16kv)
                 }                                                                              \
             }                                                                                  \
             for (int64_t hl = 0; hl < group; hl++)                                             \
-                store_row_##V(out + token * out_token_stride + (first_head + hl) * head_dim,    \
+                store_row_##V(out + token * out_token_stride + (first_head + hl) * head_dim,   \
                               t_acc + hl * head_dim, 1.0f / t_sum[hl], head_dim);              \
         }                                                                                      \
     }
@@ -897,7 +899,7 @@ TREE_ROWS(float, bf16, bf16, f32_bf16kv)
  * block id or a length does not fit the buffers passed, or a size is out of range
  * (nothing is read out of bounds in any case, and for 2 and 3 nothing is written).
  */
-#define PAGED_ATTENTION(T, KT, V, NAME)                                                          \
+#define PAGED_ATTENTION(T, KT, V, NAME)                                                        \
     int NAME(T *out, int64_t out_token_stride, const T *q, int64_t q_token_stride,             \
              const KT *k_cache, const KT *v_cache, const int32_t *block_tables,                \
              int64_t block_table_stride, int64_t table_width, const int32_t *seq_lens,         \
@@ -911,7 +913,8 @@ TREE_ROWS(float, bf16, bf16, f32_bf16kv)
         if (num_kv_heads < 1 || num_heads < 0 || num_heads % num_kv_heads || head_dim < 1 ||   \
             head_dim > INT32_MAX || block_size < 1 || block_size > INT32_MAX || max_rows < 1)  \
             return 3;                                                                          \
-        const int is_f32 = sizeof(T) == sizeof(float) && sizeof(KT) == sizeof(float);                                         \
+        /* fp32 rows over an fp32 cache: read in place, never copied */ \
+        const int is_f32 = sizeof(T) == sizeof(float) && sizeof(KT) == sizeof(float);          \
         const int64_t group = num_heads / num_kv_heads;                                        \
         const int chunks = dot_chunks_##V(head_dim);                                           \
         const int64_t kv_stride = num_kv_heads * head_dim;                                     \
@@ -994,8 +997,8 @@ TREE_ROWS(float, bf16, bf16, f32_bf16kv)
             float *scores = malloc(sizeof(float) * (size_t)block_size);                        \
             float *qf = is_f32 ? NULL : malloc(sizeof(float) * (size_t)max_rows * head_dim);   \
             /* a token tree's rows: their visible keys gathered, one block at a time */        \
-            KT *kv_scratch = tree_masks ? calloc((size_t)(2 * block_size * head_dim), sizeof(KT))\
-                                       : NULL;                                                 \
+            KT *kv_scratch =                                                                   \
+                tree_masks ? calloc((size_t)(2 * block_size * head_dim), sizeof(KT)) : NULL;   \
             if (!acc || !row_max || !row_sum || !t_acc || !t_max || !t_sum || !scores ||       \
                 (!is_f32 && !qf) || (tree_masks && !kv_scratch)) {                             \
                 _Pragma("omp atomic write") failed = 1;                                        \
@@ -1099,7 +1102,7 @@ PAGED_ATTENTION(float, bf16, f32_bf16kv, specserve_paged_attention_f32_bf16kv)
         if (((num_rows) >= PARALLEL_MIN_ROWS ||                                                \
              ((num_rows) > 1 && (num_rows) * (row_size) >= PARALLEL_MIN_VALUES)) &&            \
             (num_threads) > 1) {                                                               \
-            _Pragma("omp parallel for num_threads(num_threads) schedule(static)") for (         \
+            _Pragma("omp parallel for num_threads(num_threads) schedule(static)") for (        \
                 int64_t i = 0; i < (num_rows); i++) ROW(i);                                    \
         } else {                                                                               \
             for (int64_t i = 0; i < (num_rows); i++) ROW(i);                                   \
@@ -1132,7 +1135,7 @@ PAGED_ATTENTION(float, bf16, f32_bf16kv, specserve_paged_attention_f32_bf16kv)
                                                                                                \
     void NAME(T *out, const T *x, T *residual, const T *weight, int64_t num_rows,              \
               int64_t hidden, float eps, int32_t num_threads) {                                \
-        FOR_ROWS_OF(num_rows, hidden, num_threads, RMS_ROW_##S);                                   \
+        FOR_ROWS_OF(num_rows, hidden, num_threads, RMS_ROW_##S);                               \
     }
 
 #define RMS_ROW_f32(i)                                                                         \
@@ -1266,7 +1269,7 @@ INLINE float div_corrected(float g, float d) {
     }                                                                                          \
                                                                                                \
     void NAME(T *out, const T *x, int64_t num_rows, int64_t inter, int32_t num_threads) {      \
-        FOR_ROWS_OF(num_rows, inter, num_threads, SILU_ROW_##S);                                   \
+        FOR_ROWS_OF(num_rows, inter, num_threads, SILU_ROW_##S);                               \
     }
 
 #define SILU_ROW_f32(i) \
