@@ -1,6 +1,8 @@
-"""`specserve bench accuracy`: what quantized weights cost in accuracy.
+"""`specserve bench accuracy`: what quantized weights (and a bf16 KV cache) cost in
+accuracy.
 
-Every variant (a dtype and a ``--quantization``) reads the same token sequences in one
+Every variant (a dtype and a ``--quantization``, and with ``:bf16kv`` a bf16 KV cache
+under the float32 model: ``--kv-cache-dtype bfloat16``) reads the same token sequences in one
 prefill each, beside the reference, the model dequantized in float32:
 
 - perplexity on held-out text (docstrings of standard-library functions, in
@@ -30,7 +32,10 @@ from pathlib import Path
 import torch
 
 PASSAGES = Path(__file__).with_name("data") / "accuracy_passages.json"
-DEFAULT_VARIANTS = "float32:none,bfloat16:none,float32:auto,bfloat16:auto,bfloat16:int8"
+DEFAULT_VARIANTS = (
+    "float32:none,bfloat16:none,float32:auto,bfloat16:auto,bfloat16:int8,"
+    "float32:none:bf16kv,float32:auto:bf16kv"
+)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -38,7 +43,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--variants",
         default=DEFAULT_VARIANTS,
-        help="comma list of DTYPE:QUANTIZATION against float32:none",
+        help="comma list of DTYPE:QUANTIZATION[:bf16kv] against float32:none (bf16kv: "
+        "a bf16 KV cache, --kv-cache-dtype bfloat16)",
     )
     parser.add_argument("--num-passages", type=int, default=52, help="held-out passages read")
     parser.add_argument("--max-tokens", type=int, default=384, help="tokens read per passage")
@@ -93,18 +99,20 @@ def run(args: argparse.Namespace) -> int:
     ref = load_model(args.model, dtype="float32", device="cpu", quantization="none")
     models = {
         name: load_model(args.model, dtype=d, device="cpu", quantization=q)
-        for name, (d, q) in variants.items()
+        for name, (d, q, _) in variants.items()
     }
+    kv = {name: kv_dtype for name, (_, _, kv_dtype) in variants.items()}
     texts = _passages(ref.tokenizer, args.num_passages, args.max_tokens)
     scores = {name: _Scores() for name in models}
     for i, ids in enumerate(texts):
         expected = _logits(ref.model, ids)
         for name, loaded in models.items():
-            scores[name].add_text(_logits(loaded.model, ids), expected, ids)
+            scores[name].add_text(_logits(loaded.model, ids, kv[name]), expected, ids)
         _log(f"passage {i + 1}/{len(texts)}")
     for prompt, answer in _greedy_answers(ref, args.num_chat_prompts, args.greedy_tokens):
         for name, loaded in models.items():
-            predicted = _logits(loaded.model, prompt + answer)[len(prompt) - 1 : -1].argmax(-1)
+            logits = _logits(loaded.model, prompt + answer, kv[name])
+            predicted = logits[len(prompt) - 1 : -1].argmax(-1)
             scores[name].agree += int((predicted == torch.tensor(answer)).sum())
             scores[name].answered += len(answer)
     rows = [scores[name].row(name) for name in models]
@@ -116,18 +124,26 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _parse_variants(spec: str) -> dict[str, tuple[str, str]]:
+def _parse_variants(spec: str) -> dict[str, tuple[str, str, torch.dtype | None]]:
+    """name -> (dtype, quantization, the KV cache's dtype or None for the model's)."""
     from engine.config import DTYPES, QUANTIZATIONS
 
     variants = {}
     for item in spec.split(","):
-        dtype, _, quantization = item.strip().partition(":")
-        if dtype not in DTYPES[1:] or quantization not in QUANTIZATIONS:
+        dtype, _, rest = item.strip().partition(":")
+        quantization, _, kv = rest.partition(":")
+        if (
+            dtype not in DTYPES[1:]
+            or quantization not in QUANTIZATIONS
+            or kv not in ("", "bf16kv")
+            or (kv and dtype != "float32")
+        ):
             raise ValueError(
-                f"--variants: {item!r} must be DTYPE:QUANTIZATION with DTYPE one of "
-                f"{', '.join(DTYPES[1:])} and QUANTIZATION one of {', '.join(QUANTIZATIONS)}"
+                f"--variants: {item!r} must be DTYPE:QUANTIZATION[:bf16kv] with DTYPE one of "
+                f"{', '.join(DTYPES[1:])} and QUANTIZATION one of {', '.join(QUANTIZATIONS)} "
+                "(bf16kv: float32 only)"
             )
-        variants[item.strip()] = (dtype, quantization)
+        variants[item.strip()] = (dtype, quantization, torch.bfloat16 if kv else None)
     return variants
 
 
@@ -137,8 +153,9 @@ def _passages(tokenizer, num: int, max_tokens: int) -> list[list[int]]:
 
 
 @torch.inference_mode()
-def _logits(model, ids: list[int]) -> torch.Tensor:
-    """[len(ids), vocab] float32: one prefill of ``ids`` in fresh KV caches."""
+def _logits(model, ids: list[int], kv_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """[len(ids), vocab] float32: one prefill of ``ids`` in fresh KV caches (of
+    ``kv_dtype``, default the model's)."""
     from engine.attention import (
         allocate_kv_caches,
         build_attention_metadata,
@@ -148,7 +165,7 @@ def _logits(model, ids: list[int]) -> torch.Tensor:
     block_size = 16
     num_blocks = -(-len(ids) // block_size) + 1
     cfg = model.config
-    dtype = model.model.norm.weight.dtype
+    dtype = kv_dtype or model.model.norm.weight.dtype
     caches = allocate_kv_caches(
         cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, dtype, "cpu"
     )

@@ -1,6 +1,7 @@
 """`specserve bench step`: where a decode step's time goes, kernels against torch ops.
 
-Runs the same batch twice on CPU in one dtype (``--dtype``, float32 or bfloat16): once
+Runs the same batch twice on CPU in one dtype (``--dtype``, float32 or bfloat16; the KV
+cache in it, or bf16 under float32 with ``--kv-cache-dtype bfloat16``): once
 with specserve's compiled kernels (the default: the `cpu` attention backend, fused norm /
 rotary / SiLU) and once with torch ops only (``SPECSERVE_CPU_KERNELS=0``, the `torch`
 attention backend). For the decode
@@ -25,6 +26,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 from engine.benchmarks.workloads import load_prompts
+from engine.config import KV_CACHE_DTYPES
 
 COMPONENTS = ("linear", "lm_head", "attention", "norm_rope_silu", "forward_rest", "host")
 DTYPES = ("float32", "bfloat16")  # the dtypes the compiled CPU kernels serve
@@ -44,7 +46,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--kv-cache-dtype",
-        choices=("auto", "bfloat16"),
+        choices=KV_CACHE_DTYPES,
         default="auto",
         help="auto: the KV cache in --dtype; bfloat16: a bf16 cache under float32",
     )

@@ -28,6 +28,7 @@ class LLM:
         max_num_seqs: int = 256,
         device: str = "auto",
         dtype: str = "auto",
+        kv_cache_dtype: str = "auto",
         seed: int = 0,
         **engine_kwargs,
     ) -> None:
@@ -43,6 +44,7 @@ class LLM:
             max_num_seqs=max_num_seqs,
             device=device,
             dtype=dtype,
+            kv_cache_dtype=kv_cache_dtype,
             seed=seed,
             **engine_kwargs,
         )

@@ -5,7 +5,8 @@ is allocated in bf16 and sized at half the bytes a block (twice the blocks for o
 memory budget); the compiled kernels (the one-call decoder and the layer-by-layer
 forward) and the torch backend compute the same model over it, within fp32 rounding;
 the engine serves what the model computes over that cache, says so in its model info
-(the gRPC ModelInfo, vLLM's GetServerInfo) and salts its prefix cache with it. The
+(the gRPC ModelInfo, vLLM's GetServerInfo) and salts its prefix cache with it; the
+offline API (LLM) takes the option. The
 speculation matrices (tests/engine/test_stress.py, test_lossless_sampling.py) cover it
 beside every proposer."""
 
@@ -16,6 +17,12 @@ import argparse
 import pytest
 import torch
 
+from engine.attention import (
+    allocate_kv_caches,
+    build_attention_metadata,
+    get_attention_backend,
+    set_attention_metadata,
+)
 from engine.config import EngineConfig
 from engine.core.kv_sizing import plan_kv_cache
 from engine.entrypoints.args import add_engine_args, engine_config_from_args
@@ -108,3 +115,64 @@ def test_the_engine_serves_the_model_over_its_bf16_cache(tiny_model_dir):
     assert vllm_convert.server_info(plain_info, 0, 0.0, 0.0).kv_cache_dtype == "auto"
     # a prefix cached over fp32 K/V is not a prefix cached over bf16 K/V
     assert engine.kv_manager.cache_key != plain.kv_manager.cache_key
+
+
+def test_the_torch_backend_rounds_what_it_writes_and_widens_what_it_reads():
+    """fp32 queries over a bf16 cache: K/V stored as torch rounds them (to nearest
+    even), attention equal to fp32 attention over those rounded K/V, and near the
+    fp32 cache's result."""
+    torch.manual_seed(0)
+    heads, kv_heads, head_dim, block_size = 4, 2, 8, 4
+    q_len, tables = 7, [[3, 1]]
+    q = torch.randn(q_len, heads, head_dim)
+    k, v = torch.randn(q_len, kv_heads, head_dim), torch.randn(q_len, kv_heads, head_dim)
+    backend = get_attention_backend("torch", "cpu")
+    out = {}
+    for kv in (torch.bfloat16, torch.float32):
+        cache = allocate_kv_caches(1, 4, block_size, kv_heads, head_dim, kv, "cpu")[0]
+        metadata = build_attention_metadata([q_len], [q_len], tables, block_size)
+        with set_attention_metadata(metadata):
+            out[kv] = backend.forward(q, k, v, cache, 0.3)
+        assert out[kv].dtype is torch.float32
+        stored = cache[:, [3, 1]].reshape(2, -1, kv_heads, head_dim)[:, :q_len]
+        assert torch.equal(stored[0], k.to(kv)) and torch.equal(stored[1], v.to(kv))
+    rounded = [t.to(torch.bfloat16).float() for t in (k, v)]
+    expected = _causal_attention(q, *rounded, 0.3)
+    torch.testing.assert_close(out[torch.bfloat16], expected, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out[torch.float32], _causal_attention(q, k, v, 0.3))
+    torch.testing.assert_close(out[torch.bfloat16], out[torch.float32], atol=2e-2, rtol=0)
+    assert not torch.equal(out[torch.bfloat16], out[torch.float32])
+
+
+def _causal_attention(q, k, v, scale):
+    """[q_len, heads * head_dim] fp32: causal attention of one sequence, K/V heads
+    shared by groups of query heads."""
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    scores = torch.einsum("qhd,khd->hqk", q, k) * scale
+    scores = scores.masked_fill(torch.ones_like(scores[0]).triu(1).bool(), float("-inf"))
+    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).reshape(q.shape[0], -1)
+
+
+def test_the_offline_api_takes_the_option(tiny_model_dir):
+    """LLM(..., dtype="float32", kv_cache_dtype="bfloat16"): bf16 caches under the fp32
+    model, and greedy generation over them repeats itself exactly."""
+    from engine.entrypoints.llm import LLM
+
+    prompts = [[5, 6, 7, 8, 9], list(range(20, 60))]
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    runs = []
+    for _ in range(2):
+        llm = LLM(
+            model=tiny_model_dir,
+            device="cpu",
+            dtype="float32",
+            kv_cache_dtype="bfloat16",
+            attn_backend="torch",
+            num_kv_blocks=64,
+        )
+        assert llm.config.kv_cache_dtype == "bfloat16"
+        assert llm.engine.loaded.dtype is torch.float32
+        assert all(cache.dtype is torch.bfloat16 for cache in llm.engine.runner.kv_caches)
+        runs.append([out.token_ids for out in llm.generate(prompts, params)])
+    assert runs[0] == runs[1] and all(len(ids) == 10 for ids in runs[0])
