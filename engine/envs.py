@@ -67,6 +67,14 @@ def fused_decoder() -> bool:
     return os.environ.get("SPECSERVE_FUSED_DECODER", "1") != "0"
 
 
+def decoder_team() -> bool:
+    """``SPECSERVE_DECODER_TEAM=0`` runs the float32 one-call decoder with an OpenMP
+    region per kernel instead of all its kernels on one team of threads meeting at a
+    spinning barrier (engine/kernels/decoder_kernels.c; the same bits, a few percent
+    slower at batch 1; for comparing them, or a host where spinning threads hurt)."""
+    return os.environ.get("SPECSERVE_DECODER_TEAM", "1") != "0"
+
+
 def bf16_linear() -> str:
     """``SPECSERVE_BF16_LINEAR=amx|vdpbf16ps|fma`` pins the kernel of a bf16 model's
     Linear layers on CPU (engine/kernels/cpu_kernels.c): AMX tiles (tdpbf16ps; AMX-BF16,

@@ -12,7 +12,9 @@ stream's share of the read bound (the bytes a token reads / the step time, again
 all the step reads: the weights and the context's keys and values (as the cache holds
 them). ``--kv-cache-dtype auto,bfloat16`` times the step over each KV cache dtype
 (``bfloat16``: a bf16 cache under a float32 model), all alternated in one process, with
-each one-call time's ratio to the first's. A prebuilt level runs this machine's CPU with
+each one-call time's ratio to the first's. ``--team on,off`` the same for the float32
+decoder's kernels on one team of threads (on, the default) or in a region each. A
+prebuilt level runs this machine's CPU with
 that level's code: the AVX2 level here shows what the AVX2 code does, on this machine's
 memory and cores.
 """
@@ -40,6 +42,12 @@ def main() -> int:
         default="auto",
         help="auto, bfloat16, or both comma-separated (timed alternately)",
     )
+    parser.add_argument(
+        "--team",
+        default="on",
+        help="on, off, or both comma-separated: the float32 one-call decoder's kernels on "
+        "one team of threads, or an OpenMP region each (timed alternately)",
+    )
     args = parser.parse_args()
 
     from engine.attention import kv_cache_bytes_per_block
@@ -54,6 +62,10 @@ def main() -> int:
 
     levels = [level.strip() for level in args.levels.split(",") if level.strip()]
     kv_names = [kv.strip() for kv in args.kv_cache_dtype.split(",") if kv.strip()]
+    teams = [t.strip() for t in args.team.split(",") if t.strip()]
+    if not teams or any(t not in ("on", "off") for t in teams):
+        parser.error(f"--team takes on, off or on,off, got {args.team!r}")
+    variants = [(kv, team) for kv in kv_names for team in teams]
     built: dict[str, Path] = {}
     if any(level != "native" for level in levels):
         print("building the prebuilt kernel levels (a minute or two) ...", file=sys.stderr)
@@ -61,10 +73,10 @@ def main() -> int:
         names = [name for name, _ in build_mod.PREBUILT_LEVELS[build_mod.platform.machine()]]
         built = dict(zip(names, build_mod.prebuild(out), strict=True))
     print(
-        "| level | KV cache | one call ms | vs first KV | layer by layer ms | one call vs "
+        "| level | KV cache | team | one call ms | vs first | layer by layer ms | one call vs "
         "layers | weight stream GB/s (share of read bound) | weights + KV GB/s (share) |"
     )
-    print("|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|")
     for level in levels:
         kernels = cpu_mod.cpu_kernels() if level == "native" else CpuKernels(built[level])
         for module in (cpu_mod, layers_mod, quant_mod):  # bounds imports it from cpu_mod
@@ -78,7 +90,7 @@ def main() -> int:
             runners[kv] = ModelRunner(loaded, num_blocks=64, block_size=16, kv_dtype=kv_dtype)
             fused[kv] = runners[kv].model.model.fused  # bound to this runner's caches
         if any(f is None for f in fused.values()):
-            print(f"| {level} | - | - | - | - | (no one-call decoder at this level) | - | - |")
+            print(f"| {level} | - | - | - | - | - | (no one-call decoder here) | - | - |")
             continue
         blocks = list(range(1, (args.context + 24) // 16 + 2))
         tokens = [100 + i % 1000 for i in range(args.context + 1)]
@@ -86,23 +98,28 @@ def main() -> int:
             runner.model.model.fused = fused[kv]
             runner.model.bind_kv_caches(runner.kv_caches)
             runner.forward([SeqInput(tokens[:-1], 0, blocks, 1)])
-        times = {(kv, one_call): [] for kv in kv_names for one_call in (True, False)}
+        times = {(v, one_call): [] for v in variants for one_call in (True, False)}
+        team_before = kernels.decoder_team
         for r in range(args.rounds):
-            for kv, runner in runners.items():
+            for kv, team in variants:
+                runner = runners[kv]
                 runner.model.bind_kv_caches(runner.kv_caches)  # one model, each its caches
+                kernels.set_decoder_team(team == "on")
                 for one_call in (True, False):
                     runner.model.model.fused = fused[kv] if one_call else None
                     prepared = runner.prepare([SeqInput(tokens[-1:], args.context, blocks, 1)])
                     start = time.perf_counter()
                     runner.execute(prepared)
-                    times[kv, one_call].append(time.perf_counter() - start)
+                    times[(kv, team), one_call].append(time.perf_counter() - start)
             if r % 10 == 9:
                 print(f"{level}: round {r + 1}/{args.rounds}", file=sys.stderr, flush=True)
+        kernels.set_decoder_team(team_before)
         streamed = _streamed_bytes(loaded.model)
         bound = bounds_mod.measure()
-        first = statistics.median(times[kv_names[0], True])
-        for kv, runner in runners.items():
-            one, layers = (statistics.median(times[kv, k]) for k in (True, False))
+        first = statistics.median(times[variants[0], True])
+        for kv, team in variants:
+            runner = runners[kv]
+            one, layers = (statistics.median(times[(kv, team), k]) for k in (True, False))
             arch = runner.arch  # the context's K/V: one block of one token a position
             kv_bytes = (args.context + 1) * kv_cache_bytes_per_block(
                 arch.num_layers, 1, arch.num_kv_heads, arch.head_dim, runner.kv_caches[0].dtype
@@ -112,7 +129,7 @@ def main() -> int:
                 gbps = nbytes / one / 1e9
                 shares.append(f"{gbps:.1f} ({gbps / bound.read_gbps:.0%} of {bound.read_gbps:.1f})")
             cache = str(runner.kv_caches[0].dtype).removeprefix("torch.")
-            print(f"| {level} | {cache} | {1e3 * one:.2f} | {one / first:.3f} | "
+            print(f"| {level} | {cache} | {team} | {1e3 * one:.2f} | {one / first:.3f} | "
                   f"{1e3 * layers:.2f} | {layers / one:.2f}x | {shares[0]} | {shares[1]} |",
                   flush=True)  # fmt: skip
     return 0

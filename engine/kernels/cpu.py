@@ -115,6 +115,8 @@ class CpuKernels:
         self._set_bf16_linear = self.lib.specserve_set_bf16_linear
         self._set_bf16_linear.restype = ctypes.c_int32
         self._set_bf16_linear.argtypes = [ctypes.c_int32]
+        team = self._decoder_team = self.lib.specserve_decoder_team
+        team.restype, team.argtypes = ctypes.c_int32, [ctypes.c_int32]
         amx = self.lib.specserve_amx_tiles
         amx.restype, amx.argtypes = ctypes.c_int32, []
         # AMX tiles: 0 not in this build, 1 built but Linux did not lend them, 2 in use
@@ -173,6 +175,19 @@ class CpuKernels:
             dp,
         )
         return choice
+
+    @property
+    def decoder_team(self) -> bool:
+        """Whether the one-call float32 decoder runs its kernels on one team of threads
+        (the default; the same bits as a region per kernel, fewer waits)."""
+        return bool(self._decoder_team(-1))
+
+    def set_decoder_team(self, on: bool) -> bool:
+        """Turn the float32 decoder's team on or off (to compare them); returns the
+        setting before. Process-wide: every model on this library follows it."""
+        before = self.decoder_team
+        self._decoder_team(1 if on else 0)
+        return before
 
     def set_bf16_linear(self, name: str) -> str | None:
         """Run bf16 Linear layers on kernel ``name`` (one of ``bf16_linear_modes``) from
@@ -645,7 +660,9 @@ def cpu_kernels() -> CpuKernels | None:
     if not envs.cpu_kernels():
         return None
     try:
-        return CpuKernels(build_library())
+        kernels = CpuKernels(build_library())
+        kernels.set_decoder_team(envs.decoder_team())
+        return kernels
     except (KernelBuildError, OSError, AttributeError) as exc:
         if envs.kernel_level() is not None:
             raise

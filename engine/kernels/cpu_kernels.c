@@ -55,6 +55,60 @@
 #define SPLIT_ITEMS_PER_THREAD 4
 #define SPLIT_MAX_BYTES ((int64_t)32 << 20)
 
+/* ---- a team: one OpenMP region's threads running many kernels in turn ----
+ *
+ * The one-call float32 decoder runs every kernel of every layer inside one parallel
+ * region, its threads meeting at this barrier between kernels, instead of opening a
+ * region per kernel. On the 2-vCPU Zen 3 (KVM) libgomp's fork and join cost 2.3-3.0 us
+ * a region and its barrier 1.0 us; this barrier 0.12 us. A batch-1 step of the default
+ * model opens 150-odd regions. The waiting threads spin TEAM_SPINS pauses (tens of
+ * microseconds: a kernel of the step is shorter), then yield the CPU at each look, so a
+ * machine with fewer free CPUs than threads still makes progress. */
+#include <omp.h>
+int sched_yield(void); /* <sched.h> declares it only outside strict ISO C (-std=c11) */
+#define TEAM_SPINS 4096
+#if defined(__x86_64__) || defined(__i386__)
+#define CPU_RELAX() __builtin_ia32_pause()
+#else
+#define CPU_RELAX() ((void)0)
+#endif
+struct team {
+    int count __attribute__((aligned(64))); /* threads at the barrier */
+    int gen __attribute__((aligned(64)));   /* barriers passed */
+    int64_t next[2] __attribute__((aligned(64))); /* dynamic phases' counters, in turn */
+};
+
+/* Every thread of the team (nt of them) calls it; none returns before all have. */
+INLINE void team_barrier(struct team *tm, int nt) {
+    if (nt <= 1) return;
+    const int gen = __atomic_load_n(&tm->gen, __ATOMIC_ACQUIRE);
+    if (__atomic_add_fetch(&tm->count, 1, __ATOMIC_ACQ_REL) == nt) {
+        __atomic_store_n(&tm->count, 0, __ATOMIC_RELAXED);
+        __atomic_store_n(&tm->gen, gen + 1, __ATOMIC_RELEASE);
+        return;
+    }
+    for (int spins = 0; __atomic_load_n(&tm->gen, __ATOMIC_ACQUIRE) == gen; spins++) {
+        if (spins < TEAM_SPINS) CPU_RELAX();
+        else sched_yield();
+    }
+}
+
+/* Dynamic phase `phase` (counted alike by every thread; barriers between phases): the
+ * next item for the calling thread. The counter of the phase after it is cleared here,
+ * by thread 0, while no thread can be using it. */
+INLINE void team_phase(struct team *tm, int tid, int phase) {
+    if (tid == 0) __atomic_store_n(&tm->next[(phase + 1) & 1], 0, __ATOMIC_RELAXED);
+}
+INLINE int64_t team_take(struct team *tm, int phase) {
+    return __atomic_fetch_add(&tm->next[phase & 1], 1, __ATOMIC_RELAXED);
+}
+
+/* Thread tid's share [*lo, *hi) of n items split evenly in order, as schedule(static). */
+INLINE void team_range(int64_t n, int tid, int nt, int64_t *lo, int64_t *hi) {
+    *lo = n * tid / nt;
+    *hi = n * (tid + 1) / nt;
+}
+
 /* ---- AMX tiles: Linux lends a process the tile registers on request ----
  * (arch_prctl ARCH_REQ_XCOMP_PERM), once; refused, the kernels that would use them run
  * on AVX-512 (the quantized Linear's tdpbssd path, the bf16 Linear's tdpbf16ps one). */
@@ -861,6 +915,188 @@ TREE_ROWS(float, bf16, bf16, f32_bf16kv)
                           t_acc + r * head_dim, 1.0f / t_sum[r], head_dim);                    \
         }
 
+/* A paged-attention call's arguments; out, q and the caches of its instance's types. */
+struct attn_args {
+    void *out;
+    int64_t out_token_stride;
+    const void *q;
+    int64_t q_token_stride;
+    const void *k_cache, *v_cache;
+    const int32_t *block_tables;
+    int64_t block_table_stride, table_width;
+    const int32_t *seq_lens, *query_start_loc;
+    int64_t num_seqs, num_tokens;
+    const int32_t *seq_ids;
+    int64_t num_selected, num_heads, num_kv_heads, head_dim, block_size, num_cache_blocks;
+    float scale;
+    int64_t max_rows;
+    const int64_t *tree_masks;
+};
+
+/* A call's work: tile t covers query tokens tile_j0[t] .. +Q_TILE of sequence
+ * seq_ids[tile_sel[t]]. Split mode (partials non-NULL): a unit is a key chunk of a tile
+ * (a tree tile is one unit, computed whole), an item a unit's KV head; tile t's units
+ * are tile_unit0[t] .. [t + 1], their chunk states from partials + tile_off[t] (PARTIAL).
+ * Else a unit is a tile. It depends on the sequences alone, not on q, out or the
+ * caches: the one-call decoder plans once for all its layers. */
+struct attn_plan {
+    int64_t num_tiles, num_units, num_items;
+    int64_t *tile_sel, *tile_j0, *tile_unit0, *tile_off, *unit_tile;
+    float *partials;
+};
+
+static void attn_plan_free(struct attn_plan *p) {
+    free(p->tile_sel), free(p->tile_j0), free(p->tile_unit0), free(p->unit_tile);
+    free(p->partials);
+    memset(p, 0, sizeof *p);
+}
+
+/* 0, or the call's status (see PAGED_ATTENTION: 1, 2 or 3), with nothing allocated. */
+static int attn_plan_make(struct attn_plan *p, const struct attn_args *c, int32_t num_threads) {
+    memset(p, 0, sizeof *p);
+    /* The wrapper checks these; checked again because C must not divide by zero or
+     * truncate a size whatever it is given. */
+    if (c->num_kv_heads < 1 || c->num_heads < 0 || c->num_heads % c->num_kv_heads ||
+        c->head_dim < 1 || c->head_dim > INT32_MAX || c->block_size < 1 ||
+        c->block_size > INT32_MAX || c->max_rows < 1)
+        return 3;
+    const int64_t group = c->num_heads / c->num_kv_heads, head_dim = c->head_dim;
+    const int64_t num_kv_heads = c->num_kv_heads, block_size = c->block_size;
+    const int32_t *seq_ids = c->seq_ids, *query_start_loc = c->query_start_loc;
+    const int32_t *seq_lens = c->seq_lens;
+    const int64_t *tree_masks = c->tree_masks;
+    const int failed = check_sequences(c->block_tables, c->block_table_stride, c->table_width,
+                                       seq_lens, query_start_loc, c->num_seqs, c->num_tokens,
+                                       seq_ids, c->num_selected, group, block_size,
+                                       c->num_cache_blocks, c->max_rows);
+    if (failed) return failed;
+    int64_t num_tiles = 0;
+    for (int64_t i = 0; i < c->num_selected; i++) {
+        const int64_t s = seq_ids[i];
+        const int64_t len = (int64_t)query_start_loc[s + 1] - query_start_loc[s];
+        num_tiles += len > 0 ? (len + Q_TILE - 1) / Q_TILE : 1;
+    }
+    p->num_tiles = num_tiles;
+    const size_t tiles_bytes = sizeof(int64_t) * (size_t)(num_tiles > 0 ? num_tiles : 1);
+    int64_t *tile_sel = p->tile_sel = malloc(tiles_bytes);
+    int64_t *tile_j0 = p->tile_j0 = malloc(tiles_bytes);
+    if (!tile_sel || !tile_j0) {
+        attn_plan_free(p);
+        return 1;
+    }
+    for (int64_t i = 0, t = 0; i < c->num_selected; i++) {
+        const int64_t s = seq_ids[i];
+        const int64_t len = (int64_t)query_start_loc[s + 1] - query_start_loc[s];
+        int64_t j0 = 0;
+        do {
+            tile_sel[t] = i;
+            tile_j0[t++] = j0;
+            j0 += Q_TILE;
+        } while (j0 < len);
+    }
+    p->num_units = num_tiles;
+    if (num_threads > 1 && num_tiles * num_kv_heads < SPLIT_ITEMS_PER_THREAD * num_threads) {
+        int64_t *tile_unit0 = p->tile_unit0 =
+            malloc(sizeof(int64_t) * (size_t)(2 * num_tiles + 1));
+        if (!tile_unit0) {
+            attn_plan_free(p);
+            return 1;
+        }
+        int64_t *tile_off = p->tile_off = tile_unit0 + num_tiles + 1;
+        tile_unit0[0] = 0;
+        int64_t floats = 0;
+        for (int64_t t = 0; t < num_tiles; t++) {
+            TILE_INFO(t);
+            const int64_t chunks_seen = (num_blocks + SPLIT_BLOCKS - 1) / SPLIT_BLOCKS;
+            const int64_t n = !tl || (tree_masks && tile_has_tree(tree_masks + q_start, tl)) ||
+                                      chunks_seen < 1
+                                  ? 1
+                                  : chunks_seen;
+            tile_unit0[t + 1] = tile_unit0[t] + n;
+            tile_off[t] = floats;
+            floats += n * num_kv_heads * group * tl * (head_dim + 2);
+        }
+        if (tile_unit0[num_tiles] > num_tiles &&
+            floats * (int64_t)sizeof(float) <= SPLIT_MAX_BYTES) {
+            int64_t *unit_tile = p->unit_tile =
+                malloc(sizeof(int64_t) * (size_t)tile_unit0[num_tiles]);
+            p->partials = malloc(sizeof(float) * (size_t)floats);
+            if (!unit_tile || !p->partials) {
+                attn_plan_free(p);
+                return 1;
+            }
+            for (int64_t t = 0; t < num_tiles; t++)
+                for (int64_t u = tile_unit0[t]; u < tile_unit0[t + 1]; u++) unit_tile[u] = t;
+            p->num_units = tile_unit0[num_tiles];
+        }
+    }
+    p->num_items = p->num_units * num_kv_heads;
+    return 0;
+}
+
+/* A thread's scratch: a key chunk's state (row_max, row_sum, acc) and the rows' total
+ * (t_*); qf, the query rows as fp32 (rows other than fp32 rows over an fp32 cache); a
+ * token tree's rows' visible keys, gathered one block at a time (kv_scratch). */
+struct attn_scratch {
+    float *acc, *row_max, *row_sum, *t_acc, *t_max, *t_sum, *scores, *qf;
+    void *kv_scratch;
+};
+
+static void attn_scratch_free(struct attn_scratch *s) {
+    free(s->acc), free(s->row_max), free(s->row_sum), free(s->t_acc), free(s->t_max);
+    free(s->t_sum), free(s->scores), free(s->qf), free(s->kv_scratch);
+    memset(s, 0, sizeof *s);
+}
+
+/* 0, or 1 (all freed) when out of memory. */
+static int attn_scratch_alloc(struct attn_scratch *s, const struct attn_args *c, int need_qf,
+                              size_t kv_value_size) {
+    const size_t rows = (size_t)c->max_rows, head_dim = (size_t)c->head_dim;
+    s->acc = malloc(sizeof(float) * rows * head_dim);
+    s->row_max = malloc(sizeof(float) * rows);
+    s->row_sum = malloc(sizeof(float) * rows);
+    s->t_acc = malloc(sizeof(float) * rows * head_dim);
+    s->t_max = malloc(sizeof(float) * rows);
+    s->t_sum = malloc(sizeof(float) * rows);
+    s->scores = malloc(sizeof(float) * (size_t)c->block_size);
+    s->qf = need_qf ? malloc(sizeof(float) * rows * head_dim) : NULL;
+    s->kv_scratch = c->tree_masks ? calloc(2 * (size_t)c->block_size * head_dim, kv_value_size)
+                                  : NULL;
+    if (!s->acc || !s->row_max || !s->row_sum || !s->t_acc || !s->t_max || !s->t_sum ||
+        !s->scores || (need_qf && !s->qf) || (c->tree_masks && !s->kv_scratch)) {
+        attn_scratch_free(s);
+        return 1;
+    }
+    return 0;
+}
+
+/* The locals the macros above read, from a call's arguments, plan and scratch. */
+#define ATTN_LOCALS(T, KT)                                                                     \
+    T *out = c->out;                                                                           \
+    const T *q = c->q;                                                                         \
+    const KT *k_cache = c->k_cache, *v_cache = c->v_cache;                                     \
+    const int64_t out_token_stride = c->out_token_stride, q_token_stride = c->q_token_stride;  \
+    const int32_t *block_tables = c->block_tables, *seq_lens = c->seq_lens;                    \
+    const int32_t *query_start_loc = c->query_start_loc, *seq_ids = c->seq_ids;                \
+    const int64_t block_table_stride = c->block_table_stride;                                  \
+    const int64_t num_kv_heads = c->num_kv_heads, head_dim = c->head_dim;                      \
+    const int64_t block_size = c->block_size, group = c->num_heads / num_kv_heads;             \
+    const int64_t kv_stride = num_kv_heads * head_dim;                                         \
+    const float scale = c->scale;                                                              \
+    const int64_t *tree_masks = c->tree_masks;                                                 \
+    const int64_t *tile_sel = p->tile_sel, *tile_j0 = p->tile_j0;                              \
+    const int64_t *tile_unit0 = p->tile_unit0, *tile_off = p->tile_off;                        \
+    const int64_t *unit_tile = p->unit_tile;                                                   \
+    float *partials = p->partials;                                                             \
+    float *acc = s->acc, *row_max = s->row_max, *row_sum = s->row_sum;                         \
+    float *t_acc = s->t_acc, *t_max = s->t_max, *t_sum = s->t_sum;                             \
+    float *scores = s->scores, *qf = s->qf;                                                    \
+    KT *kv_scratch = s->kv_scratch;                                                            \
+    (void)block_tables, (void)block_table_stride, (void)tile_unit0, (void)tile_off;            \
+    (void)unit_tile, (void)partials, (void)acc, (void)row_max, (void)row_sum, (void)scores;    \
+    (void)qf, (void)kv_scratch, (void)k_cache, (void)v_cache, (void)q, (void)q_token_stride,   \
+        (void)scale, (void)kv_stride
+
 /* Attention of the query tokens of the selected sequences over their paged context,
  * causal with offset: sequence `seq` adds q_len tokens and holds seq_lens[seq] after
  * the step, so its query j sits at position seq_len - q_len + j and sees keys
@@ -898,8 +1134,72 @@ TREE_ROWS(float, bf16, bf16, f32_bf16kv)
  * than max_rows / (num_heads / num_kv_heads) query tokens, 3 when a sequence id, a
  * block id or a length does not fit the buffers passed, or a size is out of range
  * (nothing is read out of bounds in any case, and for 2 and 3 nothing is written).
- */
+ * attn_item_V and attn_merge_V are a call's two passes, one item at a time: the
+ * one-call decoder runs them on its own team of threads. */
 #define PAGED_ATTENTION(T, KT, V, NAME)                                                        \
+    static void attn_item_##V(const struct attn_args *c, const struct attn_plan *p,           \
+                              struct attn_scratch *s, int64_t item) {                          \
+        ATTN_LOCALS(T, KT);                                                                    \
+        /* fp32 rows over an fp32 cache: read in place, never copied */                       \
+        const int is_f32 = sizeof(T) == sizeof(float) && sizeof(KT) == sizeof(float);          \
+        const int chunks = dot_chunks_##V(head_dim);                                           \
+        const int64_t unit = item / num_kv_heads;                                              \
+        const int64_t kv_head = item % num_kv_heads;                                           \
+        TILE_INFO(partials ? unit_tile[unit] : unit);                                          \
+        /* rows: query head (of this KV head's group) major, query token minor */             \
+        const int64_t rows = group * tl;                                                       \
+        const int32_t *table = block_tables + seq * block_table_stride;                        \
+        if (tree_masks && tile_has_tree(tree_masks + q_start, tl)) {                           \
+            tree_rows_##V(out, out_token_stride, q, q_token_stride, k_cache, v_cache, table,   \
+                          tree_masks, seq_lens[seq] - q_len, q_start, j0, tl, kv_head, group,  \
+                          head_dim, block_size, kv_stride, chunks, scale, row_max, row_sum,    \
+                          acc, t_max, t_sum, t_acc, scores, qf, kv_scratch);                   \
+            return;                                                                            \
+        }                                                                                      \
+        const int64_t first_head = kv_head * group;                                            \
+        if (!is_f32 && !chunks) {                                                              \
+            for (int64_t hl = 0; hl < group; hl++)                                             \
+                for (int64_t j = 0; j < tl; j++)                                               \
+                    load_query_##V(qf + (hl * tl + j) * head_dim,                              \
+                                   q + (q_start + j) * q_token_stride +                        \
+                                       (first_head + hl) * head_dim,                           \
+                                   head_dim);                                                  \
+        }                                                                                      \
+        if (partials) { /* one key chunk, its state left for the merge pass */                \
+            const int64_t chunk = unit - tile_unit0[unit_tile[unit]];                          \
+            FOLD_CHUNK(V, chunk * SPLIT_BLOCKS);                                               \
+            /* copied out once: the partials of two threads' items share lines */             \
+            float *p_max = PARTIAL(unit_tile[unit], chunk);                                    \
+            memcpy(p_max, row_max, sizeof(float) * (size_t)rows);                              \
+            memcpy(p_max + rows, row_sum, sizeof(float) * (size_t)rows);                       \
+            memcpy(p_max + 2 * rows, acc, sizeof(float) * (size_t)(rows * head_dim));          \
+            return;                                                                            \
+        }                                                                                      \
+        chunk_reset(rows, head_dim, t_max, t_sum, t_acc);                                      \
+        for (int64_t b0 = 0; b0 < num_blocks; b0 += SPLIT_BLOCKS) {                            \
+            FOLD_CHUNK(V, b0);                                                                 \
+            chunk_merge(rows, head_dim, row_max, row_sum, acc, t_max, t_sum, t_acc);           \
+        }                                                                                      \
+        STORE_ROWS(V);                                                                         \
+    }                                                                                          \
+    /* split mode's second pass, item tile * num_kv_heads + kv_head: a tile's chunks merged \
+     * in key order, as the first pass does unsplit */                                        \
+    static void attn_merge_##V(const struct attn_args *c, const struct attn_plan *p,          \
+                               struct attn_scratch *s, int64_t item) {                         \
+        ATTN_LOCALS(T, KT);                                                                    \
+        const int64_t tile = item / num_kv_heads, kv_head = item % num_kv_heads;               \
+        TILE_INFO(tile);                                                                       \
+        if (tree_masks && tile_has_tree(tree_masks + q_start, tl)) return;                     \
+        const int64_t rows = group * tl, first_head = kv_head * group;                         \
+        (void)num_blocks, (void)seq_len;                                                       \
+        chunk_reset(rows, head_dim, t_max, t_sum, t_acc);                                      \
+        for (int64_t ch = 0; ch < tile_unit0[tile + 1] - tile_unit0[tile]; ch++) {             \
+            const float *p_max = PARTIAL(tile, ch);                                            \
+            chunk_merge(rows, head_dim, p_max, p_max + rows, p_max + 2 * rows, t_max, t_sum,   \
+                        t_acc);                                                                \
+        }                                                                                      \
+        STORE_ROWS(V);                                                                         \
+    }                                                                                          \
     int NAME(T *out, int64_t out_token_stride, const T *q, int64_t q_token_stride,             \
              const KT *k_cache, const KT *v_cache, const int32_t *block_tables,                \
              int64_t block_table_stride, int64_t table_width, const int32_t *seq_lens,         \
@@ -908,183 +1208,37 @@ TREE_ROWS(float, bf16, bf16, f32_bf16kv)
              int64_t num_kv_heads, int64_t head_dim, int64_t block_size,                       \
              int64_t num_cache_blocks, float scale, int64_t max_rows, int32_t num_threads,     \
              const int64_t *tree_masks) {                                                      \
-        /* The wrapper checks these; checked again because C must not divide by zero or     \
-         * truncate a size whatever it is given. */                                           \
-        if (num_kv_heads < 1 || num_heads < 0 || num_heads % num_kv_heads || head_dim < 1 ||   \
-            head_dim > INT32_MAX || block_size < 1 || block_size > INT32_MAX || max_rows < 1)  \
-            return 3;                                                                          \
-        /* fp32 rows over an fp32 cache: read in place, never copied */ \
-        const int is_f32 = sizeof(T) == sizeof(float) && sizeof(KT) == sizeof(float);          \
-        const int64_t group = num_heads / num_kv_heads;                                        \
-        const int chunks = dot_chunks_##V(head_dim);                                           \
-        const int64_t kv_stride = num_kv_heads * head_dim;                                     \
-        int failed = check_sequences(block_tables, block_table_stride, table_width, seq_lens,  \
-                                     query_start_loc, num_seqs, num_tokens, seq_ids,           \
-                                     num_selected, group, block_size, num_cache_blocks,        \
-                                     max_rows);                                                \
+        const struct attn_args args = {                                                        \
+            out, out_token_stride, q, q_token_stride, k_cache, v_cache, block_tables,          \
+            block_table_stride, table_width, seq_lens, query_start_loc, num_seqs, num_tokens,  \
+            seq_ids, num_selected, num_heads, num_kv_heads, head_dim, block_size,              \
+            num_cache_blocks, scale, max_rows, tree_masks};                                    \
+        struct attn_plan plan;                                                                 \
+        int failed = attn_plan_make(&plan, &args, num_threads);                                \
         if (failed) return failed;                                                             \
-        /* tile t covers query tokens tile_j0[t] .. +Q_TILE of sequence seq_ids[tile_sel[t]] */ \
-        int64_t num_tiles = 0;                                                                 \
-        for (int64_t i = 0; i < num_selected; i++) {                                           \
-            const int64_t s = seq_ids[i];                                                      \
-            const int64_t len = (int64_t)query_start_loc[s + 1] - query_start_loc[s];          \
-            num_tiles += len > 0 ? (len + Q_TILE - 1) / Q_TILE : 1;                            \
-        }                                                                                      \
-        int64_t *tile_sel = malloc(sizeof(int64_t) * (size_t)(num_tiles > 0 ? num_tiles : 1)); \
-        int64_t *tile_j0 = malloc(sizeof(int64_t) * (size_t)(num_tiles > 0 ? num_tiles : 1));  \
-        if (!tile_sel || !tile_j0) {                                                           \
-            free(tile_sel);                                                                    \
-            free(tile_j0);                                                                     \
-            return 1;                                                                          \
-        }                                                                                      \
-        for (int64_t i = 0, t = 0; i < num_selected; i++) {                                    \
-            const int64_t s = seq_ids[i];                                                      \
-            const int64_t len = (int64_t)query_start_loc[s + 1] - query_start_loc[s];          \
-            int64_t j0 = 0;                                                                    \
-            do {                                                                               \
-                tile_sel[t] = i;                                                               \
-                tile_j0[t++] = j0;                                                             \
-                j0 += Q_TILE;                                                                  \
-            } while (j0 < len);                                                                \
-        }                                                                                      \
-        /* Split mode: a unit is a key chunk of a tile (a tree tile is one unit, computed   \
-         * whole), an item a unit's KV head; tile t's units are tile_unit0[t] .. [t + 1],   \
-         * their chunk states from partials + tile_off[t] (PARTIAL). Else a unit is a tile. */ \
-        int64_t *tile_unit0 = NULL, *tile_off = NULL, *unit_tile = NULL;                       \
-        int64_t num_units = num_tiles;                                                         \
-        float *partials = NULL;                                                                \
-        if (num_threads > 1 && num_tiles * num_kv_heads < SPLIT_ITEMS_PER_THREAD * num_threads) { \
-            tile_unit0 = malloc(sizeof(int64_t) * (size_t)(2 * num_tiles + 1));                \
-            int64_t floats = 0;                                                                \
-            if (tile_unit0) {                                                                  \
-                tile_off = tile_unit0 + num_tiles + 1;                                         \
-                tile_unit0[0] = 0;                                                             \
-            } else {                                                                           \
-                failed = 1;                                                                    \
-            }                                                                                  \
-            for (int64_t t = 0; t < num_tiles && !failed; t++) {                               \
-                TILE_INFO(t);                                                                  \
-                const int64_t chunks_seen = (num_blocks + SPLIT_BLOCKS - 1) / SPLIT_BLOCKS;    \
-                const int64_t n = !tl || (tree_masks && tile_has_tree(tree_masks + q_start, tl)) \
-                                          || chunks_seen < 1                                   \
-                                      ? 1                                                      \
-                                      : chunks_seen;                                           \
-                tile_unit0[t + 1] = tile_unit0[t] + n;                                         \
-                tile_off[t] = floats;                                                          \
-                floats += n * num_kv_heads * group * tl * (head_dim + 2);                      \
-            }                                                                                  \
-            if (!failed && tile_unit0[num_tiles] > num_tiles &&                                \
-                floats * (int64_t)sizeof(float) <= SPLIT_MAX_BYTES) {                          \
-                unit_tile = malloc(sizeof(int64_t) * (size_t)tile_unit0[num_tiles]);           \
-                partials = malloc(sizeof(float) * (size_t)floats);                             \
-                if (!unit_tile || !partials) failed = 1;                                       \
-                for (int64_t t = 0; t < num_tiles && !failed; t++)                             \
-                    for (int64_t u = tile_unit0[t]; u < tile_unit0[t + 1]; u++) unit_tile[u] = t; \
-                num_units = tile_unit0[num_tiles];                                             \
-            }                                                                                  \
-        }                                                                                      \
-        /* no item runs when the split's buffers could not be allocated (all are freed) */  \
-        const int64_t num_items = failed ? 0 : num_units * num_kv_heads;                       \
-                                                                                               \
+        const int need_qf = !(sizeof(T) == sizeof(float) && sizeof(KT) == sizeof(float));      \
         _Pragma("omp parallel num_threads(num_threads)") {                                     \
-            /* a key chunk's state (row_max, row_sum, acc) and the rows' total (t_*) */        \
-            float *acc = malloc(sizeof(float) * (size_t)max_rows * head_dim);                  \
-            float *row_max = malloc(sizeof(float) * (size_t)max_rows);                         \
-            float *row_sum = malloc(sizeof(float) * (size_t)max_rows);                         \
-            float *t_acc = malloc(sizeof(float) * (size_t)max_rows * head_dim);                \
-            float *t_max = malloc(sizeof(float) * (size_t)max_rows);                           \
-            float *t_sum = malloc(sizeof(float) * (size_t)max_rows);                           \
-            float *scores = malloc(sizeof(float) * (size_t)block_size);                        \
-            float *qf = is_f32 ? NULL : malloc(sizeof(float) * (size_t)max_rows * head_dim);   \
-            /* a token tree's rows: their visible keys gathered, one block at a time */        \
-            KT *kv_scratch =                                                                   \
-                tree_masks ? calloc((size_t)(2 * block_size * head_dim), sizeof(KT)) : NULL;   \
-            if (!acc || !row_max || !row_sum || !t_acc || !t_max || !t_sum || !scores ||       \
-                (!is_f32 && !qf) || (tree_masks && !kv_scratch)) {                             \
+            struct attn_scratch scratch;                                                       \
+            if (attn_scratch_alloc(&scratch, &args, need_qf, sizeof(KT))) {                    \
                 _Pragma("omp atomic write") failed = 1;                                        \
             }                                                                                  \
-            _Pragma("omp for schedule(dynamic, 1)") for (int64_t item = 0; item < num_items;   \
-                                                         item++) {                             \
+            _Pragma("omp for schedule(dynamic, 1)") for (int64_t item = 0;                     \
+                                                         item < plan.num_items; item++) {      \
                 int stop;                                                                      \
                 _Pragma("omp atomic read") stop = failed;                                      \
-                if (stop) continue;                                                            \
-                const int64_t unit = item / num_kv_heads;                                      \
-                const int64_t kv_head = item % num_kv_heads;                                   \
-                TILE_INFO(partials ? unit_tile[unit] : unit);                                  \
-                /* rows: query head (of this KV head's group) major, query token minor */     \
-                const int64_t rows = group * tl;                                               \
-                const int32_t *table = block_tables + seq * block_table_stride;                \
-                if (tree_masks && tile_has_tree(tree_masks + q_start, tl)) {                   \
-                    tree_rows_##V(out, out_token_stride, q, q_token_stride, k_cache, v_cache,  \
-                                  table, tree_masks, seq_lens[seq] - q_len, q_start, j0, tl,   \
-                                  kv_head, group, head_dim, block_size, kv_stride, chunks,     \
-                                  scale, row_max, row_sum, acc, t_max, t_sum, t_acc, scores,   \
-                                  qf, kv_scratch);                                             \
-                    continue;                                                                  \
-                }                                                                              \
-                const int64_t first_head = kv_head * group;                                    \
-                if (!is_f32 && !chunks) {                                                      \
-                    for (int64_t hl = 0; hl < group; hl++)                                     \
-                        for (int64_t j = 0; j < tl; j++)                                       \
-                            load_query_##V(qf + (hl * tl + j) * head_dim,                      \
-                                           q + (q_start + j) * q_token_stride +                \
-                                               (first_head + hl) * head_dim,                   \
-                                           head_dim);                                          \
-                }                                                                              \
-                if (partials) { /* one key chunk, its state left for the merge below */       \
-                    const int64_t chunk = unit - tile_unit0[unit_tile[unit]];                  \
-                    FOLD_CHUNK(V, chunk * SPLIT_BLOCKS);                                       \
-                    /* copied out once: the partials of two threads' items share lines */     \
-                    float *p_max = PARTIAL(unit_tile[unit], chunk);                            \
-                    memcpy(p_max, row_max, sizeof(float) * (size_t)rows);                      \
-                    memcpy(p_max + rows, row_sum, sizeof(float) * (size_t)rows);               \
-                    memcpy(p_max + 2 * rows, acc, sizeof(float) * (size_t)(rows * head_dim));  \
-                    continue;                                                                  \
-                }                                                                              \
-                chunk_reset(rows, head_dim, t_max, t_sum, t_acc);                              \
-                for (int64_t b0 = 0; b0 < num_blocks; b0 += SPLIT_BLOCKS) {                    \
-                    FOLD_CHUNK(V, b0);                                                         \
-                    chunk_merge(rows, head_dim, row_max, row_sum, acc, t_max, t_sum, t_acc);   \
-                }                                                                              \
-                STORE_ROWS(V);                                                                 \
+                if (!stop) attn_item_##V(&args, &plan, &scratch, item);                        \
             }                                                                                  \
-            /* split mode: each tile's chunks merged in key order, as the loop above does */  \
-            if (partials) {                                                                    \
-                _Pragma("omp for schedule(dynamic, 1)") for (int64_t item = 0;                 \
-                                                             item < num_tiles * num_kv_heads;  \
-                                                             item++) {                         \
+            if (plan.partials) {                                                               \
+                _Pragma("omp for schedule(dynamic, 1)") for (                                  \
+                    int64_t item = 0; item < plan.num_tiles * num_kv_heads; item++) {          \
                     int stop;                                                                  \
                     _Pragma("omp atomic read") stop = failed;                                  \
-                    if (stop) continue;                                                        \
-                    const int64_t tile = item / num_kv_heads, kv_head = item % num_kv_heads;   \
-                    TILE_INFO(tile);                                                           \
-                    if (tree_masks && tile_has_tree(tree_masks + q_start, tl)) continue;       \
-                    const int64_t rows = group * tl, first_head = kv_head * group;             \
-                    (void)num_blocks, (void)seq_len;                                           \
-                    chunk_reset(rows, head_dim, t_max, t_sum, t_acc);                          \
-                    for (int64_t c = 0; c < tile_unit0[tile + 1] - tile_unit0[tile]; c++) {    \
-                        const float *p_max = PARTIAL(tile, c);                                 \
-                        chunk_merge(rows, head_dim, p_max, p_max + rows, p_max + 2 * rows,     \
-                                    t_max, t_sum, t_acc);                                      \
-                    }                                                                          \
-                    STORE_ROWS(V);                                                             \
+                    if (!stop) attn_merge_##V(&args, &plan, &scratch, item);                   \
                 }                                                                              \
             }                                                                                  \
-            free(acc);                                                                         \
-            free(row_max);                                                                     \
-            free(row_sum);                                                                     \
-            free(t_acc);                                                                       \
-            free(t_max);                                                                       \
-            free(t_sum);                                                                       \
-            free(scores);                                                                      \
-            free(qf);                                                                          \
-            free(kv_scratch);                                                                  \
+            attn_scratch_free(&scratch);                                                       \
         }                                                                                      \
-        free(tile_unit0);                                                                      \
-        free(unit_tile);                                                                       \
-        free(partials);                                                                        \
-        free(tile_sel);                                                                        \
-        free(tile_j0);                                                                         \
+        attn_plan_free(&plan);                                                                 \
         return failed;                                                                         \
     }
 
@@ -1618,16 +1772,14 @@ LF_TILE_W16(bf16, bf16x)
 #define LF_CASES_MORE(W, XS)
 #endif
 
-/* One (weight storage, output type)'s loop: tiles over the threads, LF_ROWS rows of x at a
- * time per tile. */
+/* One (weight storage, output type)'s loop: tiles [t0, t1), LF_ROWS rows of x at a time
+ * per tile; and the tiles over the threads. */
 #define LF_LINEAR(W, WT, OT, XS)                                                               \
-    static void lf_linear_##W##_##XS(OT *out, const float *x, int64_t x_stride,                \
-                                     const WT *packed, const OT *bias, int64_t m, int64_t n,   \
-                                     int64_t k, int32_t num_threads) {                         \
-        const int64_t tiles = (n + LF_TILE - 1) / LF_TILE;                                     \
+    INLINE void lf_tiles_##W##_##XS(OT *out, const float *x, int64_t x_stride,                 \
+                                    const WT *packed, const OT *bias, int64_t m, int64_t n,    \
+                                    int64_t k, int64_t t0, int64_t t1) {                       \
         const int64_t tile_size = (sizeof(WT) == 2 ? (k + 1) / 2 * 2 : k) * LF_TILE;           \
-        _Pragma("omp parallel for num_threads(num_threads) schedule(static)")                  \
-        for (int64_t t = 0; t < tiles; t++) {                                                  \
+        for (int64_t t = t0; t < t1; t++) {                                                    \
             const WT *tile = packed + t * tile_size;                                           \
             const OT *b = bias == NULL ? NULL : bias + t * LF_TILE;                            \
             const int64_t cols = n - t * LF_TILE < LF_TILE ? n - t * LF_TILE : LF_TILE;        \
@@ -1640,12 +1792,30 @@ LF_TILE_W16(bf16, bf16x)
                 }                                                                              \
             }                                                                                  \
         }                                                                                      \
+    }                                                                                          \
+    static void lf_linear_##W##_##XS(OT *out, const float *x, int64_t x_stride,                \
+                                     const WT *packed, const OT *bias, int64_t m, int64_t n,   \
+                                     int64_t k, int32_t num_threads) {                         \
+        const int64_t tiles = (n + LF_TILE - 1) / LF_TILE;                                     \
+        _Pragma("omp parallel for num_threads(num_threads) schedule(static)")                  \
+        for (int64_t t = 0; t < tiles; t++)                                                    \
+            lf_tiles_##W##_##XS(out, x, x_stride, packed, bias, m, n, k, t, t + 1);            \
     }
 LF_LINEAR(w32, float, float, f32)
 LF_LINEAR(w16, bf16, float, f32)
 LF_LINEAR(w16, bf16, bf16, bf16x)
 
 int32_t specserve_linear_tile_f32(void) { return LF_TILE; }
+
+/* The float32 Linear's tiles [t0, t1) of LF_TILE outputs (a team thread's share). */
+INLINE void linear_f32_tiles(float *out, const float *x, int64_t x_stride, const void *packed,
+                             int32_t storage_bf16, const float *bias, int64_t m, int64_t n,
+                             int64_t k, int64_t t0, int64_t t1) {
+    if (storage_bf16)
+        lf_tiles_w16_f32(out, x, x_stride, (const bf16 *)packed, bias, m, n, k, t0, t1);
+    else
+        lf_tiles_w32_f32(out, x, x_stride, (const float *)packed, bias, m, n, k, t0, t1);
+}
 
 /* out [m, n] (dense); x [m, k], rows x_stride apart; packed as above, bf16-stored when
  * storage_bf16; bias [n] or NULL. */

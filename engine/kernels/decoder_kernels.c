@@ -52,6 +52,219 @@ INLINE int decoder_linear_f32(float *out, const float *x, int64_t x_stride, cons
     return 0;
 }
 
+/* The decoder's parameters (T: the activations' type) and its arguments, as named. */
+#define DECODER_PARAMS(T)                                                                      \
+    const struct specserve_layer *layers, int64_t num_layers, T *hidden, T *residual,          \
+        T *normed, T *qkv, T *attn, T *gate_up, T *act, int64_t n, int64_t hidden_size,        \
+        int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t inter, float eps,   \
+        const int64_t *positions, const T *cos_sin, int64_t num_positions,                     \
+        const int64_t *slots, int64_t num_cache_blocks, int64_t block_size,                    \
+        const int32_t *block_tables, int64_t block_table_stride, int64_t table_width,          \
+        const int32_t *seq_lens, const int32_t *query_start_loc, int64_t num_seqs,             \
+        const int32_t *seq_ids, int64_t num_selected, int64_t max_rows, float scale,           \
+        int32_t num_threads, int32_t continue_residual, const int64_t *tree_masks
+#define DECODER_ARGS                                                                           \
+    layers, num_layers, hidden, residual, normed, qkv, attn, gate_up, act, n, hidden_size,     \
+        num_heads, num_kv_heads, head_dim, inter, eps, positions, cos_sin, num_positions,      \
+        slots, num_cache_blocks, block_size, block_tables, block_table_stride, table_width,    \
+        seq_lens, query_start_loc, num_seqs, seq_ids, num_selected, max_rows, scale,           \
+        num_threads, continue_residual, tree_masks
+
+/* ---- the float32 decoder on one team of threads ----
+ *
+ * The same kernels on the same values as the layer loop below, so the same bits, but
+ * inside one OpenMP region for the whole call: each kernel split among the team's
+ * threads (rows of the row-wise ones, tiles of outputs of the Linear layers, the work
+ * items of attention, handed out one at a time), the threads meeting at team_barrier
+ * between kernels instead of opening a region per kernel (see struct team). What can
+ * fail is checked, and every buffer allocated, before the region: its loop cannot fail.
+ * The team runs float32 layers whose Linear layers have a team form: quantized where
+ * the AMX path is not taken, float where the build has the FMA kernel; others run the
+ * layer loop. specserve_decoder_team(0) turns it off (to compare the two). */
+static int32_t decoder_team_on = 1;
+int32_t specserve_decoder_team(int32_t on) {
+    if (on >= 0) decoder_team_on = on != 0;
+    return decoder_team_on;
+}
+
+INLINE int fmt_quantized(int32_t fmt) { return fmt != FMT_FLOAT_PACKED && fmt != FMT_BF16_STORED; }
+
+static int decoder_team_ok(const struct specserve_layer *layers, int64_t num_layers, int64_t n,
+                           int32_t num_threads) {
+    if (!decoder_team_on || num_threads < 2 || n < 1) return 0;
+    for (int64_t l = 0; l < num_layers; l++) {
+        const int32_t fmts[4] = {layers[l].qkv_fmt, layers[l].o_fmt, layers[l].gate_up_fmt,
+                                 layers[l].down_fmt};
+        for (int i = 0; i < 4; i++) {
+            if (fmt_quantized(fmts[i])) {
+                if (q_amx_takes(fmts[i], n)) return 0;
+            } else {
+#if !defined(HAVE_LF_LINEAR)
+                return 0;
+#endif
+            }
+        }
+    }
+    return 1;
+}
+
+/* Thread tid's share of a Linear layer: out [m, n_out] = x [m, k] @ W^T (+ bias); a
+ * quantized one reads x's rows as quantized into a (a->k = k). */
+INLINE void team_linear_f32(float *out, const float *x, int64_t x_stride, const void *w,
+                            int32_t fmt, const float *bias, int64_t m, int64_t n_out, int64_t k,
+                            const struct qrows *a, int tid, int nt) {
+    int64_t lo, hi;
+    if (fmt_quantized(fmt)) {
+        team_range(q_groups_of(n_out), tid, nt, &lo, &hi);
+        q_groups_f32(out, a, w, fmt, bias, m, n_out, lo, hi);
+        return;
+    }
+#if defined(HAVE_LF_LINEAR)
+    team_range((n_out + LF_TILE - 1) / LF_TILE, tid, nt, &lo, &hi);
+    linear_f32_tiles(out, x, x_stride, w, fmt == FMT_BF16_STORED, bias, m, n_out, k, lo, hi);
+#else
+    (void)out, (void)x, (void)x_stride, (void)w, (void)bias, (void)m, (void)n_out, (void)k;
+    (void)lo, (void)hi;
+    abort(); /* unreachable: decoder_team_ok refuses float layers without the kernel */
+#endif
+}
+
+/* Rows [r0, r1) of x quantized into a for a quantized Linear of k inputs next (a->k set
+ * for it on every thread). */
+INLINE void team_quantize(struct qrows *a, int32_t fmt, const float *x, int64_t k, int64_t r0,
+                          int64_t r1) {
+    if (!fmt_quantized(fmt)) return;
+    a->k = k, a->nb = k / QK;
+    q_team_quantize_f32(a, x, k, k, fmt, r0, r1);
+}
+
+#define DECODER_TEAM(KT, V, NAME, KV_FN)                                                       \
+    static int NAME(DECODER_PARAMS(float)) {                                                   \
+        const int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;        \
+        const int64_t qkv_size = q_size + 2 * kv_size, h = hidden_size;                        \
+        const int64_t num_slots = num_cache_blocks * block_size;                               \
+        for (int64_t i = 0; i < n; i++)                                                        \
+            if (positions[i] < 0 || positions[i] >= num_positions) return 1;                   \
+        for (int64_t i = 0; i < n; i++)                                                        \
+            if (slots[i] >= num_slots) return 2;                                               \
+        int64_t kmax = 0;                                                                      \
+        for (int64_t l = 0; l < num_layers; l++) {                                             \
+            const struct specserve_layer *w = &layers[l];                                      \
+            const int32_t fmts[4] = {w->qkv_fmt, w->o_fmt, w->gate_up_fmt, w->down_fmt};      \
+            const int64_t outs[4] = {qkv_size, h, 2 * inter, h}, ins[4] = {h, q_size, h, inter}; \
+            for (int i = 0; i < 4; i++) {                                                      \
+                if (!fmt_quantized(fmts[i])) continue;                                         \
+                if (specserve_quant_packed_bytes(fmts[i], outs[i], ins[i]) < 0) return 3;      \
+                if (ins[i] > kmax) kmax = ins[i];                                              \
+            }                                                                                  \
+        }                                                                                      \
+        const struct attn_args args = {                                                        \
+            attn, q_size, qkv, qkv_size, NULL, NULL, block_tables, block_table_stride,         \
+            table_width, seq_lens, query_start_loc, num_seqs, n, seq_ids, num_selected,        \
+            num_heads, num_kv_heads, head_dim, block_size, num_cache_blocks, scale, max_rows,  \
+            tree_masks};                                                                       \
+        struct attn_plan plan;                                                                 \
+        const int status = attn_plan_make(&plan, &args, num_threads);                          \
+        if (status) return 10 + status;                                                        \
+        struct qrows qa;                                                                       \
+        memset(&qa, 0, sizeof qa);                                                             \
+        if (kmax > 0 && qrows_alloc(&qa, n, kmax)) { /* it frees what it took */              \
+            attn_plan_free(&plan);                                                             \
+            return 3;                                                                          \
+        }                                                                                      \
+        struct team tm;                                                                        \
+        memset(&tm, 0, sizeof tm);                                                             \
+        int failed = 0;                                                                        \
+        _Pragma("omp parallel num_threads(num_threads)") {                                     \
+            const int tid = omp_get_thread_num(), nt = omp_get_num_threads();                  \
+            struct attn_scratch scratch;                                                       \
+            if (attn_scratch_alloc(&scratch, &args, sizeof(KT) != sizeof(float), sizeof(KT)))  \
+                __atomic_store_n(&failed, 1, __ATOMIC_RELAXED);                                \
+            team_barrier(&tm, nt);                                                             \
+            if (!__atomic_load_n(&failed, __ATOMIC_RELAXED)) {                                 \
+                struct attn_args la = args; /* this thread's, the layer's caches in it */     \
+                struct qrows a = qa;        /* this thread's, its k the next Linear's */      \
+                int64_t r0, r1;                                                                \
+                team_range(n, tid, nt, &r0, &r1);                                              \
+                const int64_t nr = r1 - r0;                                                    \
+                int phase = 0;                                                                 \
+                for (int64_t l = 0; l < num_layers; l++) {                                     \
+                    const struct specserve_layer *w = &layers[l];                              \
+                    if (l == 0 && !continue_residual) {                                        \
+                        memcpy(residual + r0 * h, hidden + r0 * h,                             \
+                               sizeof(float) * (size_t)(nr * h));                              \
+                        specserve_rms_norm(normed + r0 * h, hidden + r0 * h, NULL,             \
+                                           w->input_norm, nr, h, eps, 1);                      \
+                    } else {                                                                   \
+                        specserve_rms_norm(normed + r0 * h, hidden + r0 * h, residual + r0 * h, \
+                                           w->input_norm, nr, h, eps, 1);                      \
+                    }                                                                          \
+                    team_quantize(&a, w->qkv_fmt, normed, h, r0, r1);                          \
+                    team_barrier(&tm, nt);                                                     \
+                    team_linear_f32(qkv, normed, h, w->qkv, w->qkv_fmt, w->qkv_bias, n,        \
+                                    qkv_size, h, &a, tid, nt);                                 \
+                    team_barrier(&tm, nt);                                                     \
+                    specserve_rope(qkv + r0 * qkv_size, qkv_size, nr, positions + r0, cos_sin, \
+                                   num_positions, num_heads + num_kv_heads, head_dim, 1);      \
+                    team_barrier(&tm, nt);                                                     \
+                    /* in row order on one thread: rows sharing a slot leave the last one's */ \
+                    if (tid == 0)                                                              \
+                        KV_FN(qkv + q_size, qkv_size, qkv + q_size + kv_size, qkv_size, n,     \
+                              kv_size, (KT *)w->k_cache, (KT *)w->v_cache, slots, num_slots);  \
+                    team_barrier(&tm, nt);                                                     \
+                    la.k_cache = w->k_cache, la.v_cache = w->v_cache;                          \
+                    team_phase(&tm, tid, phase);                                               \
+                    for (int64_t it = team_take(&tm, phase); it < plan.num_items;              \
+                         it = team_take(&tm, phase))                                           \
+                        attn_item_##V(&la, &plan, &scratch, it);                               \
+                    phase++;                                                                   \
+                    team_barrier(&tm, nt);                                                     \
+                    if (plan.partials) {                                                       \
+                        team_phase(&tm, tid, phase);                                           \
+                        for (int64_t it = team_take(&tm, phase);                               \
+                             it < plan.num_tiles * num_kv_heads; it = team_take(&tm, phase))   \
+                            attn_merge_##V(&la, &plan, &scratch, it);                          \
+                        phase++;                                                               \
+                        team_barrier(&tm, nt);                                                 \
+                    }                                                                          \
+                    if (fmt_quantized(w->o_fmt)) {                                             \
+                        team_quantize(&a, w->o_fmt, attn, q_size, r0, r1);                     \
+                        team_barrier(&tm, nt);                                                 \
+                    }                                                                          \
+                    team_linear_f32(hidden, attn, q_size, w->o, w->o_fmt, NULL, n, h, q_size,  \
+                                    &a, tid, nt);                                              \
+                    team_barrier(&tm, nt);                                                     \
+                    specserve_rms_norm(normed + r0 * h, hidden + r0 * h, residual + r0 * h,    \
+                                       w->post_norm, nr, h, eps, 1);                           \
+                    team_quantize(&a, w->gate_up_fmt, normed, h, r0, r1);                      \
+                    team_barrier(&tm, nt);                                                     \
+                    team_linear_f32(gate_up, normed, h, w->gate_up, w->gate_up_fmt, NULL, n,   \
+                                    2 * inter, h, &a, tid, nt);                                \
+                    team_barrier(&tm, nt);                                                     \
+                    specserve_silu_and_mul(act + r0 * inter, gate_up + r0 * 2 * inter, nr,     \
+                                           inter, 1);                                          \
+                    team_quantize(&a, w->down_fmt, act, inter, r0, r1);                        \
+                    team_barrier(&tm, nt);                                                     \
+                    team_linear_f32(hidden, act, inter, w->down, w->down_fmt, NULL, n, h,      \
+                                    inter, &a, tid, nt);                                       \
+                    team_barrier(&tm, nt);                                                     \
+                }                                                                              \
+            }                                                                                  \
+            attn_scratch_free(&scratch);                                                       \
+        }                                                                                      \
+        qrows_free(&qa);                                                                       \
+        attn_plan_free(&plan);                                                                 \
+        return failed ? 11 : 0;                                                                \
+    }
+DECODER_TEAM(float, f32, decoder_team_f32, specserve_write_kv)
+DECODER_TEAM(bf16, f32_bf16kv, decoder_team_f32_bf16kv, specserve_write_kv_f32_bf16kv)
+#define DECODER_DISPATCH_NONE
+#define DECODER_DISPATCH_f32                                                                   \
+    if (decoder_team_ok(layers, num_layers, n, num_threads)) return decoder_team_f32(DECODER_ARGS);
+#define DECODER_DISPATCH_f32_bf16kv                                                            \
+    if (decoder_team_ok(layers, num_layers, n, num_threads))                                   \
+        return decoder_team_f32_bf16kv(DECODER_ARGS);
+
 /* hidden [n, hidden_size]: the embeddings in, the last layer's MLP output out;
  * residual [n, hidden_size]: the residual stream before that output, out (the final
  * norm adds them). Scratch: normed [n, hidden_size], qkv [n, q + 2 kv], attn [n, q],
@@ -62,16 +275,9 @@ INLINE int decoder_linear_f32(float *out, const float *x, int64_t x_stride, cons
  * continue_residual, hidden and residual come in as a previous call left them (the
  * layers before these ones): a model run in several calls computes exactly what one
  * call does. */
-#define DECODER_LAYERS(T, S, KT, NAME, NORM_FN, ROPE_FN, KV_FN, ATTN_FN, SILU_FN)                  \
-    int NAME(const struct specserve_layer *layers, int64_t num_layers, T *hidden, T *residual,     \
-             T *normed, T *qkv, T *attn, T *gate_up, T *act, int64_t n, int64_t hidden_size,       \
-             int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t inter,             \
-             float eps, const int64_t *positions, const T *cos_sin, int64_t num_positions,         \
-             const int64_t *slots, int64_t num_cache_blocks, int64_t block_size,                   \
-             const int32_t *block_tables, int64_t block_table_stride, int64_t table_width,         \
-             const int32_t *seq_lens, const int32_t *query_start_loc, int64_t num_seqs,            \
-             const int32_t *seq_ids, int64_t num_selected, int64_t max_rows, float scale,          \
-             int32_t num_threads, int32_t continue_residual, const int64_t *tree_masks) {          \
+#define DECODER_LAYERS(T, S, KT, NAME, NORM_FN, ROPE_FN, KV_FN, ATTN_FN, SILU_FN, DISPATCH)        \
+    int NAME(DECODER_PARAMS(T)) {                                                                  \
+        DISPATCH                                                                                   \
         const int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;            \
         const int64_t qkv_size = q_size + 2 * kv_size;                                             \
         const int64_t num_slots = num_cache_blocks * block_size;                                   \
@@ -120,10 +326,12 @@ INLINE int decoder_linear_f32(float *out, const float *x, int64_t x_stride, cons
     }
 DECODER_LAYERS(bf16, bf16, bf16, specserve_decoder_layers_bf16, specserve_rms_norm_bf16,
                specserve_rope_bf16, specserve_write_kv_bf16, specserve_paged_attention_bf16,
-               specserve_silu_and_mul_bf16)
+               specserve_silu_and_mul_bf16, DECODER_DISPATCH_NONE)
 DECODER_LAYERS(float, f32, float, specserve_decoder_layers, specserve_rms_norm, specserve_rope,
-               specserve_write_kv, specserve_paged_attention, specserve_silu_and_mul)
+               specserve_write_kv, specserve_paged_attention, specserve_silu_and_mul,
+               DECODER_DISPATCH_f32)
 /* a float32 model over a bf16 KV cache (--kv-cache-dtype bfloat16) */
 DECODER_LAYERS(float, f32, bf16, specserve_decoder_layers_f32_bf16kv, specserve_rms_norm,
                specserve_rope, specserve_write_kv_f32_bf16kv,
-               specserve_paged_attention_f32_bf16kv, specserve_silu_and_mul)
+               specserve_paged_attention_f32_bf16kv, specserve_silu_and_mul,
+               DECODER_DISPATCH_f32_bf16kv)

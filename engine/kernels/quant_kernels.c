@@ -423,6 +423,12 @@ INLINE void q_tile_amx_rows(qacc *acc, int32_t fmt, int rows, const uint8_t *til
     else q_tile_amx_QFMT_Q4_0(acc, rows, tile, a, r0, bq, c);
 }
 
+/* Whether QUANT_LINEAR takes the AMX path below for m rows of fmt. */
+INLINE int q_amx_takes(int32_t fmt, int64_t m) {
+    const int64_t rows = q_amx_min_rows >= 0 ? q_amx_min_rows : fmt == QFMT_Q8_0 ? 9 : 0;
+    return rows > 0 && m >= rows && amx_ready();
+}
+
 /* The AMX path of QUANT_LINEAR, for output type T (S its suffix): returns from it when
  * taken. Row blocks of 16 run on tiles where they hold amx_rows_ rows or more, the
  * others (a short last block) on vpdpbusd: the same bits either way. */
@@ -609,6 +615,7 @@ INLINE void q_acc_to_lanes(float *lanes, qacc v) { memcpy(lanes, v.v, sizeof(v.v
 
 #ifndef QPATH_AMX
 #define Q_AMX_LINEAR(T, S)
+INLINE int q_amx_takes(int32_t fmt, int64_t m) { return (void)fmt, (void)m, 0; }
 int32_t specserve_quant_amx_min_rows(int32_t rows) { return (void)rows, 0; } /* no AMX */
 int64_t specserve_quant_amx_calls(void) { return 0; }
 #endif
@@ -619,6 +626,33 @@ int64_t specserve_quant_amx_calls(void) { return 0; }
         q_acc_to_lanes(lanes, acc);                                                            \
         for (int64_t c = 0; c < cols; c++)                                                     \
             ST_##S(out, c, bias == NULL ? lanes[c] : lanes[c] + LD_##S(bias, c));              \
+    }                                                                                          \
+    /* groups [g0, g1) of QTILES tiles of outputs, off x's rows quantized into a */           \
+    INLINE void q_groups_##S(T *out, const struct qrows *a, const uint8_t *packed,             \
+                             int32_t fmt, const T *bias, int64_t m, int64_t n, int64_t g0,     \
+                             int64_t g1) {                                                     \
+        const int64_t tiles = (n + QLANES - 1) / QLANES;                                       \
+        const int64_t tile_bytes = a->nb * q_tile_block_bytes(fmt);                            \
+        for (int64_t g = g0; g < g1; g++) {                                                    \
+            /* a last group short of tiles repeats its last one; its outputs are not kept */   \
+            const uint8_t *group[QTILES];                                                      \
+            for (int j = 0; j < QTILES; j++) {                                                 \
+                const int64_t t = g * QTILES + j < tiles ? g * QTILES + j : tiles - 1;         \
+                group[j] = packed + t * tile_bytes;                                            \
+            }                                                                                  \
+            qacc acc[QROWS * QTILES];                                                          \
+            for (int64_t r0 = 0; r0 < m; r0 += QROWS) {                                        \
+                const int rows = m - r0 < QROWS ? (int)(m - r0) : QROWS;                       \
+                q_tile_rows(acc, fmt, rows, group, a, r0);                                     \
+                for (int j = 0; j < QTILES && g * QTILES + j < tiles; j++) {                    \
+                    const int64_t t = g * QTILES + j, c0 = t * QLANES;                         \
+                    const int64_t cols = n - c0 < QLANES ? n - c0 : QLANES;                    \
+                    const T *b = bias == NULL ? NULL : bias + c0;                              \
+                    for (int r = 0; r < rows; r++)                                             \
+                        q_store_##S(out + (r0 + r) * n + c0, acc[r * QTILES + j], b, cols);    \
+                }                                                                              \
+            }                                                                                  \
+        }                                                                                      \
     }                                                                                          \
     /* out [m, n] (dense); x [m, k], rows x_stride apart; packed by specserve_quant_pack;    \
      * bias [n] or NULL. Returns 0, 1 for a bad fmt or k, 3 when out of memory. */           \
@@ -632,30 +666,10 @@ int64_t specserve_quant_amx_calls(void) { return 0; }
         if (fmt == QFMT_Q4_1) /* the only format whose scaling reads it */                    \
             for (int64_t i = 0; i < m * a.nb; i++) a.ms[i] = a.d[i] * (float)a.s[i];          \
         Q_AMX_LINEAR(T, S)                                                                     \
-        const int64_t tiles = (n + QLANES - 1) / QLANES;                                       \
-        const int64_t groups = (tiles + QTILES - 1) / QTILES;                                  \
-        const int64_t tile_bytes = a.nb * q_tile_block_bytes(fmt);                             \
+        const int64_t groups = (n + QLANES * QTILES - 1) / (QLANES * QTILES);                  \
         _Pragma("omp parallel for num_threads(num_threads) schedule(static)") for (           \
-            int64_t g = 0; g < groups; g++) {                                                  \
-            /* a last group short of tiles repeats its last one; its outputs are not kept */   \
-            const uint8_t *group[QTILES];                                                      \
-            for (int j = 0; j < QTILES; j++) {                                                 \
-                const int64_t t = g * QTILES + j < tiles ? g * QTILES + j : tiles - 1;         \
-                group[j] = packed + t * tile_bytes;                                            \
-            }                                                                                  \
-            qacc acc[QROWS * QTILES];                                                          \
-            for (int64_t r0 = 0; r0 < m; r0 += QROWS) {                                        \
-                const int rows = m - r0 < QROWS ? (int)(m - r0) : QROWS;                       \
-                q_tile_rows(acc, fmt, rows, group, &a, r0);                                    \
-                for (int j = 0; j < QTILES && g * QTILES + j < tiles; j++) {                    \
-                    const int64_t t = g * QTILES + j, c0 = t * QLANES;                         \
-                    const int64_t cols = n - c0 < QLANES ? n - c0 : QLANES;                    \
-                    const T *b = bias == NULL ? NULL : bias + c0;                              \
-                    for (int r = 0; r < rows; r++)                                             \
-                        q_store_##S(out + (r0 + r) * n + c0, acc[r * QTILES + j], b, cols);    \
-                }                                                                              \
-            }                                                                                  \
-        }                                                                                      \
+            int64_t g = 0; g < groups; g++)                                                    \
+            q_groups_##S(out, &a, packed, fmt, bias, m, n, g, g + 1);                          \
         qrows_free(&a);                                                                        \
         return 0;                                                                              \
     }
@@ -696,6 +710,22 @@ INLINE void q_tile_rows(qacc *acc, int32_t fmt, int rows, const uint8_t *const *
 
 QUANT_LINEAR(float, f32, specserve_quant_linear)
 QUANT_LINEAR(bf16, bf16, specserve_quant_linear_bf16)
+
+/* The float32 quantized Linear as a team's parts (the one-call decoder): rows [r0, r1)
+ * of x quantized into a (buffers for m rows of k or more, a->k = k, a->nb = k / QK),
+ * then, once every row is, groups [g0, g1) of outputs (q_groups_f32). The same calls
+ * on the same values as specserve_quant_linear where that does not take the AMX path
+ * (q_amx_takes). */
+INLINE void q_team_quantize_f32(const struct qrows *a, const float *x, int64_t x_stride,
+                                int64_t k, int32_t fmt, int64_t r0, int64_t r1) {
+    for (int64_t i = r0; i < r1; i++) {
+        quantize_row_f32(x + i * x_stride, k, a->q + i * k, a->d + i * a->nb, a->s + i * a->nb);
+        if (fmt == QFMT_Q4_1)
+            for (int64_t j = i * a->nb; j < (i + 1) * a->nb; j++)
+                a->ms[j] = a->d[j] * (float)a->s[j];
+    }
+}
+INLINE int64_t q_groups_of(int64_t n) { return (n + QLANES * QTILES - 1) / (QLANES * QTILES); }
 
 /* ---- embedding rows from the packed weights (a tied Q8_0 embedding is the LM head) ----
  *

@@ -1,0 +1,176 @@
+"""The float32 one-call decoder on one team of threads (engine/kernels/decoder_kernels.c,
+DECODER_TEAM): every kernel of every layer inside one OpenMP region, its threads meeting
+at a spinning barrier between kernels. It must compute what the decoder with a region
+per kernel computes, bit for bit (logits and the KV cache it writes), whatever the
+batch (prefills of many query tiles, decodes whose attention splits by key chunk,
+verification queries, token trees), the thread count (more threads than CPUs too: the
+waiting threads then yield), the Linear layers (quantized, float32, bf16-stored) and the
+KV cache dtype; and refuse what the region-per-kernel decoder refuses."""
+
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+import torch
+
+from engine.core.model_runner import ModelRunner, SeqInput
+from engine.kernels.cpu import cpu_kernels
+from engine.loader import load_model
+from engine.spec_decode.paths import ancestor_masks
+
+BLOCK = 16
+
+
+@pytest.fixture()
+def kernels():
+    kernels = cpu_kernels()
+    if kernels is None:
+        pytest.skip("no CPU kernels on this machine")
+    before = kernels.decoder_team
+    yield kernels
+    kernels.set_decoder_team(before)
+
+
+@pytest.fixture()
+def threads():
+    before = torch.get_num_threads()
+    yield torch.set_num_threads
+    torch.set_num_threads(before)
+
+
+def _runner(path: str, kv_dtype: torch.dtype | None) -> ModelRunner:
+    loaded = load_model(path, dtype="float32", device="cpu")
+    runner = ModelRunner(loaded, num_blocks=96, block_size=BLOCK, kv_dtype=kv_dtype)
+    assert runner.model.model.fused is not None, "a float32 model runs in one call"
+    return runner
+
+
+def _steps(vocab: int) -> list[list[SeqInput]]:
+    """Steps over sequences 0-3 (blocks of their own): a 300-token prompt (ten query
+    tiles) beside short ones, decodes (a lone one splits attention by key chunk), a
+    verification query, a token tree, and 40 one-row sequences in one batch."""
+    rng = random.Random(1)
+
+    def toks(n: int) -> list[int]:
+        return [rng.randrange(vocab) for _ in range(n)]
+
+    blocks = {s: list(range(1 + 22 * s, 1 + 22 * (s + 1))) for s in range(4)}
+    lens = {0: 300, 1: 5, 2: 1, 3: 40}
+    steps = [[SeqInput(toks(n), 0, blocks[s], 1) for s, n in lens.items()]]
+    steps.append([SeqInput(toks(1), lens[s], blocks[s], 1) for s in range(4)])
+    lens = {s: n + 1 for s, n in lens.items()}
+    steps.append([SeqInput(toks(1), lens[0], blocks[0], 1)])  # alone: split key chunks
+    lens[0] += 1
+    verify = SeqInput(toks(6), lens[1], blocks[1], 6)  # 1 + 5 drafts
+    steps.append([verify, SeqInput(toks(1), lens[2], blocks[2], 1)])
+    lens[1] += 6
+    lens[2] += 1
+    # a tree: the root (the last verified token) and nodes 0..4, parents below
+    parents = [-1, -1, 0, 1, 2]
+    depth = [1, 1, 2, 2, 3]
+    start = lens[3]
+    steps.append(
+        [
+            SeqInput(
+                toks(6),
+                start,
+                blocks[3],
+                6,
+                positions=[start] + [start + d for d in depth],
+                tree_mask=ancestor_masks(parents, 1, len(parents)),
+            ),
+            SeqInput(toks(1), lens[0], blocks[0], 1),
+        ]
+    )
+    lens[0] += 1
+    # 40 sequences of one row: the tables of sequence 0's blocks, shared read-only
+    steps.append([SeqInput(toks(1), lens[0], blocks[0], 1) for _ in range(40)])
+    return steps
+
+
+def _run(runner: ModelRunner, kernels, team: bool) -> tuple[list[torch.Tensor], list]:
+    kernels.set_decoder_team(team)
+    logits = [runner.forward(step) for step in _steps(runner.arch.vocab_size)]
+    return logits, [t.clone() for t in runner.kv_caches]
+
+
+@pytest.mark.parametrize("num_threads", [2, 3])
+@pytest.mark.parametrize("kv", ["auto", "bfloat16"])
+@pytest.mark.parametrize("checkpoint", ["gguf", "fp32", "bf16"])
+def test_the_team_computes_what_a_region_per_kernel_computes(
+    kernels, threads, num_threads, kv, checkpoint, tiny_gguf_path, tiny_model_dir,
+    tiny_bf16_checkpoint,
+):  # fmt: skip
+    if checkpoint != "gguf" and not kernels.has_f32_linear:
+        pytest.skip("a build without FMA: float Linear layers run on oneDNN, layer by layer")
+    path = {"gguf": tiny_gguf_path, "fp32": tiny_model_dir, "bf16": tiny_bf16_checkpoint}
+    kv_dtype = torch.bfloat16 if kv == "bfloat16" else None
+    threads(num_threads)
+    team = _run(_runner(path[checkpoint], kv_dtype), kernels, True)
+    regions = _run(_runner(path[checkpoint], kv_dtype), kernels, False)
+    for ours, theirs in zip(team[0], regions[0], strict=True):
+        assert torch.equal(ours, theirs)
+    for ours, theirs in zip(team[1], regions[1], strict=True):
+        assert torch.equal(ours, theirs)
+
+
+def test_the_team_is_what_one_thread_computes(kernels, threads, tiny_gguf_path):
+    """One thread runs no team (nothing to meet): the team's split of every kernel
+    among threads changes no bit against one thread doing all of it."""
+    kernels.set_decoder_team(True)
+    threads(2)
+    team = _run(_runner(tiny_gguf_path, None), kernels, True)
+    threads(1)
+    alone = _run(_runner(tiny_gguf_path, None), kernels, True)
+    for ours, theirs in zip(team[0] + team[1], alone[0] + alone[1], strict=True):
+        assert torch.equal(ours, theirs)
+
+
+def test_more_threads_than_cpus_still_finish(kernels, threads, tiny_gguf_path):
+    """Threads past the CPUs: a waiting thread yields its CPU after its spins, so the
+    team makes progress (and computes the same bits) instead of spinning the others
+    out."""
+    threads(4 * max(1, len(os.sched_getaffinity(0))))
+    team = _run(_runner(tiny_gguf_path, None), kernels, True)
+    regions = _run(_runner(tiny_gguf_path, None), kernels, False)
+    for ours, theirs in zip(team[0] + team[1], regions[0] + regions[1], strict=True):
+        assert torch.equal(ours, theirs)
+
+
+@pytest.mark.parametrize("team", [True, False])
+def test_a_position_past_the_rotary_table_is_refused_either_way(
+    kernels, threads, team, tiny_gguf_path
+):
+    threads(2)
+    kernels.set_decoder_team(team)
+    runner = _runner(tiny_gguf_path, None)
+    far = runner.model.config.max_position_embeddings
+    with pytest.raises(Exception, match="(?i)position"):
+        runner.forward([SeqInput([3, 4], 0, [1], 2, positions=[0, far], tree_mask=[1, 3])])
+
+
+def test_the_setting_reads_back(kernels):
+    kernels.set_decoder_team(False)
+    assert kernels.decoder_team is False
+    assert kernels.set_decoder_team(True) is False
+    assert kernels.decoder_team is True
+
+
+def test_the_environment_turns_it_off(monkeypatch):
+    """SPECSERVE_DECODER_TEAM=0: the process's kernels start with the team off."""
+    from engine.kernels import cpu as cpu_mod
+
+    for value, on in (("0", False), ("1", True)):
+        monkeypatch.setenv("SPECSERVE_DECODER_TEAM", value)
+        cpu_mod.cpu_kernels.cache_clear()
+        try:
+            kernels = cpu_mod.cpu_kernels()
+            if kernels is None:
+                pytest.skip("no CPU kernels on this machine")
+            assert kernels.decoder_team is on
+        finally:
+            monkeypatch.delenv("SPECSERVE_DECODER_TEAM")
+            cpu_mod.cpu_kernels.cache_clear()
+            cpu_mod.cpu_kernels().set_decoder_team(True)
