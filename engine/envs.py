@@ -67,6 +67,13 @@ def fused_decoder() -> bool:
     return os.environ.get("SPECSERVE_FUSED_DECODER", "1") != "0"
 
 
+def kv_hugepages() -> bool:
+    """``SPECSERVE_KV_HUGEPAGES=0`` leaves a CPU KV cache on the pages Linux gives any
+    allocation, instead of asking for 2 MB pages (``MADV_HUGEPAGE``, engine/attention:
+    fewer TLB misses when attention reads blocks from anywhere in the cache)."""
+    return os.environ.get("SPECSERVE_KV_HUGEPAGES", "1") != "0"
+
+
 def decoder_team() -> bool:
     """``SPECSERVE_DECODER_TEAM=0`` runs the float32 one-call decoder with an OpenMP
     region per kernel instead of all its kernels on one team of threads meeting at a

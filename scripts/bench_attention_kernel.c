@@ -11,13 +11,27 @@
  * multiply-adds/s (Q.K and P.V). SEQUENTIAL=1 lays each sequence's blocks out in order.
  * BF16KV=1 times fp32 query rows over the bf16 cache (--kv-cache-dtype bfloat16).
  * LAYERS=30 gives each call in turn its own cache, one of 30 (the model's layers), so
- * the keys and values come from memory as they do in a decode step, not from L2/L3. */
+ * the keys and values come from memory as they do in a decode step, not from L2/L3.
+ * HUGE=1 advises the caches onto 2 MB pages (MADV_HUGEPAGE) before they are first
+ * touched, as the engine's KV cache is (engine/attention: allocate_kv_caches). */
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
 #include <omp.h>
+/* declared here: the build is plain gcc -O2, no _GNU_SOURCE */
+int madvise(void *addr, size_t length, int advice);
+int posix_memalign(void **ptr, size_t alignment, size_t size);
+/* n bytes; with HUGE=1, 2 MB-aligned and advised onto 2 MB pages (MADV_HUGEPAGE = 14) */
+static void *cache_alloc(size_t n) {
+    if (!getenv("HUGE")) return malloc(n);
+    const size_t huge = (size_t)2 << 20, rounded = (n + huge - 1) / huge * huge;
+    void *p = NULL;
+    if (posix_memalign(&p, huge, rounded)) return NULL;
+    madvise(p, rounded, 14);
+    return p;
+}
 typedef uint16_t bf16;
 /* the kernels' entry points: bf16, fp32, and fp32 rows over a bf16 cache */
 #define PAGED_ATTENTION(NAME, T)                                                               \
@@ -53,7 +67,7 @@ int main(int argc, char **argv) {
     int64_t nblocks = (int64_t)seqs * per + 1;
     const int layers = getenv("LAYERS") ? atoi(getenv("LAYERS")) : 1;
     const int64_t layer_size = nblocks * bs * kvh * hd, cache_size = layer_size * layers;
-    bf16 *kc = malloc(cache_size * 2), *vc = malloc(cache_size * 2);
+    bf16 *kc = cache_alloc(cache_size * 2), *vc = cache_alloc(cache_size * 2);
     for (int64_t i = 0; i < cache_size; i++) kc[i] = vc[i] = 0x3f80 + (rand() % 64);
     bf16 *q = malloc(seqs * heads * hd * 2), *out = malloc(seqs * heads * hd * 2);
     for (int i = 0; i < seqs * heads * hd; i++) q[i] = 0x3c00 + rand() % 256;
@@ -66,7 +80,7 @@ int main(int argc, char **argv) {
         widen(qf, q, (int64_t)seqs * heads * hd);
     }
     if (f32) {
-        kf = malloc(cache_size * 4), vf = malloc(cache_size * 4);
+        kf = cache_alloc(cache_size * 4), vf = cache_alloc(cache_size * 4);
         widen(kf, kc, cache_size);
         widen(vf, vc, cache_size);
     }

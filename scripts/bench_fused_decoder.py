@@ -13,8 +13,11 @@ all the step reads: the weights and the context's keys and values (as the cache 
 them). ``--kv-cache-dtype auto,bfloat16`` times the step over each KV cache dtype
 (``bfloat16``: a bf16 cache under a float32 model), all alternated in one process, with
 each one-call time's ratio to the first's. ``--team on,off`` the same for the float32
-decoder's kernels on one team of threads (on, the default) or in a region each. A
-prebuilt level runs this machine's CPU with
+decoder's kernels on one team of threads (on, the default) or in a region each;
+``--kv-hugepages on,off`` the KV cache on 2 MB pages (the default) or 4 KB ones, and
+``--scatter`` draws the context's blocks at random from a cache of the default size
+(1 GiB) instead of laying them out in order, as a server's cache is after some traffic.
+A prebuilt level runs this machine's CPU with
 that level's code: the AVX2 level here shows what the AVX2 code does, on this machine's
 memory and cores.
 """
@@ -22,6 +25,7 @@ memory and cores.
 from __future__ import annotations
 
 import argparse
+import random
 import statistics
 import sys
 import tempfile
@@ -48,8 +52,19 @@ def main() -> int:
         help="on, off, or both comma-separated: the float32 one-call decoder's kernels on "
         "one team of threads, or an OpenMP region each (timed alternately)",
     )
+    parser.add_argument(
+        "--kv-hugepages",
+        default="on",
+        help="on, off, or both comma-separated: the KV cache on 2 MB pages or 4 KB ones",
+    )
+    parser.add_argument(
+        "--scatter",
+        action="store_true",
+        help="the context's blocks at random places in a 1 GiB cache, not in order",
+    )
     args = parser.parse_args()
 
+    from engine import envs
     from engine.attention import kv_cache_bytes_per_block
     from engine.benchmarks import bounds as bounds_mod
     from engine.core.model_runner import ModelRunner, SeqInput
@@ -65,7 +80,12 @@ def main() -> int:
     teams = [t.strip() for t in args.team.split(",") if t.strip()]
     if not teams or any(t not in ("on", "off") for t in teams):
         parser.error(f"--team takes on, off or on,off, got {args.team!r}")
-    variants = [(kv, team) for kv in kv_names for team in teams]
+    pages = [t.strip() for t in args.kv_hugepages.split(",") if t.strip()]
+    if not pages or any(t not in ("on", "off") for t in pages):
+        parser.error(f"--kv-hugepages takes on, off or on,off, got {args.kv_hugepages!r}")
+    caches = [(kv, page) for kv in kv_names for page in pages]
+    variants = [(kv, team, page) for kv, page in caches for team in teams]
+    num_blocks = 1456 if args.scatter else 64
     built: dict[str, Path] = {}
     if any(level != "native" for level in levels):
         print("building the prebuilt kernel levels (a minute or two) ...", file=sys.stderr)
@@ -73,10 +93,11 @@ def main() -> int:
         names = [name for name, _ in build_mod.PREBUILT_LEVELS[build_mod.platform.machine()]]
         built = dict(zip(names, build_mod.prebuild(out), strict=True))
     print(
-        "| level | KV cache | team | one call ms | vs first | layer by layer ms | one call vs "
-        "layers | weight stream GB/s (share of read bound) | weights + KV GB/s (share) |"
+        "| level | KV cache | team | huge pages | one call ms | vs first | layer by layer ms "
+        "| one call vs layers | weight stream GB/s (share of read bound) "
+        "| weights + KV GB/s (share) |"
     )
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for level in levels:
         kernels = cpu_mod.cpu_kernels() if level == "native" else CpuKernels(built[level])
         for module in (cpu_mod, layers_mod, quant_mod):  # bounds imports it from cpu_mod
@@ -85,41 +106,49 @@ def main() -> int:
             args.model, dtype=args.dtype, device="cpu", quantization=args.quantization
         )
         runners, fused = {}, {}
-        for kv in kv_names:
+        for kv, page in caches:
             kv_dtype = resolve_kv_cache_dtype(kv, loaded.dtype)
-            runners[kv] = ModelRunner(loaded, num_blocks=64, block_size=16, kv_dtype=kv_dtype)
-            fused[kv] = runners[kv].model.model.fused  # bound to this runner's caches
+            with envs.overridden("SPECSERVE_KV_HUGEPAGES", "1" if page == "on" else "0"):
+                runners[kv, page] = ModelRunner(
+                    loaded, num_blocks=num_blocks, block_size=16, kv_dtype=kv_dtype
+                )
+            fused[kv, page] = runners[kv, page].model.model.fused  # bound to its caches
         if any(f is None for f in fused.values()):
-            print(f"| {level} | - | - | - | - | - | (no one-call decoder here) | - | - |")
+            print(f"| {level} | - | - | - | - | - | - | (no one-call decoder here) | - | - |")
             continue
-        blocks = list(range(1, (args.context + 24) // 16 + 2))
+        need = (args.context + 24) // 16 + 1
+        blocks = (
+            random.Random(0).sample(range(1, num_blocks), need)
+            if args.scatter
+            else list(range(1, need + 1))
+        )
         tokens = [100 + i % 1000 for i in range(args.context + 1)]
-        for kv, runner in runners.items():
-            runner.model.model.fused = fused[kv]
+        for key, runner in runners.items():
+            runner.model.model.fused = fused[key]
             runner.model.bind_kv_caches(runner.kv_caches)
             runner.forward([SeqInput(tokens[:-1], 0, blocks, 1)])
         times = {(v, one_call): [] for v in variants for one_call in (True, False)}
         team_before = kernels.decoder_team
         for r in range(args.rounds):
-            for kv, team in variants:
-                runner = runners[kv]
+            for kv, team, page in variants:
+                runner = runners[kv, page]
                 runner.model.bind_kv_caches(runner.kv_caches)  # one model, each its caches
                 kernels.set_decoder_team(team == "on")
                 for one_call in (True, False):
-                    runner.model.model.fused = fused[kv] if one_call else None
+                    runner.model.model.fused = fused[kv, page] if one_call else None
                     prepared = runner.prepare([SeqInput(tokens[-1:], args.context, blocks, 1)])
                     start = time.perf_counter()
                     runner.execute(prepared)
-                    times[(kv, team), one_call].append(time.perf_counter() - start)
+                    times[(kv, team, page), one_call].append(time.perf_counter() - start)
             if r % 10 == 9:
                 print(f"{level}: round {r + 1}/{args.rounds}", file=sys.stderr, flush=True)
         kernels.set_decoder_team(team_before)
         streamed = _streamed_bytes(loaded.model)
         bound = bounds_mod.measure()
         first = statistics.median(times[variants[0], True])
-        for kv, team in variants:
-            runner = runners[kv]
-            one, layers = (statistics.median(times[(kv, team), k]) for k in (True, False))
+        for kv, team, page in variants:
+            runner = runners[kv, page]
+            one, layers = (statistics.median(times[(kv, team, page), k]) for k in (True, False))
             arch = runner.arch  # the context's K/V: one block of one token a position
             kv_bytes = (args.context + 1) * kv_cache_bytes_per_block(
                 arch.num_layers, 1, arch.num_kv_heads, arch.head_dim, runner.kv_caches[0].dtype
@@ -129,7 +158,7 @@ def main() -> int:
                 gbps = nbytes / one / 1e9
                 shares.append(f"{gbps:.1f} ({gbps / bound.read_gbps:.0%} of {bound.read_gbps:.1f})")
             cache = str(runner.kv_caches[0].dtype).removeprefix("torch.")
-            print(f"| {level} | {cache} | {team} | {1e3 * one:.2f} | {one / first:.3f} | "
+            print(f"| {level} | {cache} | {team} | {page} | {1e3 * one:.2f} | {one / first:.3f} | "
                   f"{1e3 * layers:.2f} | {layers / one:.2f}x | {shares[0]} | {shares[1]} |",
                   flush=True)  # fmt: skip
     return 0

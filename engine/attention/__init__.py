@@ -6,10 +6,13 @@ index 0 = K, 1 = V. Block 0 is the null block that pads block tables.
 
 from __future__ import annotations
 
+import ctypes
 import functools
+import sys
 
 import torch
 
+from engine import envs
 from engine.attention.metadata import (
     AttentionMetadata,
     build_attention_metadata,
@@ -59,8 +62,36 @@ def allocate_kv_caches(
     if block_size <= 0:
         raise ValueError(f"block_size must be > 0, got {block_size}")
     shape = (num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim)
-    pool = torch.zeros(shape, dtype=dtype, device=device)
+    pool = torch.empty(shape, dtype=dtype, device=device)
+    if pool.device.type == "cpu" and envs.kv_hugepages():
+        advise_huge_pages(pool)
+    pool.zero_()  # after the advice: the pages are first touched here
     return list(pool.unbind(0))
+
+
+_MADV_HUGEPAGE = 14
+
+
+def advise_huge_pages(t: torch.Tensor) -> bool:
+    """Ask Linux to back ``t``'s memory with 2 MB pages where it can (``MADV_HUGEPAGE``;
+    transparent huge pages in their default ``madvise`` mode take only memory so marked),
+    before the memory is first touched. The KV cache is read a block at a time from
+    anywhere in it: with 4 KB pages each block-head's keys and values span several pages
+    and a decode step misses the TLB at nearly every block (each miss a two-level walk
+    under a hypervisor); with 2 MB pages one layer's cache is a few. Returns whether the
+    advice was taken (False off Linux, or where THP is off)."""
+    if not sys.platform.startswith("linux") or t.numel() == 0:
+        return False
+    page = 4096
+    start = -(-t.data_ptr() // page) * page
+    end = (t.data_ptr() + t.numel() * t.element_size()) // page * page
+    if end <= start:
+        return False
+    libc = ctypes.CDLL(None, use_errno=True)
+    madvise = libc.madvise
+    madvise.restype = ctypes.c_int
+    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    return madvise(start, end - start, _MADV_HUGEPAGE) == 0
 
 
 def kv_pool_view(kv_caches: list[torch.Tensor]) -> torch.Tensor:
