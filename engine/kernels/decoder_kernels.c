@@ -135,7 +135,7 @@ INLINE void team_quantize(struct qrows *a, int32_t fmt, const float *x, int64_t 
                           int64_t r1) {
     if (!fmt_quantized(fmt)) return;
     a->k = k, a->nb = k / QK;
-    q_team_quantize_f32(a, x, k, k, fmt, r0, r1);
+    q_team_quantize_f32(a, x, k, fmt, r0, r1);
 }
 
 #define DECODER_TEAM(KT, V, NAME, KV_FN)                                                       \

@@ -423,9 +423,13 @@ INLINE void q_tile_amx_rows(qacc *acc, int32_t fmt, int rows, const uint8_t *til
     else q_tile_amx_QFMT_Q4_0(acc, rows, tile, a, r0, bq, c);
 }
 
-/* Whether QUANT_LINEAR takes the AMX path below for m rows of fmt. */
+/* The rows from which QUANT_LINEAR runs fmt on tiles (0: never), and whether it takes
+ * the AMX path below for m rows of fmt. */
+INLINE int64_t q_amx_rows(int32_t fmt) {
+    return q_amx_min_rows >= 0 ? q_amx_min_rows : fmt == QFMT_Q8_0 ? 9 : 0;
+}
 INLINE int q_amx_takes(int32_t fmt, int64_t m) {
-    const int64_t rows = q_amx_min_rows >= 0 ? q_amx_min_rows : fmt == QFMT_Q8_0 ? 9 : 0;
+    const int64_t rows = q_amx_rows(fmt);
     return rows > 0 && m >= rows && amx_ready();
 }
 
@@ -433,10 +437,8 @@ INLINE int q_amx_takes(int32_t fmt, int64_t m) {
  * taken. Row blocks of 16 run on tiles where they hold amx_rows_ rows or more, the
  * others (a short last block) on vpdpbusd: the same bits either way. */
 #define Q_AMX_LINEAR(T, S)                                                                     \
-    const int64_t amx_rows_ = q_amx_min_rows >= 0 ? q_amx_min_rows                               \
-                              : fmt == QFMT_Q8_0  ? 9                                          \
-                                                  : 0;                                         \
-    if (amx_rows_ > 0 && m >= amx_rows_ && amx_ready()) {                                      \
+    const int64_t amx_rows_ = q_amx_rows(fmt);                                                 \
+    if (q_amx_takes(fmt, m)) {                                                                 \
         __atomic_fetch_add(&q_amx_calls, 1, __ATOMIC_RELAXED);                                 \
         const int64_t tiles = (n + QLANES - 1) / QLANES;                                       \
         const int64_t groups = (tiles + QTILES - 1) / QTILES;                                  \
@@ -620,7 +622,19 @@ int32_t specserve_quant_amx_min_rows(int32_t rows) { return (void)rows, 0; } /* 
 int64_t specserve_quant_amx_calls(void) { return 0; }
 #endif
 
+/* Groups of QTILES tiles of QLANES outputs in n outputs. */
+INLINE int64_t q_groups_of(int64_t n) { return (n + QLANES * QTILES - 1) / (QLANES * QTILES); }
+
 #define QUANT_LINEAR(T, S, NAME)                                                               \
+    /* row i of x quantized into a (and d * s where Q4_1's scaling reads it) */              \
+    INLINE void q_quantize_row_##S(const struct qrows *a, const T *x, int64_t x_stride,        \
+                                   int32_t fmt, int64_t i) {                                   \
+        quantize_row_##S(x + i * x_stride, a->k, a->q + i * a->k, a->d + i * a->nb,            \
+                         a->s + i * a->nb);                                                    \
+        if (fmt == QFMT_Q4_1) /* the only format whose scaling reads it */                    \
+            for (int64_t j = i * a->nb; j < (i + 1) * a->nb; j++)                              \
+                a->ms[j] = a->d[j] * (float)a->s[j];                                           \
+    }                                                                                          \
     INLINE void q_store_##S(T *out, qacc acc, const T *bias, int64_t cols) {                    \
         float lanes[QLANES];                                                                   \
         q_acc_to_lanes(lanes, acc);                                                            \
@@ -663,10 +677,8 @@ int64_t specserve_quant_amx_calls(void) { return 0; }
         struct qrows a;                                                                        \
         if (qrows_alloc(&a, m, k)) return 3;                                                   \
         FOR_ROWS_OF(m, k, num_threads, QUANTIZE_ONE_##S);                                      \
-        if (fmt == QFMT_Q4_1) /* the only format whose scaling reads it */                    \
-            for (int64_t i = 0; i < m * a.nb; i++) a.ms[i] = a.d[i] * (float)a.s[i];          \
         Q_AMX_LINEAR(T, S)                                                                     \
-        const int64_t groups = (n + QLANES * QTILES - 1) / (QLANES * QTILES);                  \
+        const int64_t groups = q_groups_of(n);                                                 \
         _Pragma("omp parallel for num_threads(num_threads) schedule(static)") for (           \
             int64_t g = 0; g < groups; g++)                                                    \
             q_groups_##S(out, &a, packed, fmt, bias, m, n, g, g + 1);                          \
@@ -674,10 +686,8 @@ int64_t specserve_quant_amx_calls(void) { return 0; }
         return 0;                                                                              \
     }
 
-#define QUANTIZE_ONE_f32(i) quantize_row_f32(x + (i) * x_stride, k, a.q + (i) * k, \
-                                             a.d + (i) * a.nb, a.s + (i) * a.nb)
-#define QUANTIZE_ONE_bf16(i) quantize_row_bf16(x + (i) * x_stride, k, a.q + (i) * k, \
-                                               a.d + (i) * a.nb, a.s + (i) * a.nb)
+#define QUANTIZE_ONE_f32(i) q_quantize_row_f32(&a, x, x_stride, fmt, (i))
+#define QUANTIZE_ONE_bf16(i) q_quantize_row_bf16(&a, x, x_stride, fmt, (i))
 
 /* q_tile with fmt and rows as constants, so each case compiles to its own loop; one
  * copy per format (not inlined into each output type's caller: compile time). */
@@ -712,20 +722,14 @@ QUANT_LINEAR(float, f32, specserve_quant_linear)
 QUANT_LINEAR(bf16, bf16, specserve_quant_linear_bf16)
 
 /* The float32 quantized Linear as a team's parts (the one-call decoder): rows [r0, r1)
- * of x quantized into a (buffers for m rows of k or more, a->k = k, a->nb = k / QK),
+ * of x quantized into a (buffers for m rows of a->k or more, a->nb = a->k / QK),
  * then, once every row is, groups [g0, g1) of outputs (q_groups_f32). The same calls
  * on the same values as specserve_quant_linear where that does not take the AMX path
  * (q_amx_takes). */
 INLINE void q_team_quantize_f32(const struct qrows *a, const float *x, int64_t x_stride,
-                                int64_t k, int32_t fmt, int64_t r0, int64_t r1) {
-    for (int64_t i = r0; i < r1; i++) {
-        quantize_row_f32(x + i * x_stride, k, a->q + i * k, a->d + i * a->nb, a->s + i * a->nb);
-        if (fmt == QFMT_Q4_1)
-            for (int64_t j = i * a->nb; j < (i + 1) * a->nb; j++)
-                a->ms[j] = a->d[j] * (float)a->s[j];
-    }
+                                int32_t fmt, int64_t r0, int64_t r1) {
+    for (int64_t i = r0; i < r1; i++) q_quantize_row_f32(a, x, x_stride, fmt, i);
 }
-INLINE int64_t q_groups_of(int64_t n) { return (n + QLANES * QTILES - 1) / (QLANES * QTILES); }
 
 /* ---- embedding rows from the packed weights (a tied Q8_0 embedding is the LM head) ----
  *
