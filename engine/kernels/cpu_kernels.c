@@ -54,6 +54,9 @@
  * items a thread, and the chunks' partial results fit in SPLIT_MAX_BYTES. */
 #define SPLIT_ITEMS_PER_THREAD 4
 #define SPLIT_MAX_BYTES ((int64_t)32 << 20)
+/* fp32 paged attention makes a work item of every KV head of a tile at once (reading
+ * each cache block front to back) when no tile has more query tokens than this. */
+#define ALL_HEADS_MAX_TOKENS 8
 
 /* ---- a team: one OpenMP region's threads running many kernels in turn ----
  *
@@ -734,19 +737,139 @@ INLINE void chunk_merge(int64_t rows, int64_t head_dim, const float *restrict c_
     }
 }
 
+/* ---- fp32 rows over an fp32 cache: one cache block, many rows, key by key ----
+ *
+ * Rows [0, rows) of a work item against one cache block: row r is the query qv[r], its
+ * KV head's keys and values at kb + off[r] and vb + off[r] (token t kv_stride further),
+ * its visible keys nv[r] (0 .. block_size; 0 leaves the row as it was). Each row is
+ * computed as ATTEND_BLOCK computes one: its scaled dot products in key order, their
+ * maximum, softmax_fold, then P.V in key order. What differs is the order between
+ * rows: key t is used by every row before key t + 1, so a block of an item that covers
+ * every KV head is read front to back, a token's keys of all heads (768 bytes for
+ * SmolLM2) one stretch. Read that way a decode step's scattered 12 KB blocks came from
+ * memory at 13-14 GB/s on one Zen 3 core, against 9.6-10 GB/s one head's 256 bytes of
+ * each 768 at a time (a loop that only reads the same layout:
+ * scripts/bench_kv_layout_read.c).
+ * pf_k / pf_v: the next block's keys and values (pf_width values of each token, from the
+ * item's first head), asked for into L2 one token at a time while this block's token
+ * is read, so the requests are spread out (a whole block's 64-384 requests at once
+ * filled the core's miss queue ahead of the loads in use). NULL: none.
+ *
+ * Every fp32 path (an item of one KV head or of all, a token tree's rows, the one-call
+ * decoder) runs this one function, not an inlined copy: the compiler vectorizes each
+ * copy's dot products on its own, and a row's bits must not depend on which path took
+ * it. noclone keeps gcc from specializing it for a caller's constant arguments. */
+#if defined(__clang__)
+#define ONE_COPY __attribute__((noinline))
+#else
+#define ONE_COPY __attribute__((noinline, noclone))
+#endif
+INLINE void block_rows_f32_of(int64_t rows, const float *const *qv, const int64_t *off,
+                              const int *nv, const float *kb, const float *vb,
+                              int64_t kv_stride, const int head_dim, float scale,
+                              int64_t score_stride, float *scores, float *row_max,
+                              float *row_sum, float *acc, const float *pf_k, const float *pf_v,
+                              int64_t pf_width) {
+    int n_max = 0;
+    for (int64_t r = 0; r < rows; r++) n_max = nv[r] > n_max ? nv[r] : n_max;
+    for (int t = 0; t < n_max; t++) {
+        if (pf_k)
+            for (int64_t d = 0; d < pf_width; d += 16)
+                __builtin_prefetch(pf_k + t * kv_stride + d, 0, PREFETCH_LOCALITY);
+        const float *kt = kb + t * kv_stride;
+        for (int64_t r = 0; r < rows; r++)
+            if (t < nv[r]) scores[r * score_stride + t] = dot_f32(qv[r], kt + off[r], head_dim) * scale;
+    }
+    for (int64_t r = 0; r < rows; r++) {
+        if (nv[r] <= 0) continue;
+        float *sr = scores + r * score_stride;
+        float block_max = NEG_BIG;
+        for (int t = 0; t < nv[r]; t++) block_max = sr[t] > block_max ? sr[t] : block_max;
+        softmax_fold(sr, nv[r], block_max, row_max + r, row_sum + r, acc + r * head_dim,
+                     head_dim);
+    }
+    for (int t = 0; t < n_max; t++) {
+        if (pf_v)
+            for (int64_t d = 0; d < pf_width; d += 16)
+                __builtin_prefetch(pf_v + t * kv_stride + d, 0, PREFETCH_LOCALITY);
+        const float *vt = vb + t * kv_stride;
+        for (int64_t r = 0; r < rows; r++) {
+            if (t >= nv[r]) continue;
+            const float p = scores[r * score_stride + t];
+            const float *restrict v = vt + off[r];
+            float *restrict a = acc + r * head_dim;
+#pragma omp simd
+            for (int d = 0; d < head_dim; d++) a[d] += p * v[d];
+        }
+    }
+}
+static ONE_COPY void block_rows_f32(int64_t rows, const float *const *qv, const int64_t *off,
+                                    const int *nv, const float *kb, const float *vb,
+                                    int64_t kv_stride, int64_t head_dim, float scale,
+                                    int64_t score_stride, float *scores, float *row_max,
+                                    float *row_sum, float *acc, const float *pf_k,
+                                    const float *pf_v, int64_t pf_width) {
+#define BLOCK_ROWS_F32(HD)                                                                     \
+    block_rows_f32_of(rows, qv, off, nv, kb, vb, kv_stride, HD, scale, score_stride, scores,   \
+                      row_max, row_sum, acc, pf_k, pf_v, pf_width)
+    if (head_dim == 64)
+        BLOCK_ROWS_F32(64);
+    else if (head_dim == 128)
+        BLOCK_ROWS_F32(128);
+    else
+        BLOCK_ROWS_F32((int)head_dim);
+#undef BLOCK_ROWS_F32
+}
+
 /* Fold cache blocks [b0, b1) of a tile's context (num_blocks blocks in all) into its
- * rows' chunk state: query head (of the KV head's group) major, query token minor; row
- * j of a head sees keys up to seq_len - tl + j. qf: the query rows as fp32 (bf16 rows
- * off the attend_rows path). */
+ * rows' chunk state: query head major, query token minor; row j of a head sees keys up
+ * to seq_len - tl + j. The rows are `heads` query heads from first_head: one KV head's
+ * group (kv_head's), or with fp32 rows over an fp32 cache several KV heads' groups
+ * from kv_head on (an item of all KV heads, see PAGED_ATTENTION). qf: the query rows as
+ * fp32 (bf16 rows off the attend_rows path). rq, roff, rn: room for each row's query,
+ * head offset and visible keys (block_rows_f32). */
 #define FOLD_BLOCKS(T, KT, KS, V)                                                              \
     INLINE void fold_blocks_##V(                                                               \
         const T *q, int64_t q_token_stride, int64_t q_start, int64_t first_head,               \
-        int64_t group, int64_t tl, int64_t head_dim, const KT *k_cache, const KT *v_cache,     \
-        const int32_t *table, int64_t kv_head, int64_t kv_stride, int64_t block_size,          \
-        int64_t seq_len, int64_t b0, int64_t b1, int64_t num_blocks, int chunks, float scale,  \
-        const float *qf, float *scores, float *row_max, float *row_sum, float *acc) {          \
+        int64_t group, int64_t heads, int64_t tl, int64_t head_dim, const KT *k_cache,         \
+        const KT *v_cache, const int32_t *table, int64_t kv_head, int64_t kv_stride,           \
+        int64_t block_size, int64_t seq_len, int64_t b0, int64_t b1, int64_t num_blocks,       \
+        int chunks, float scale, const float *qf, float *scores, float *row_max,               \
+        float *row_sum, float *acc, const float **rq, int64_t *roff, int *rn) {                \
         /* fp32 rows over an fp32 cache: read in place, never copied */ \
         const int is_f32 = sizeof(T) == sizeof(float) && sizeof(KT) == sizeof(float);          \
+        if (is_f32) {                                                                          \
+            const float *kc = (const float *)k_cache, *vc = (const float *)v_cache;            \
+            const int64_t rows = heads * tl;                                                   \
+            for (int64_t hl = 0; hl < heads; hl++)                                             \
+                for (int64_t j = 0; j < tl; j++) {                                             \
+                    const int64_t head = first_head + hl;                                      \
+                    rq[hl * tl + j] = (const float *)q + (q_start + j) * q_token_stride +      \
+                                      head * head_dim;                                         \
+                    roff[hl * tl + j] = head / group * head_dim;                               \
+                }                                                                              \
+            /* the item's KV heads, a stretch of each token's keys */                         \
+            const int64_t first = kv_head * head_dim, width = heads / group * head_dim;        \
+            for (int64_t b = b0; b < b1; b++) {                                                \
+                const int64_t first_key = b * block_size;                                      \
+                for (int64_t hl = 0; hl < heads; hl++)                                         \
+                    for (int64_t j = 0; j < tl; j++) {                                         \
+                        const int64_t visible = seq_len - tl + j + 1 - first_key;              \
+                        rn[hl * tl + j] = (int)(visible <= 0          ? 0                      \
+                                                : visible < block_size ? visible               \
+                                                                       : block_size);          \
+                    }                                                                          \
+                const int64_t base = (int64_t)table[b] * block_size * kv_stride;               \
+                const int64_t next =                                                           \
+                    b + 1 < num_blocks ? (int64_t)table[b + 1] * block_size * kv_stride : -1;  \
+                block_rows_f32(rows, rq, roff, rn, kc + base, vc + base, kv_stride, head_dim,  \
+                               scale, block_size, scores, row_max, row_sum, acc,               \
+                               next < 0 ? NULL : kc + next + first,                            \
+                               next < 0 ? NULL : vc + next + first, width);                    \
+            }                                                                                  \
+            return;                                                                            \
+        }                                                                                      \
+        (void)heads, (void)rq, (void)roff, (void)rn;                                           \
         if (b0 < b1)                                                                           \
             prefetch_block_##KS(k_cache, v_cache, table[b0], block_size, kv_stride,            \
                                kv_head * head_dim, head_dim);                                  \
@@ -764,17 +887,13 @@ INLINE void chunk_merge(int64_t rows, int64_t head_dim, const float *restrict c_
                 continue;                                                                      \
             }                                                                                  \
             for (int64_t hl = 0; hl < group; hl++) {                                           \
-                const int64_t head = first_head + hl;                                          \
                 for (int64_t j = 0; j < tl; j++) {                                             \
                     /* keys first_key .. seq_len - tl + j are visible to query j */            \
                     const int64_t visible = seq_len - tl + j + 1 - first_key;                  \
                     if (visible <= 0) continue;                                                \
                     const int n = (int)(visible < block_size ? visible : block_size);          \
                     const int64_t r = hl * tl + j;                                             \
-                    const float *qr =                                                          \
-                        is_f32 ? (const float *)(q + (q_start + j) * q_token_stride +          \
-                                                 head * head_dim)                              \
-                               : qf + r * head_dim;                                            \
+                    const float *qr = qf + r * head_dim;                                       \
                     attend_##KS(qr, k_cache + base, v_cache + base, n, kv_stride, head_dim,    \
                                scale, scores, row_max + r, row_sum + r, acc + r * head_dim);   \
                 }                                                                              \
@@ -792,7 +911,8 @@ FOLD_BLOCKS(float, bf16, bf16, f32_bf16kv)
         int64_t step_start, int64_t q_start, int64_t j0, int64_t tl, int64_t kv_head,          \
         int64_t group, int64_t head_dim, int64_t block_size, int64_t kv_stride, int chunks,    \
         float scale, float *row_max, float *row_sum, float *acc, float *t_max, float *t_sum,   \
-        float *t_acc, float *scores, float *qf, KT *kv_scratch) {                              \
+        float *t_acc, float *scores, float *qf, KT *kv_scratch, const float **rq,              \
+        int64_t *roff, int *rn) {                                                              \
         /* fp32 rows over an fp32 cache: read in place, never copied */ \
         const int is_f32 = sizeof(T) == sizeof(float) && sizeof(KT) == sizeof(float);          \
         const int64_t first_head = kv_head * group;                                            \
@@ -852,16 +972,21 @@ FOLD_BLOCKS(float, bf16, bf16, f32_bf16kv)
                     attend_rows_##V(q, q_token_stride, token, first_head, group, 1, head_dim,  \
                                     kb, vb, stride, block_size, len, first_key, scale,         \
                                     row_max, row_sum, acc);                                    \
-                } else {                                                                       \
+                } else if (is_f32) { /* the plain rows' function (block_rows_f32) */          \
                     for (int64_t hl = 0; hl < group; hl++) {                                   \
-                        const float *qr =                                                      \
-                            is_f32 ? (const float *)(q + token * q_token_stride +              \
-                                                     (first_head + hl) * head_dim)             \
-                                   : qf + hl * head_dim;                                       \
-                        attend_##KS(qr, kb, vb, (int)(end - first_key), stride, head_dim,      \
-                                   scale, scores, row_max + hl, row_sum + hl,                  \
-                                   acc + hl * head_dim);                                       \
+                        rq[hl] = (const float *)q + token * q_token_stride +                   \
+                                 (first_head + hl) * head_dim;                                 \
+                        roff[hl] = 0;                                                          \
+                        rn[hl] = (int)(end - first_key);                                       \
                     }                                                                          \
+                    block_rows_f32(group, rq, roff, rn, (const float *)kb, (const float *)vb,  \
+                                   stride, head_dim, scale, block_size, scores, row_max,       \
+                                   row_sum, acc, NULL, NULL, 0);                               \
+                } else {                                                                       \
+                    for (int64_t hl = 0; hl < group; hl++)                                     \
+                        attend_##KS(qf + hl * head_dim, kb, vb, (int)(end - first_key),        \
+                                   stride, head_dim, scale, scores, row_max + hl,              \
+                                   row_sum + hl, acc + hl * head_dim);                         \
                 }                                                                              \
                 /* key chunks end where the plain rows' do (see PAGED_ATTENTION) */            \
                 if ((b + 1) % SPLIT_BLOCKS == 0 || b + 1 == num_blocks) {                      \
@@ -897,18 +1022,19 @@ TREE_ROWS(float, bf16, bf16, f32_bf16kv)
                                               ? from_ + SPLIT_BLOCKS                           \
                                               : num_blocks;                                    \
         chunk_reset(rows, head_dim, row_max, row_sum, acc);                                    \
-        fold_blocks_##S(q, q_token_stride, q_start, first_head, group, tl, head_dim, k_cache,  \
-                        v_cache, table, kv_head, kv_stride, block_size, seq_len, from_, to_,   \
-                        num_blocks, chunks, scale, qf, scores, row_max, row_sum, acc);         \
+        fold_blocks_##S(q, q_token_stride, q_start, first_head, group, heads, tl, head_dim,    \
+                        k_cache, v_cache, table, kv_head, kv_stride, block_size, seq_len,      \
+                        from_, to_, num_blocks, chunks, scale, qf, scores, row_max, row_sum,   \
+                        acc, rq, roff, rn);                                                    \
     } while (0)
 
-/* Split mode: the (max, sum, acc) of tile t's chunk c for the item's KV head, its rows */
-#define PARTIAL(t, c)                                                                          \
-    (partials + tile_off[(t)] + ((c) * num_kv_heads + kv_head) * rows * (head_dim + 2))
+/* Split mode: the (max, sum, acc) of tile t's chunk c for KV head h, its group * tl rows */
+#define PARTIAL(t, c, h)                                                                       \
+    (partials + tile_off[(t)] + ((c) * num_kv_heads + (h)) * group * tl * (head_dim + 2))
 
 /* out rows of the item's tile and KV head from the total t_* */
 #define STORE_ROWS(S)                                                                          \
-    for (int64_t hl = 0; hl < group; hl++)                                                     \
+    for (int64_t hl = 0; hl < heads; hl++)                                                     \
         for (int64_t j = 0; j < tl; j++) {                                                     \
             const int64_t r = hl * tl + j;                                                     \
             store_row_##S(out + (q_start + j) * out_token_stride + (first_head + hl) * head_dim, \
@@ -937,10 +1063,12 @@ struct attn_args {
  * seq_ids[tile_sel[t]]. Split mode (partials non-NULL): a unit is a key chunk of a tile
  * (a tree tile is one unit, computed whole), an item a unit's KV head; tile t's units
  * are tile_unit0[t] .. [t + 1], their chunk states from partials + tile_off[t] (PARTIAL).
- * Else a unit is a tile. It depends on the sequences alone, not on q, out or the
- * caches: the one-call decoder plans once for all its layers. */
+ * Else a unit is a tile. An item covers item_heads KV heads of its unit: 1, or all of
+ * them (see PAGED_ATTENTION); num_items = num_units * num_kv_heads / item_heads. It
+ * depends on the sequences alone, not on q, out or the caches: the one-call decoder
+ * plans once for all its layers. */
 struct attn_plan {
-    int64_t num_tiles, num_units, num_items;
+    int64_t num_tiles, num_units, num_items, item_heads;
     int64_t *tile_sel, *tile_j0, *tile_unit0, *tile_off, *unit_tile;
     float *partials;
 };
@@ -952,7 +1080,8 @@ static void attn_plan_free(struct attn_plan *p) {
 }
 
 /* 0, or the call's status (see PAGED_ATTENTION: 1, 2 or 3), with nothing allocated. */
-static int attn_plan_make(struct attn_plan *p, const struct attn_args *c, int32_t num_threads) {
+static int attn_plan_make(struct attn_plan *p, const struct attn_args *c, int32_t num_threads,
+                          int all_heads) {
     memset(p, 0, sizeof *p);
     /* The wrapper checks these; checked again because C must not divide by zero or
      * truncate a size whatever it is given. */
@@ -1030,7 +1159,18 @@ static int attn_plan_make(struct attn_plan *p, const struct attn_args *c, int32_
             p->num_units = tile_unit0[num_tiles];
         }
     }
-    p->num_items = p->num_units * num_kv_heads;
+    /* items of every KV head: fp32 rows over an fp32 cache, tiles of a few query tokens,
+     * and a unit for each thread at least (a lone short decode is 1 unit: one thread
+     * would read it while the others wait) */
+    p->item_heads = 1;
+    int small = all_heads && num_kv_heads > 1 && p->num_units >= num_threads;
+    for (int64_t t = 0; small && t < num_tiles; t++) {
+        TILE_INFO(t);
+        (void)seq_len, (void)num_blocks, (void)q_start;
+        small = tl <= ALL_HEADS_MAX_TOKENS;
+    }
+    if (small) p->item_heads = num_kv_heads;
+    p->num_items = p->num_units * (num_kv_heads / p->item_heads);
     return 0;
 }
 
@@ -1040,30 +1180,41 @@ static int attn_plan_make(struct attn_plan *p, const struct attn_args *c, int32_
 struct attn_scratch {
     float *acc, *row_max, *row_sum, *t_acc, *t_max, *t_sum, *scores, *qf;
     void *kv_scratch;
+    const float **rq; /* block_rows_f32's rows: query, head offset, visible keys */
+    int64_t *roff;
+    int *rn;
 };
 
 static void attn_scratch_free(struct attn_scratch *s) {
     free(s->acc), free(s->row_max), free(s->row_sum), free(s->t_acc), free(s->t_max);
     free(s->t_sum), free(s->scores), free(s->qf), free(s->kv_scratch);
+    free(s->rq), free(s->roff), free(s->rn);
     memset(s, 0, sizeof *s);
 }
 
 /* 0, or 1 (all freed) when out of memory. */
 static int attn_scratch_alloc(struct attn_scratch *s, const struct attn_args *c, int need_qf,
                               size_t kv_value_size) {
-    const size_t rows = (size_t)c->max_rows, head_dim = (size_t)c->head_dim;
+    /* rows of one KV head's group (max_rows), or of every head (an item of all KV heads) */
+    const size_t all = (size_t)c->num_heads * ALL_HEADS_MAX_TOKENS;
+    const size_t rows = (size_t)c->max_rows > all ? (size_t)c->max_rows : all;
+    const size_t head_dim = (size_t)c->head_dim;
     s->acc = malloc(sizeof(float) * rows * head_dim);
     s->row_max = malloc(sizeof(float) * rows);
     s->row_sum = malloc(sizeof(float) * rows);
     s->t_acc = malloc(sizeof(float) * rows * head_dim);
     s->t_max = malloc(sizeof(float) * rows);
     s->t_sum = malloc(sizeof(float) * rows);
-    s->scores = malloc(sizeof(float) * (size_t)c->block_size);
+    s->scores = malloc(sizeof(float) * rows * (size_t)c->block_size);
+    s->rq = malloc(sizeof(float *) * rows);
+    s->roff = malloc(sizeof(int64_t) * rows);
+    s->rn = malloc(sizeof(int) * rows);
     s->qf = need_qf ? malloc(sizeof(float) * rows * head_dim) : NULL;
     s->kv_scratch = c->tree_masks ? calloc(2 * (size_t)c->block_size * head_dim, kv_value_size)
                                   : NULL;
     if (!s->acc || !s->row_max || !s->row_sum || !s->t_acc || !s->t_max || !s->t_sum ||
-        !s->scores || (need_qf && !s->qf) || (c->tree_masks && !s->kv_scratch)) {
+        !s->scores || !s->rq || !s->roff || !s->rn || (need_qf && !s->qf) ||
+        (c->tree_masks && !s->kv_scratch)) {
         attn_scratch_free(s);
         return 1;
     }
@@ -1092,10 +1243,13 @@ static int attn_scratch_alloc(struct attn_scratch *s, const struct attn_args *c,
     float *t_acc = s->t_acc, *t_max = s->t_max, *t_sum = s->t_sum;                             \
     float *scores = s->scores, *qf = s->qf;                                                    \
     KT *kv_scratch = s->kv_scratch;                                                            \
+    const float **rq = s->rq;                                                                  \
+    int64_t *roff = s->roff;                                                                   \
+    int *rn = s->rn;                                                                           \
     (void)block_tables, (void)block_table_stride, (void)tile_unit0, (void)tile_off;            \
     (void)unit_tile, (void)partials, (void)acc, (void)row_max, (void)row_sum, (void)scores;    \
     (void)qf, (void)kv_scratch, (void)k_cache, (void)v_cache, (void)q, (void)q_token_stride,   \
-        (void)scale, (void)kv_stride
+        (void)scale, (void)kv_stride, (void)rq, (void)roff, (void)rn
 
 /* Attention of the query tokens of the selected sequences over their paged context,
  * causal with offset: sequence `seq` adds q_len tokens and holds seq_lens[seq] after
@@ -1109,11 +1263,22 @@ static int attn_scratch_alloc(struct attn_scratch *s, const struct attn_args *c,
  * Decode and verification queries are one tile. A long prefill chunk is many: a lone
  * prompt would otherwise be as many items as KV heads (SmolLM2: 3, for 2 threads).
  * Each row is computed the same whatever its tile and the other rows, so results do
- * not depend on how a prompt was chunked or what else is in the batch. (Items of a
- * whole sequence, all KV heads at once, read each block as one stretch but measured
- * slower: 1.7x on the row-at-a-time loop, 1.3x on the vdpbf16ps one.) Where
+ * not depend on how a prompt was chunked or what else is in the batch. Where
  * attend_rows_bf16 does not apply, the bf16 kernel widens each query row to fp32 once
  * per item (into `qf`), the keys and values as it reads them.
+ *
+ * Items of every KV head (fp32 rows over an fp32 cache): the cache keeps a token's keys
+ * of all KV heads together ([block, token, KV head, dim]), so an item of one KV head
+ * reads a third of each 768 bytes (SmolLM2), which the hardware prefetchers follow
+ * badly. When every tile has at most ALL_HEADS_MAX_TOKENS query tokens (decode and
+ * verification steps) and the call has a unit of work for each thread, an item is a
+ * unit's every KV head, its rows' blocks read front to back by block_rows_f32; each row
+ * runs the same arithmetic either way, so the choice changes no bits. One layer's
+ * batch-1 decode attention at 300 tokens of context, the cache in memory
+ * (scripts/bench_attention_kernel.c, F32=1 HUGE=1 LAYERS=150, 2 threads) took 25-28 us
+ * against 37-41 us; 32 sequences x 100 tokens 293 against 394-467 us. (Earlier, items of
+ * a whole sequence read head by head within each block measured slower: 1.7x on this
+ * loop, 1.3x on the vdpbf16ps one; the bf16 kernels keep items of one head.)
  *
  * Key chunks: a row's keys are folded SPLIT_BLOCKS cache blocks at a time, each chunk
  * into a streaming softmax of its own, merged into the row's total at the chunk's end in
@@ -1143,17 +1308,21 @@ static int attn_scratch_alloc(struct attn_scratch *s, const struct attn_args *c,
         /* fp32 rows over an fp32 cache: read in place, never copied */                       \
         const int is_f32 = sizeof(T) == sizeof(float) && sizeof(KT) == sizeof(float);          \
         const int chunks = dot_chunks_##V(head_dim);                                           \
-        const int64_t unit = item / num_kv_heads;                                              \
-        const int64_t kv_head = item % num_kv_heads;                                           \
+        /* the item's KV heads: kv_head .. + item_heads */                                    \
+        const int64_t item_heads = p->item_heads, per_unit = num_kv_heads / item_heads;        \
+        const int64_t unit = item / per_unit;                                                  \
+        const int64_t kv_head = item % per_unit * item_heads;                                  \
         TILE_INFO(partials ? unit_tile[unit] : unit);                                          \
-        /* rows: query head (of this KV head's group) major, query token minor */             \
-        const int64_t rows = group * tl;                                                       \
+        /* rows: query head (of the item's KV heads' groups) major, query token minor */      \
+        const int64_t heads = item_heads * group, rows = heads * tl;                           \
         const int32_t *table = block_tables + seq * block_table_stride;                        \
         if (tree_masks && tile_has_tree(tree_masks + q_start, tl)) {                           \
-            tree_rows_##V(out, out_token_stride, q, q_token_stride, k_cache, v_cache, table,   \
-                          tree_masks, seq_lens[seq] - q_len, q_start, j0, tl, kv_head, group,  \
-                          head_dim, block_size, kv_stride, chunks, scale, row_max, row_sum,    \
-                          acc, t_max, t_sum, t_acc, scores, qf, kv_scratch);                   \
+            for (int64_t h = kv_head; h < kv_head + item_heads; h++)                           \
+                tree_rows_##V(out, out_token_stride, q, q_token_stride, k_cache, v_cache,      \
+                              table, tree_masks, seq_lens[seq] - q_len, q_start, j0, tl, h,    \
+                              group, head_dim, block_size, kv_stride, chunks, scale, row_max,  \
+                              row_sum, acc, t_max, t_sum, t_acc, scores, qf, kv_scratch, rq,   \
+                              roff, rn);                                                       \
             return;                                                                            \
         }                                                                                      \
         const int64_t first_head = kv_head * group;                                            \
@@ -1169,10 +1338,14 @@ static int attn_scratch_alloc(struct attn_scratch *s, const struct attn_args *c,
             const int64_t chunk = unit - tile_unit0[unit_tile[unit]];                          \
             FOLD_CHUNK(V, chunk * SPLIT_BLOCKS);                                               \
             /* copied out once: the partials of two threads' items share lines */             \
-            float *p_max = PARTIAL(unit_tile[unit], chunk);                                    \
-            memcpy(p_max, row_max, sizeof(float) * (size_t)rows);                              \
-            memcpy(p_max + rows, row_sum, sizeof(float) * (size_t)rows);                       \
-            memcpy(p_max + 2 * rows, acc, sizeof(float) * (size_t)(rows * head_dim));          \
+            const int64_t hr = group * tl; /* a KV head's rows */                             \
+            for (int64_t h = 0; h < item_heads; h++) {                                         \
+                float *p_max = PARTIAL(unit_tile[unit], chunk, kv_head + h);                   \
+                memcpy(p_max, row_max + h * hr, sizeof(float) * (size_t)hr);                   \
+                memcpy(p_max + hr, row_sum + h * hr, sizeof(float) * (size_t)hr);              \
+                memcpy(p_max + 2 * hr, acc + h * hr * head_dim,                                \
+                       sizeof(float) * (size_t)(hr * head_dim));                               \
+            }                                                                                  \
             return;                                                                            \
         }                                                                                      \
         chunk_reset(rows, head_dim, t_max, t_sum, t_acc);                                      \
@@ -1190,11 +1363,11 @@ static int attn_scratch_alloc(struct attn_scratch *s, const struct attn_args *c,
         const int64_t tile = item / num_kv_heads, kv_head = item % num_kv_heads;               \
         TILE_INFO(tile);                                                                       \
         if (tree_masks && tile_has_tree(tree_masks + q_start, tl)) return;                     \
-        const int64_t rows = group * tl, first_head = kv_head * group;                         \
+        const int64_t heads = group, rows = group * tl, first_head = kv_head * group;          \
         (void)num_blocks, (void)seq_len;                                                       \
         chunk_reset(rows, head_dim, t_max, t_sum, t_acc);                                      \
         for (int64_t ch = 0; ch < tile_unit0[tile + 1] - tile_unit0[tile]; ch++) {             \
-            const float *p_max = PARTIAL(tile, ch);                                            \
+            const float *p_max = PARTIAL(tile, ch, kv_head);                                   \
             chunk_merge(rows, head_dim, p_max, p_max + rows, p_max + 2 * rows, t_max, t_sum,   \
                         t_acc);                                                                \
         }                                                                                      \
@@ -1214,7 +1387,8 @@ static int attn_scratch_alloc(struct attn_scratch *s, const struct attn_args *c,
             seq_ids, num_selected, num_heads, num_kv_heads, head_dim, block_size,              \
             num_cache_blocks, scale, max_rows, tree_masks};                                    \
         struct attn_plan plan;                                                                 \
-        int failed = attn_plan_make(&plan, &args, num_threads);                                \
+        const int all_heads = sizeof(T) == sizeof(float) && sizeof(KT) == sizeof(float);       \
+        int failed = attn_plan_make(&plan, &args, num_threads, all_heads);                     \
         if (failed) return failed;                                                             \
         const int need_qf = !(sizeof(T) == sizeof(float) && sizeof(KT) == sizeof(float));      \
         _Pragma("omp parallel num_threads(num_threads)") {                                     \
