@@ -230,50 +230,19 @@ INLINE void softmax_fold(float *restrict scores, int n, float block_max, float *
     }
 }
 
-/* One query row against keys [0, n) of one cache block, folded into the row's running
- * (max, sum, acc) of a streaming softmax; k and v rows are kv_stride apart. DOT(t) is
- * the row's dot product with key t, PV(p, t) adds p * value t to acc. */
-#define ATTEND_BLOCK(DOT, PV)                                                                  \
-    do {                                                                                       \
-        float block_max = NEG_BIG;                                                             \
-        for (int t = 0; t < n; t++) {                                                          \
-            const float s = DOT(t) * scale;                                                    \
-            scores[t] = s;                                                                     \
-            block_max = s > block_max ? s : block_max;                                         \
-        }                                                                                      \
-        softmax_fold(scores, n, block_max, row_max, row_sum, acc, head_dim);                   \
-        for (int t = 0; t < n; t++) PV(scores[t], t);                                          \
-    } while (0)
-
-/* Rows of T read one value at a time, as fp32. */
-#define ATTENTION_KERNELS(T, S)                                                                \
-    INLINE float dot_##S(const float *restrict a, const T *restrict b, int n) {                \
-        float s = 0.0f;                                                                        \
-        _Pragma("omp simd reduction(+ : s)") for (int i = 0; i < n; i++) s +=                  \
-            a[i] * ld_##S(b, i);                                                               \
-        return s;                                                                              \
-    }                                                                                          \
-                                                                                               \
-    INLINE void attend_block_##S(                                                              \
-        const float *restrict qr, const T *restrict kb, const T *restrict vb, int n,           \
-        int64_t kv_stride, int head_dim, float scale, float *restrict scores,                  \
-        float *restrict row_max, float *restrict row_sum, float *restrict acc) {               \
-        ATTEND_BLOCK(DOT_##S, PV_##S);                                                         \
-    }
-
-#define DOT_f32(t) dot_f32(qr, kb + (t) * kv_stride, head_dim)
-#define DOT_bf16(t) dot_bf16(qr, kb + (t) * kv_stride, head_dim)
-#define PV_ONE(S, p, t)                                                                        \
-    do {                                                                                       \
-        const float p_ = (p);                                                                  \
-        const __typeof__(vb) vt = vb + (t) * kv_stride;                                        \
-        _Pragma("omp simd") for (int d = 0; d < head_dim; d++) acc[d] += p_ * ld_##S(vt, d);   \
-    } while (0)
-#define PV_f32(p, t) PV_ONE(f32, p, t)
-#define PV_bf16(p, t) PV_ONE(bf16, p, t)
-
-ATTENTION_KERNELS(float, f32)
-ATTENTION_KERNELS(bf16, bf16)
+/* A query row's dot product with a key of n values (fp32, or bf16 read as fp32). */
+INLINE float dot_f32(const float *restrict a, const float *restrict b, int n) {
+    float s = 0.0f;
+#pragma omp simd reduction(+ : s)
+    for (int i = 0; i < n; i++) s += a[i] * b[i];
+    return s;
+}
+INLINE float dot_bf16(const float *restrict a, const bf16 *restrict b, int n) {
+    float s = 0.0f;
+#pragma omp simd reduction(+ : s)
+    for (int i = 0; i < n; i++) s += a[i] * ld_bf16(b, i);
+    return s;
+}
 
 /* bf16 rows of even length are read two values at a time: a 32-bit word holds
  * elements 2i (low half) and 2i + 1 (high half), each an fp32 after one shift or one
@@ -294,53 +263,6 @@ INLINE float dot_pairs(const float *restrict q, const bf16x2 *restrict k, int ha
         s += qe[i] * EVEN_F32(w) + qo[i] * ODD_F32(w);
     }
     return s;
-}
-
-#define DOT_PAIRS(t) dot_pairs(qr, (const bf16x2 *)(kb + (t) * kv_stride), head_dim / 2)
-#define PV_PAIRS(p, t)                                                                         \
-    do {                                                                                       \
-        const float p_ = (p);                                                                  \
-        const bf16x2 *vt = (const bf16x2 *)(vb + (t) * kv_stride);                             \
-        float *ae = acc, *ao = acc + head_dim / 2;                                             \
-        _Pragma("omp simd") for (int i = 0; i < head_dim / 2; i++) {                           \
-            const uint32_t w = vt[i];                                                          \
-            ae[i] += p_ * EVEN_F32(w);                                                         \
-            ao[i] += p_ * ODD_F32(w);                                                          \
-        }                                                                                      \
-    } while (0)
-
-INLINE void attend_block_pairs(const float *restrict qr, const bf16 *restrict kb,
-                               const bf16 *restrict vb, int n, int64_t kv_stride, int head_dim,
-                               float scale, float *restrict scores, float *restrict row_max,
-                               float *restrict row_sum, float *restrict acc) {
-    ATTEND_BLOCK(DOT_PAIRS, PV_PAIRS);
-}
-
-/* Constant head sizes let the compiler unroll the row loops. */
-#define BY_HEAD_DIM(FN)                                                                        \
-    do {                                                                                       \
-        if (head_dim == 64)                                                                    \
-            FN(qr, kb, vb, n, kv_stride, 64, scale, scores, row_max, row_sum, acc);            \
-        else if (head_dim == 128)                                                              \
-            FN(qr, kb, vb, n, kv_stride, 128, scale, scores, row_max, row_sum, acc);           \
-        else                                                                                   \
-            FN(qr, kb, vb, n, kv_stride, (int)head_dim, scale, scores, row_max, row_sum, acc); \
-    } while (0)
-
-INLINE void attend_f32(const float *qr, const float *kb, const float *vb, int n,
-                       int64_t kv_stride, int64_t head_dim, float scale, float *scores,
-                       float *row_max, float *row_sum, float *acc) {
-    BY_HEAD_DIM(attend_block_f32);
-}
-
-INLINE void attend_bf16(const float *qr, const bf16 *kb, const bf16 *vb, int n,
-                        int64_t kv_stride, int64_t head_dim, float scale, float *scores,
-                        float *row_max, float *row_sum, float *acc) {
-    if (head_dim % 2)
-        attend_block_bf16(qr, kb, vb, n, kv_stride, (int)head_dim, scale, scores, row_max,
-                          row_sum, acc);
-    else
-        BY_HEAD_DIM(attend_block_pairs);
 }
 
 
@@ -541,7 +463,7 @@ INLINE void attend_rows_f32(const float *q, int64_t q_token_stride, int64_t q_st
     (void)first_key, (void)scale, (void)row_max, (void)row_sum, (void)acc;
 }
 
-/* A query row as fp32, in the layout attend_<S> reads it in (fp32 rows are read in
+/* A query row as fp32, in the layout block_rows_<S> reads it in (fp32 rows are read in
  * place and never copied). */
 INLINE void load_query_f32(float *restrict dst, const float *restrict src, int64_t head_dim) {
     memcpy(dst, src, sizeof(float) * (size_t)head_dim);
@@ -561,7 +483,7 @@ INLINE void load_query_bf16(float *restrict dst, const bf16 *restrict src, int64
     }
 }
 
-/* o = acc * inv, acc in attend_<S>'s layout. */
+/* o = acc * inv, acc in block_rows_<S>'s layout. */
 INLINE void store_row_f32(float *restrict o, const float *restrict acc, float inv,
                           int64_t head_dim) {
 #pragma omp simd
@@ -583,7 +505,7 @@ INLINE void store_row_bf16(bf16 *restrict o, const float *restrict acc, float in
 }
 
 /* fp32 query rows over a bf16 cache (--kv-cache-dtype bfloat16 on a float32 model):
- * attend_bf16 reads the cache, so a row is loaded into its layout (the even elements,
+ * block_rows_bf16 reads the cache, so a row is loaded into its layout (the even elements,
  * then the odd ones, for an even head size) and stored back from it; no attend_rows
  * path (it takes bf16 rows). */
 INLINE int dot_chunks_f32_bf16kv(int64_t head_dim) { return (void)head_dim, 0; }
@@ -737,89 +659,136 @@ INLINE void chunk_merge(int64_t rows, int64_t head_dim, const float *restrict c_
     }
 }
 
-/* ---- fp32 rows over an fp32 cache: one cache block, many rows, key by key ----
+/* ---- one cache block, many query rows, key by key ----
  *
- * Rows [0, rows) of a work item against one cache block: row r is the query qv[r], its
- * KV head's keys and values at kb + off[r] and vb + off[r] (token t kv_stride further),
- * its visible keys nv[r] (0 .. block_size; 0 leaves the row as it was). Each row is
- * computed as ATTEND_BLOCK computes one: its scaled dot products in key order, their
- * maximum, softmax_fold, then P.V in key order. What differs is the order between
- * rows: key t is used by every row before key t + 1, so a block of an item that covers
- * every KV head is read front to back, a token's keys of all heads (768 bytes for
- * SmolLM2) one stretch. Read that way a decode step's scattered 12 KB blocks came from
- * memory at 13-14 GB/s on one Zen 3 core, against 9.6-10 GB/s one head's 256 bytes of
- * each 768 at a time (a loop that only reads the same layout:
- * scripts/bench_kv_layout_read.c).
- * pf_k / pf_v: the next block's keys and values (pf_width values of each token, from the
- * item's first head), asked for into L2 one token at a time while this block's token
- * is read, so the requests are spread out (a whole block's 64-384 requests at once
- * filled the core's miss queue ahead of the loads in use). NULL: none.
+ * Rows [0, rows) of a work item against one cache block: row r is the fp32 query qv[r]
+ * (a bf16 row widened into qf first), its KV head's keys and values at kb + off[r] and
+ * vb + off[r] (token t kv_stride further), its visible keys nv[r] (0 .. block_size; 0
+ * leaves the row as it was). Each row takes its scaled dot products in key order, their
+ * maximum, softmax_fold, then P.V in key order. Key t is used by every row before key
+ * t + 1, so a block of an item that covers every KV head is read front to back, a
+ * token's keys of all heads (768 bytes for SmolLM2's fp32 cache) one stretch. Read that
+ * way a decode step's scattered 12 KB blocks came from memory at 11.8-14.0 GB/s on one
+ * Zen 3 core, against 8.5-10.1 GB/s one head's 256 bytes of each 768 at a time (a loop
+ * that only reads the same layout: scripts/bench_kv_layout_read.c).
+ * pf_k / pf_v: the next block's keys and values (pf_width values of each token, from
+ * the item's first head), asked for into L2 one token at a time as this block's token
+ * is read, the requests spread out (a whole block's 64-384 requests at once fill the
+ * core's miss queue ahead of the loads in use). NULL: none.
  *
- * Every fp32 path (an item of one KV head or of all, a token tree's rows, the one-call
- * decoder) runs this one function, not an inlined copy: the compiler vectorizes each
- * copy's dot products on its own, and a row's bits must not depend on which path took
- * it. noclone keeps gcc from specializing it for a caller's constant arguments. */
+ * Every row off the vdpbf16ps path (an item of one KV head or of all, a token tree's
+ * rows, the one-call decoder) runs these functions, one copy each, not inlined: the
+ * compiler vectorizes each copy's dot products on its own, and a row's bits must not
+ * depend on which path took it. noclone keeps gcc from specializing one for a caller's
+ * constant arguments. */
 #if defined(__clang__)
 #define ONE_COPY __attribute__((noinline))
 #else
 #define ONE_COPY __attribute__((noinline, noclone))
 #endif
-INLINE void block_rows_f32_of(int64_t rows, const float *const *qv, const int64_t *off,
-                              const int *nv, const float *kb, const float *vb,
-                              int64_t kv_stride, const int head_dim, float scale,
-                              int64_t score_stride, float *scores, float *row_max,
-                              float *row_sum, float *acc, const float *pf_k, const float *pf_v,
-                              int64_t pf_width) {
-    int n_max = 0;
-    for (int64_t r = 0; r < rows; r++) n_max = nv[r] > n_max ? nv[r] : n_max;
-    for (int t = 0; t < n_max; t++) {
-        if (pf_k)
-            for (int64_t d = 0; d < pf_width; d += 16)
-                __builtin_prefetch(pf_k + t * kv_stride + d, 0, PREFETCH_LOCALITY);
-        const float *kt = kb + t * kv_stride;
-        for (int64_t r = 0; r < rows; r++)
-            if (t < nv[r]) scores[r * score_stride + t] = dot_f32(qv[r], kt + off[r], head_dim) * scale;
-    }
-    for (int64_t r = 0; r < rows; r++) {
-        if (nv[r] <= 0) continue;
-        float *sr = scores + r * score_stride;
-        float block_max = NEG_BIG;
-        for (int t = 0; t < nv[r]; t++) block_max = sr[t] > block_max ? sr[t] : block_max;
-        softmax_fold(sr, nv[r], block_max, row_max + r, row_sum + r, acc + r * head_dim,
-                     head_dim);
-    }
-    for (int t = 0; t < n_max; t++) {
-        if (pf_v)
-            for (int64_t d = 0; d < pf_width; d += 16)
-                __builtin_prefetch(pf_v + t * kv_stride + d, 0, PREFETCH_LOCALITY);
-        const float *vt = vb + t * kv_stride;
-        for (int64_t r = 0; r < rows; r++) {
-            if (t >= nv[r]) continue;
-            const float p = scores[r * score_stride + t];
-            const float *restrict v = vt + off[r];
-            float *restrict a = acc + r * head_dim;
+/* One row's dot product with a key, and p times a value added to its acc, for each key
+ * type and row layout: fp32; bf16 of an even head size, read two at a time with the
+ * row in the deinterleaved layout (dot_pairs); bf16 of an odd one. */
+INLINE float dot_row_f32(const float *q, const float *k, int head_dim) {
+    return dot_f32(q, k, head_dim);
+}
+INLINE float dot_row_pairs(const float *q, const bf16 *k, int head_dim) {
+    return dot_pairs(q, (const bf16x2 *)k, head_dim / 2);
+}
+INLINE float dot_row_bf16odd(const float *q, const bf16 *k, int head_dim) {
+    return dot_bf16(q, k, head_dim);
+}
+INLINE void pv_row_f32(float *restrict acc, float p, const float *restrict v, int head_dim) {
 #pragma omp simd
-            for (int d = 0; d < head_dim; d++) a[d] += p * v[d];
-        }
+    for (int d = 0; d < head_dim; d++) acc[d] += p * v[d];
+}
+INLINE void pv_row_pairs(float *restrict acc, float p, const bf16 *restrict v, int head_dim) {
+    const bf16x2 *vt = (const bf16x2 *)v;
+    float *ae = acc, *ao = acc + head_dim / 2;
+#pragma omp simd
+    for (int i = 0; i < head_dim / 2; i++) {
+        const uint32_t w = vt[i];
+        ae[i] += p * EVEN_F32(w);
+        ao[i] += p * ODD_F32(w);
     }
 }
-static ONE_COPY void block_rows_f32(int64_t rows, const float *const *qv, const int64_t *off,
-                                    const int *nv, const float *kb, const float *vb,
-                                    int64_t kv_stride, int64_t head_dim, float scale,
-                                    int64_t score_stride, float *scores, float *row_max,
-                                    float *row_sum, float *acc, const float *pf_k,
-                                    const float *pf_v, int64_t pf_width) {
-#define BLOCK_ROWS_F32(HD)                                                                     \
-    block_rows_f32_of(rows, qv, off, nv, kb, vb, kv_stride, HD, scale, score_stride, scores,   \
-                      row_max, row_sum, acc, pf_k, pf_v, pf_width)
-    if (head_dim == 64)
-        BLOCK_ROWS_F32(64);
-    else if (head_dim == 128)
-        BLOCK_ROWS_F32(128);
-    else
-        BLOCK_ROWS_F32((int)head_dim);
-#undef BLOCK_ROWS_F32
+INLINE void pv_row_bf16odd(float *restrict acc, float p, const bf16 *restrict v, int head_dim) {
+#pragma omp simd
+    for (int d = 0; d < head_dim; d++) acc[d] += p * ld_bf16(v, d);
 }
+
+#define BLOCK_ROWS_OF(R, KT)                                                                   \
+    INLINE void block_rows_of_##R(int64_t rows, const float *const *qv, const int64_t *off,    \
+                                  const int *nv, const KT *kb, const KT *vb,                   \
+                                  int64_t kv_stride, const int head_dim, float scale,          \
+                                  int64_t score_stride, float *scores, float *row_max,         \
+                                  float *row_sum, float *acc, const KT *pf_k, const KT *pf_v,  \
+                                  int64_t pf_width) {                                          \
+        const int64_t line = 64 / (int64_t)sizeof(KT);                                         \
+        int n_max = 0;                                                                         \
+        for (int64_t r = 0; r < rows; r++) n_max = nv[r] > n_max ? nv[r] : n_max;              \
+        for (int t = 0; t < n_max; t++) {                                                      \
+            if (pf_k)                                                                          \
+                for (int64_t d = 0; d < pf_width; d += line)                                   \
+                    __builtin_prefetch(pf_k + t * kv_stride + d, 0, PREFETCH_LOCALITY);        \
+            const KT *kt = kb + t * kv_stride;                                                 \
+            for (int64_t r = 0; r < rows; r++)                                                 \
+                if (t < nv[r])                                                                 \
+                    scores[r * score_stride + t] =                                             \
+                        dot_row_##R(qv[r], kt + off[r], head_dim) * scale;                     \
+        }                                                                                      \
+        for (int64_t r = 0; r < rows; r++) {                                                   \
+            if (nv[r] <= 0) continue;                                                          \
+            float *sr = scores + r * score_stride;                                             \
+            float block_max = NEG_BIG;                                                         \
+            for (int t = 0; t < nv[r]; t++) block_max = sr[t] > block_max ? sr[t] : block_max; \
+            softmax_fold(sr, nv[r], block_max, row_max + r, row_sum + r, acc + r * head_dim,   \
+                         head_dim);                                                            \
+        }                                                                                      \
+        for (int t = 0; t < n_max; t++) {                                                      \
+            if (pf_v)                                                                          \
+                for (int64_t d = 0; d < pf_width; d += line)                                   \
+                    __builtin_prefetch(pf_v + t * kv_stride + d, 0, PREFETCH_LOCALITY);        \
+            const KT *vt = vb + t * kv_stride;                                                 \
+            for (int64_t r = 0; r < rows; r++)                                                 \
+                if (t < nv[r])                                                                 \
+                    pv_row_##R(acc + r * head_dim, scores[r * score_stride + t], vt + off[r],  \
+                               head_dim);                                                      \
+        }                                                                                      \
+    }
+BLOCK_ROWS_OF(f32, float)
+BLOCK_ROWS_OF(pairs, bf16)
+BLOCK_ROWS_OF(bf16odd, bf16)
+
+#define BLOCK_ROWS_ARGS(KT)                                                                    \
+    int64_t rows, const float *const *qv, const int64_t *off, const int *nv, const KT *kb,     \
+        const KT *vb, int64_t kv_stride, int64_t head_dim, float scale, int64_t score_stride,  \
+        float *scores, float *row_max, float *row_sum, float *acc, const KT *pf_k,             \
+        const KT *pf_v, int64_t pf_width
+#define BLOCK_ROWS_CALL(R, HD)                                                                 \
+    block_rows_of_##R(rows, qv, off, nv, kb, vb, kv_stride, HD, scale, score_stride, scores,   \
+                      row_max, row_sum, acc, pf_k, pf_v, pf_width)
+static ONE_COPY void block_rows_f32(BLOCK_ROWS_ARGS(float)) {
+    if (head_dim == 64)
+        BLOCK_ROWS_CALL(f32, 64);
+    else if (head_dim == 128)
+        BLOCK_ROWS_CALL(f32, 128);
+    else
+        BLOCK_ROWS_CALL(f32, (int)head_dim);
+}
+/* bf16 keys and values, fp32 rows in load_query_bf16's layout */
+static ONE_COPY void block_rows_bf16(BLOCK_ROWS_ARGS(bf16)) {
+    if (head_dim % 2)
+        BLOCK_ROWS_CALL(bf16odd, (int)head_dim);
+    else if (head_dim == 64)
+        BLOCK_ROWS_CALL(pairs, 64);
+    else if (head_dim == 128)
+        BLOCK_ROWS_CALL(pairs, 128);
+    else
+        BLOCK_ROWS_CALL(pairs, (int)head_dim);
+}
+#undef BLOCK_ROWS_CALL
+#undef BLOCK_ROWS_ARGS
 
 /* Fold cache blocks [b0, b1) of a tile's context (num_blocks blocks in all) into its
  * rows' chunk state: query head major, query token minor; row j of a head sees keys up
@@ -838,15 +807,15 @@ static ONE_COPY void block_rows_f32(int64_t rows, const float *const *qv, const 
         float *row_sum, float *acc, const float **rq, int64_t *roff, int *rn) {                \
         /* fp32 rows over an fp32 cache: read in place, never copied */ \
         const int is_f32 = sizeof(T) == sizeof(float) && sizeof(KT) == sizeof(float);          \
-        if (is_f32) {                                                                          \
-            const float *kc = (const float *)k_cache, *vc = (const float *)v_cache;            \
+        if (!chunks) {                                                                         \
             const int64_t rows = heads * tl;                                                   \
             for (int64_t hl = 0; hl < heads; hl++)                                             \
                 for (int64_t j = 0; j < tl; j++) {                                             \
-                    const int64_t head = first_head + hl;                                      \
-                    rq[hl * tl + j] = (const float *)q + (q_start + j) * q_token_stride +      \
-                                      head * head_dim;                                         \
-                    roff[hl * tl + j] = head / group * head_dim;                               \
+                    const int64_t head = first_head + hl, r = hl * tl + j;                     \
+                    rq[r] = is_f32 ? (const float *)q + (q_start + j) * q_token_stride +       \
+                                         head * head_dim                                       \
+                                   : qf + r * head_dim;                                        \
+                    roff[r] = head / group * head_dim;                                         \
                 }                                                                              \
             /* the item's KV heads, a stretch of each token's keys */                         \
             const int64_t first = kv_head * head_dim, width = heads / group * head_dim;        \
@@ -862,14 +831,15 @@ static ONE_COPY void block_rows_f32(int64_t rows, const float *const *qv, const 
                 const int64_t base = (int64_t)table[b] * block_size * kv_stride;               \
                 const int64_t next =                                                           \
                     b + 1 < num_blocks ? (int64_t)table[b + 1] * block_size * kv_stride : -1;  \
-                block_rows_f32(rows, rq, roff, rn, kc + base, vc + base, kv_stride, head_dim,  \
-                               scale, block_size, scores, row_max, row_sum, acc,               \
-                               next < 0 ? NULL : kc + next + first,                            \
-                               next < 0 ? NULL : vc + next + first, width);                    \
+                block_rows_##KS(rows, rq, roff, rn, k_cache + base, v_cache + base, kv_stride,  \
+                                head_dim, scale, block_size, scores, row_max, row_sum, acc,    \
+                                next < 0 ? NULL : k_cache + next + first,                      \
+                                next < 0 ? NULL : v_cache + next + first, width);              \
             }                                                                                  \
             return;                                                                            \
         }                                                                                      \
-        (void)heads, (void)rq, (void)roff, (void)rn;                                           \
+        /* bf16 rows by vdpbf16ps (attend_rows_bf16), one KV head's group */                  \
+        (void)heads, (void)rq, (void)roff, (void)rn, (void)qf;                                 \
         if (b0 < b1)                                                                           \
             prefetch_block_##KS(k_cache, v_cache, table[b0], block_size, kv_stride,            \
                                kv_head * head_dim, head_dim);                                  \
@@ -880,24 +850,9 @@ static ONE_COPY void block_rows_f32(int64_t rows, const float *const *qv, const 
             if (b + 1 < num_blocks)                                                            \
                 prefetch_block_##KS(k_cache, v_cache, table[b + 1], block_size, kv_stride,     \
                                    kv_head * head_dim, head_dim);                              \
-            if (chunks) {                                                                      \
-                attend_rows_##V(q, q_token_stride, q_start, first_head, group, tl, head_dim,   \
-                                k_cache + base, v_cache + base, kv_stride, block_size,         \
-                                seq_len, first_key, scale, row_max, row_sum, acc);             \
-                continue;                                                                      \
-            }                                                                                  \
-            for (int64_t hl = 0; hl < group; hl++) {                                           \
-                for (int64_t j = 0; j < tl; j++) {                                             \
-                    /* keys first_key .. seq_len - tl + j are visible to query j */            \
-                    const int64_t visible = seq_len - tl + j + 1 - first_key;                  \
-                    if (visible <= 0) continue;                                                \
-                    const int n = (int)(visible < block_size ? visible : block_size);          \
-                    const int64_t r = hl * tl + j;                                             \
-                    const float *qr = qf + r * head_dim;                                       \
-                    attend_##KS(qr, k_cache + base, v_cache + base, n, kv_stride, head_dim,    \
-                               scale, scores, row_max + r, row_sum + r, acc + r * head_dim);   \
-                }                                                                              \
-            }                                                                                  \
+            attend_rows_##V(q, q_token_stride, q_start, first_head, group, tl, head_dim,       \
+                            k_cache + base, v_cache + base, kv_stride, block_size, seq_len,    \
+                            first_key, scale, row_max, row_sum, acc);                          \
         }                                                                                      \
     }
 FOLD_BLOCKS(float, float, f32, f32)
@@ -972,21 +927,16 @@ FOLD_BLOCKS(float, bf16, bf16, f32_bf16kv)
                     attend_rows_##V(q, q_token_stride, token, first_head, group, 1, head_dim,  \
                                     kb, vb, stride, block_size, len, first_key, scale,         \
                                     row_max, row_sum, acc);                                    \
-                } else if (is_f32) { /* the plain rows' function (block_rows_f32) */          \
+                } else { /* the plain rows' function (block_rows_<KS>) */                     \
                     for (int64_t hl = 0; hl < group; hl++) {                                   \
-                        rq[hl] = (const float *)q + token * q_token_stride +                   \
-                                 (first_head + hl) * head_dim;                                 \
+                        rq[hl] = is_f32 ? (const float *)q + token * q_token_stride +           \
+                                              (first_head + hl) * head_dim                     \
+                                        : qf + hl * head_dim;                                  \
                         roff[hl] = 0;                                                          \
                         rn[hl] = (int)(end - first_key);                                       \
                     }                                                                          \
-                    block_rows_f32(group, rq, roff, rn, (const float *)kb, (const float *)vb,  \
-                                   stride, head_dim, scale, block_size, scores, row_max,       \
-                                   row_sum, acc, NULL, NULL, 0);                               \
-                } else {                                                                       \
-                    for (int64_t hl = 0; hl < group; hl++)                                     \
-                        attend_##KS(qf + hl * head_dim, kb, vb, (int)(end - first_key),        \
-                                   stride, head_dim, scale, scores, row_max + hl,              \
-                                   row_sum + hl, acc + hl * head_dim);                         \
+                    block_rows_##KS(group, rq, roff, rn, kb, vb, stride, head_dim, scale,      \
+                                    block_size, scores, row_max, row_sum, acc, NULL, NULL, 0); \
                 }                                                                              \
                 /* key chunks end where the plain rows' do (see PAGED_ATTENTION) */            \
                 if ((b + 1) % SPLIT_BLOCKS == 0 || b + 1 == num_blocks) {                      \
@@ -1327,7 +1277,7 @@ static int attn_scratch_alloc(struct attn_scratch *s, const struct attn_args *c,
         }                                                                                      \
         const int64_t first_head = kv_head * group;                                            \
         if (!is_f32 && !chunks) {                                                              \
-            for (int64_t hl = 0; hl < group; hl++)                                             \
+            for (int64_t hl = 0; hl < heads; hl++)                                             \
                 for (int64_t j = 0; j < tl; j++)                                               \
                     load_query_##V(qf + (hl * tl + j) * head_dim,                              \
                                    q + (q_start + j) * q_token_stride +                        \
@@ -1387,8 +1337,7 @@ static int attn_scratch_alloc(struct attn_scratch *s, const struct attn_args *c,
             seq_ids, num_selected, num_heads, num_kv_heads, head_dim, block_size,              \
             num_cache_blocks, scale, max_rows, tree_masks};                                    \
         struct attn_plan plan;                                                                 \
-        const int all_heads = sizeof(T) == sizeof(float) && sizeof(KT) == sizeof(float);       \
-        int failed = attn_plan_make(&plan, &args, num_threads, all_heads);                     \
+        int failed = attn_plan_make(&plan, &args, num_threads, !dot_chunks_##V(head_dim));     \
         if (failed) return failed;                                                             \
         const int need_qf = !(sizeof(T) == sizeof(float) && sizeof(KT) == sizeof(float));      \
         _Pragma("omp parallel num_threads(num_threads)") {                                     \

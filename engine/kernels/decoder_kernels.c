@@ -164,8 +164,7 @@ INLINE void team_quantize(struct qrows *a, int32_t fmt, const float *x, int64_t 
             num_heads, num_kv_heads, head_dim, block_size, num_cache_blocks, scale, max_rows,  \
             tree_masks};                                                                       \
         struct attn_plan plan;                                                                 \
-        const int status = attn_plan_make(&plan, &args, num_threads, /* fp32 cache: all heads */ \
-                                          sizeof(KT) == sizeof(float));                        \
+        const int status = attn_plan_make(&plan, &args, num_threads, !dot_chunks_##V(head_dim)); \
         if (status) return 10 + status;                                                        \
         struct qrows qa;                                                                       \
         memset(&qa, 0, sizeof qa);                                                             \

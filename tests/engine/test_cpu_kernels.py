@@ -606,30 +606,33 @@ def test_paged_attention_rows_do_not_depend_on_threads_or_the_batch(kernels, dty
         torch.testing.assert_close(crowd.float(), expected, **BF16_ATTENTION_TOL)
 
 
+@pytest.mark.parametrize("dtypes", KV_DTYPES)
 @pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(9, 3, 64), (8, 4, 128), (6, 2, 13)])
-def test_fp32_items_of_every_kv_head_give_the_bits_of_items_of_one(kernels, heads, kv_heads,
-                                                                   head_dim):  # fmt: skip
-    """fp32 attention makes a work item of all a tile's KV heads at once (each cache block
-    read front to back) when every tile has at most 8 query tokens and there is a unit of
-    work for each thread; else one KV head an item. The rows must not tell: decodes and a
-    verification query in one call on one thread (items of all heads) against the same
-    call with a 40-token prompt added (a 32-token tile: items of one head), and each
-    sequence alone on 2 threads (its key chunks split, all heads while it has 2 chunks or
-    more) and on 4 (one head an item below 4 chunks). Every row bit-identical; close to
-    the reference."""
+def test_items_of_every_kv_head_give_the_bits_of_items_of_one(kernels, dtypes, heads, kv_heads,
+                                                              head_dim):  # fmt: skip
+    """Off the vdpbf16ps path, attention makes a work item of all a tile's KV heads at
+    once (each cache block read front to back) when every tile has at most 8 query tokens
+    and there is a unit of work for each thread; else one KV head an item. The rows must
+    not tell: decodes and a verification query in one call on one thread (items of all
+    heads) against the same call with a 40-token prompt added (a 32-token tile: items of
+    one head), and each sequence alone on 2 threads (its key chunks split, all heads while
+    it has 2 chunks or more) and on 4 (one head an item below 4 chunks). Every row
+    bit-identical; close to the reference."""
+    dtype, kv_dtype = dtypes
     gen = torch.Generator().manual_seed(23)
     block_size = 16
     seq_lens = [300, 129, 17, 1000, 200, 60, 400]
     q_lens = [1, 1, 1, 1, 5, 8, 40]
     per = [-(-n // block_size) for n in seq_lens]
     num_blocks = sum(per) + 1
-    k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen)
-    v_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen)
+    shape = (num_blocks, block_size, kv_heads, head_dim)
+    k_cache = torch.randn(*shape, generator=gen).to(kv_dtype)
+    v_cache = torch.randn(*shape, generator=gen).to(kv_dtype)
     ids = torch.randperm(num_blocks - 1, generator=gen) + 1
     table = torch.zeros(len(seq_lens), max(per), dtype=torch.int32)
     for i, n in enumerate(per):
         table[i, :n] = ids[sum(per[:i]) : sum(per[: i + 1])]
-    q = torch.randn(sum(q_lens), heads, head_dim, generator=gen)
+    q = torch.randn(sum(q_lens), heads, head_dim, generator=gen).to(dtype)
     starts = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
     lens = torch.tensor(seq_lens, dtype=torch.int32)
     scale = head_dim**-0.5
@@ -650,17 +653,21 @@ def test_fp32_items_of_every_kv_head_give_the_bits_of_items_of_one(kernels, head
         alone = {(i, n): run([i], n) for i in range(small) for n in (2, 4)}
     finally:
         torch.set_num_threads(threads)
+    bits = torch.int16 if dtype == torch.bfloat16 else torch.int32
     for i in range(small):
         rows = slice(int(starts[i]), int(starts[i + 1]))
-        want = all_heads[rows].view(torch.int32)
-        assert torch.equal(one_head[rows].view(torch.int32), want), (seq_lens[i], q_lens[i])
+        want = all_heads[rows].view(bits)
+        assert torch.equal(one_head[rows].view(bits), want), (seq_lens[i], q_lens[i])
         for n in (2, 4):
-            got = alone[i, n][rows].view(torch.int32)
+            got = alone[i, n][rows].view(bits)
             assert torch.equal(got, want), (n, seq_lens[i], q_lens[i])
-    expected = _reference_attention(q, k_cache, v_cache,
+    expected = _reference_attention(q.float(), k_cache.float(), v_cache.float(),
                                     [t[:n].tolist() for t, n in zip(table, per, strict=True)],
                                     seq_lens, q_lens, scale)  # fmt: skip
-    torch.testing.assert_close(one_head, expected, rtol=1e-5, atol=1e-5)
+    if dtype == torch.float32:
+        torch.testing.assert_close(one_head, expected, rtol=1e-5, atol=1e-5)
+    else:
+        torch.testing.assert_close(one_head.float(), expected, **BF16_ATTENTION_TOL)
 
 
 # --- bf16 Linear layers (vdpbf16ps on AVX512-BF16, widen + FMA with FMA, AMX tiles) ----
