@@ -1217,18 +1217,22 @@ static int attn_scratch_alloc(struct attn_scratch *s, const struct attn_args *c,
  * attend_rows_bf16 does not apply, the bf16 kernel widens each query row to fp32 once
  * per item (into `qf`), the keys and values as it reads them.
  *
- * Items of every KV head (fp32 rows over an fp32 cache): the cache keeps a token's keys
- * of all KV heads together ([block, token, KV head, dim]), so an item of one KV head
- * reads a third of each 768 bytes (SmolLM2), which the hardware prefetchers follow
- * badly. When every tile has at most ALL_HEADS_MAX_TOKENS query tokens (decode and
- * verification steps) and the call has a unit of work for each thread, an item is a
- * unit's every KV head, its rows' blocks read front to back by block_rows_f32; each row
- * runs the same arithmetic either way, so the choice changes no bits. One layer's
- * batch-1 decode attention at 300 tokens of context, the cache in memory
- * (scripts/bench_attention_kernel.c, F32=1 HUGE=1 LAYERS=150, 2 threads) took 25-28 us
- * against 37-41 us; 32 sequences x 100 tokens 293 against 394-467 us. (Earlier, items of
- * a whole sequence read head by head within each block measured slower: 1.7x on this
- * loop, 1.3x on the vdpbf16ps one; the bf16 kernels keep items of one head.)
+ * Items of every KV head (every kernel off the vdpbf16ps path): the cache keeps a
+ * token's keys of all KV heads together ([block, token, KV head, dim]), so an item of
+ * one KV head reads a third of each 768 bytes (SmolLM2's fp32 cache), which the hardware
+ * prefetchers follow badly. When every tile has at most ALL_HEADS_MAX_TOKENS query
+ * tokens (decode and verification steps) and the call has a unit of work for each
+ * thread, an item is a unit's every KV head, its rows' blocks read front to back by
+ * block_rows_<S>; each row runs the same copy of the arithmetic either way, so the
+ * choice changes no bits. One layer's batch-1 decode attention at 300 tokens of
+ * context, the cache in memory (scripts/bench_attention_kernel.c, F32=1 HUGE=1
+ * LAYERS=150, 2 threads, Zen 3) took 25-33 us against 37-41 us; 32 sequences x 100
+ * tokens 285-307 against 381-480 us. With the cache in L2 (LAYERS=1) the same batch
+ * runs 1.1x slower: each dot product reloads its query row, where a row of one head ran
+ * over a block's 16 keys at once; key steps of 4-16 tokens per row won that back hot
+ * and lost the gain from memory, so the step is one key. (Earlier, items of a whole
+ * sequence read head by head within each block measured slower: 1.7x on the
+ * row-at-a-time loop, 1.3x on the vdpbf16ps one, which keeps items of one head.)
  *
  * Key chunks: a row's keys are folded SPLIT_BLOCKS cache blocks at a time, each chunk
  * into a streaming softmax of its own, merged into the row's total at the chunk's end in

@@ -550,6 +550,26 @@ def test_paged_attention_rows_do_not_depend_on_the_chunking(kernels, dtypes):
     assert torch.equal(whole.view(bits), pieces.view(bits))
 
 
+def _scattered_sequences(gen, seq_lens, q_lens, heads, kv_heads, head_dim, dtype, kv_dtype,
+                         block_size=16):  # fmt: skip
+    """Random queries and a random cache for sequences of seq_lens tokens adding q_lens
+    each, their blocks scattered: (q, k_cache, v_cache, table, starts, lens, per), per
+    the blocks of each sequence."""
+    per = [-(-n // block_size) for n in seq_lens]
+    num_blocks = sum(per) + 1
+    shape = (num_blocks, block_size, kv_heads, head_dim)
+    k_cache = torch.randn(*shape, generator=gen).to(kv_dtype)
+    v_cache = torch.randn(*shape, generator=gen).to(kv_dtype)
+    ids = torch.randperm(num_blocks - 1, generator=gen) + 1
+    table = torch.zeros(len(seq_lens), max(per), dtype=torch.int32)
+    for i, n in enumerate(per):
+        table[i, :n] = ids[sum(per[:i]) : sum(per[: i + 1])]
+    q = torch.randn(sum(q_lens), heads, head_dim, generator=gen).to(dtype)
+    starts = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+    lens = torch.tensor(seq_lens, dtype=torch.int32)
+    return q, k_cache, v_cache, table, starts, lens, per
+
+
 @pytest.mark.parametrize("dtypes", KV_DTYPES)
 @pytest.mark.parametrize("head_dim", [64, 24, 13])  # 64: bf16's vdpbf16ps rows where built
 def test_paged_attention_rows_do_not_depend_on_threads_or_the_batch(kernels, dtypes, head_dim):
@@ -561,20 +581,12 @@ def test_paged_attention_rows_do_not_depend_on_threads_or_the_batch(kernels, dty
     chunk."""
     dtype, kv_dtype = dtypes
     gen = torch.Generator().manual_seed(11)
-    heads, kv_heads, block_size = 9, 3, 16
+    heads, kv_heads = 9, 3
     seq_lens = [300, 129, 128, 17, 1000, 200, 300]
     q_lens = [1, 1, 1, 1, 1, 5, 40]
-    per = [-(-n // block_size) for n in seq_lens]
-    num_blocks = sum(per) + 1
-    k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen).to(kv_dtype)
-    v_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen).to(kv_dtype)
-    ids = torch.randperm(num_blocks - 1, generator=gen) + 1
-    table = torch.zeros(len(seq_lens), max(per), dtype=torch.int32)
-    for i, n in enumerate(per):
-        table[i, :n] = ids[sum(per[:i]) : sum(per[: i + 1])]
-    q = torch.randn(sum(q_lens), heads, head_dim, generator=gen).to(dtype)
-    starts = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
-    lens = torch.tensor(seq_lens, dtype=torch.int32)
+    q, k_cache, v_cache, table, starts, lens, per = _scattered_sequences(
+        gen, seq_lens, q_lens, heads, kv_heads, head_dim, dtype, kv_dtype
+    )
     scale = head_dim**-0.5
     threads = torch.get_num_threads()
     try:
@@ -620,21 +632,11 @@ def test_items_of_every_kv_head_give_the_bits_of_items_of_one(kernels, dtypes, h
     bit-identical; close to the reference."""
     dtype, kv_dtype = dtypes
     gen = torch.Generator().manual_seed(23)
-    block_size = 16
     seq_lens = [300, 129, 17, 1000, 200, 60, 400]
     q_lens = [1, 1, 1, 1, 5, 8, 40]
-    per = [-(-n // block_size) for n in seq_lens]
-    num_blocks = sum(per) + 1
-    shape = (num_blocks, block_size, kv_heads, head_dim)
-    k_cache = torch.randn(*shape, generator=gen).to(kv_dtype)
-    v_cache = torch.randn(*shape, generator=gen).to(kv_dtype)
-    ids = torch.randperm(num_blocks - 1, generator=gen) + 1
-    table = torch.zeros(len(seq_lens), max(per), dtype=torch.int32)
-    for i, n in enumerate(per):
-        table[i, :n] = ids[sum(per[:i]) : sum(per[: i + 1])]
-    q = torch.randn(sum(q_lens), heads, head_dim, generator=gen).to(dtype)
-    starts = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
-    lens = torch.tensor(seq_lens, dtype=torch.int32)
+    q, k_cache, v_cache, table, starts, lens, per = _scattered_sequences(
+        gen, seq_lens, q_lens, heads, kv_heads, head_dim, dtype, kv_dtype
+    )
     scale = head_dim**-0.5
     small = len(seq_lens) - 1  # the sequences of at most 8 query tokens
 
