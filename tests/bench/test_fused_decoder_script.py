@@ -1,0 +1,64 @@
+"""scripts/bench_fused_decoder.py: every variant its options name gets a row, alternated
+in one process, on a tiny model through the real loading code; a bad option value is one
+line naming the option."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from engine.kernels.cpu import cpu_kernels
+from tests.tiny_models import make_tiny_model
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "scripts" / "bench_fused_decoder.py"
+
+
+def _run(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, str(SCRIPT), *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> str:
+    return make_tiny_model(tmp_path_factory.mktemp("tiny"), num_hidden_layers=2)
+
+
+def test_every_variant_gets_a_row(tiny):
+    if cpu_kernels() is None:
+        pytest.fail("CPU kernels failed to build; CI machines have gcc")
+    done = _run("--model", tiny, "--dtype", "float32", "--levels", "native", "--rounds", "2",
+                "--context", "40", "--team", "on,off", "--kv-cache-dtype", "auto,bfloat16",
+                "--kv-hugepages", "on,off", "--scatter")  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = [line for line in done.stdout.splitlines() if line.startswith("| native")]
+    if len(rows) == 1 and "no one-call decoder" in rows[0]:
+        pytest.skip("this kernel level has no one-call float32 decoder")
+    cells = [[c.strip() for c in row.strip("|").split("|")] for row in rows]
+    got = {(c[1], c[2], c[3]) for c in cells}
+    want = {(kv, team, page) for kv in ("float32", "bfloat16") for team in ("on", "off")
+            for page in ("on", "off")}  # fmt: skip
+    assert got == want and len(rows) == len(want), done.stdout
+    for c in cells:
+        one_call, vs_first, layers = float(c[4]), float(c[5]), float(c[6])
+        assert one_call > 0 and layers > 0 and vs_first > 0, c
+        assert "% of" in c[8] and "% of" in c[9], c
+    # the first variant is the reference of "vs first"
+    assert cells[0][5] == "1.000", cells[0]
+
+
+@pytest.mark.parametrize(("option", "value"), [("--team", "maybe"), ("--kv-hugepages", "2mb")])
+def test_a_bad_value_is_one_line_naming_the_option(option, value):
+    done = _run(option, value, "--rounds", "1")
+    assert done.returncode == 2
+    last = done.stderr.strip().splitlines()[-1]
+    assert option in last and value in last, done.stderr
+    assert "Traceback" not in done.stderr
