@@ -54,8 +54,9 @@
  * items a thread, and the chunks' partial results fit in SPLIT_MAX_BYTES. */
 #define SPLIT_ITEMS_PER_THREAD 4
 #define SPLIT_MAX_BYTES ((int64_t)32 << 20)
-/* fp32 paged attention makes a work item of every KV head of a tile at once (reading
- * each cache block front to back) when no tile has more query tokens than this. */
+/* Paged attention off the vdpbf16ps path makes a work item of every KV head of a tile at
+ * once (reading each cache block front to back) when no tile has more query tokens than
+ * this. */
 #define ALL_HEADS_MAX_TOKENS 8
 
 /* ---- a team: one OpenMP region's threads running many kernels in turn ----
@@ -717,6 +718,12 @@ INLINE void pv_row_bf16odd(float *restrict acc, float p, const bf16 *restrict v,
     for (int d = 0; d < head_dim; d++) acc[d] += p * ld_bf16(v, d);
 }
 
+/* Ask for values [0, width) of token t of a block at p (tokens kv_stride apart) into L2,
+ * one request per 64-byte line. */
+#define PREFETCH_TOKEN(p, t, kv_stride, width)                                                 \
+    for (int64_t d_ = 0; d_ < (width); d_ += 64 / (int64_t)sizeof(*(p)))                      \
+    __builtin_prefetch((p) + (t) * (kv_stride) + d_, 0, PREFETCH_LOCALITY)
+
 #define BLOCK_ROWS_OF(R, KT)                                                                   \
     INLINE void block_rows_of_##R(int64_t rows, const float *const *qv, const int64_t *off,    \
                                   const int *nv, const KT *kb, const KT *vb,                   \
@@ -724,13 +731,10 @@ INLINE void pv_row_bf16odd(float *restrict acc, float p, const bf16 *restrict v,
                                   int64_t score_stride, float *scores, float *row_max,         \
                                   float *row_sum, float *acc, const KT *pf_k, const KT *pf_v,  \
                                   int64_t pf_width) {                                          \
-        const int64_t line = 64 / (int64_t)sizeof(KT);                                         \
         int n_max = 0;                                                                         \
         for (int64_t r = 0; r < rows; r++) n_max = nv[r] > n_max ? nv[r] : n_max;              \
         for (int t = 0; t < n_max; t++) {                                                      \
-            if (pf_k)                                                                          \
-                for (int64_t d = 0; d < pf_width; d += line)                                   \
-                    __builtin_prefetch(pf_k + t * kv_stride + d, 0, PREFETCH_LOCALITY);        \
+            if (pf_k) PREFETCH_TOKEN(pf_k, t, kv_stride, pf_width);                            \
             const KT *kt = kb + t * kv_stride;                                                 \
             for (int64_t r = 0; r < rows; r++)                                                 \
                 if (t < nv[r])                                                                 \
@@ -746,9 +750,7 @@ INLINE void pv_row_bf16odd(float *restrict acc, float p, const bf16 *restrict v,
                          head_dim);                                                            \
         }                                                                                      \
         for (int t = 0; t < n_max; t++) {                                                      \
-            if (pf_v)                                                                          \
-                for (int64_t d = 0; d < pf_width; d += line)                                   \
-                    __builtin_prefetch(pf_v + t * kv_stride + d, 0, PREFETCH_LOCALITY);        \
+            if (pf_v) PREFETCH_TOKEN(pf_v, t, kv_stride, pf_width);                            \
             const KT *vt = vb + t * kv_stride;                                                 \
             for (int64_t r = 0; r < rows; r++)                                                 \
                 if (t < nv[r])                                                                 \
@@ -793,10 +795,10 @@ static ONE_COPY void block_rows_bf16(BLOCK_ROWS_ARGS(bf16)) {
 /* Fold cache blocks [b0, b1) of a tile's context (num_blocks blocks in all) into its
  * rows' chunk state: query head major, query token minor; row j of a head sees keys up
  * to seq_len - tl + j. The rows are `heads` query heads from first_head: one KV head's
- * group (kv_head's), or with fp32 rows over an fp32 cache several KV heads' groups
- * from kv_head on (an item of all KV heads, see PAGED_ATTENTION). qf: the query rows as
- * fp32 (bf16 rows off the attend_rows path). rq, roff, rn: room for each row's query,
- * head offset and visible keys (block_rows_f32). */
+ * group (kv_head's), or off the vdpbf16ps path several KV heads' groups from kv_head on
+ * (an item of all KV heads, see PAGED_ATTENTION). qf: the query rows as fp32 (bf16 rows
+ * off the attend_rows path). rq, roff, rn: room for each row's query, head offset and
+ * visible keys (block_rows_<KS>). */
 #define FOLD_BLOCKS(T, KT, KS, V)                                                              \
     INLINE void fold_blocks_##V(                                                               \
         const T *q, int64_t q_token_stride, int64_t q_start, int64_t first_head,               \
@@ -1109,8 +1111,8 @@ static int attn_plan_make(struct attn_plan *p, const struct attn_args *c, int32_
             p->num_units = tile_unit0[num_tiles];
         }
     }
-    /* items of every KV head: fp32 rows over an fp32 cache, tiles of a few query tokens,
-     * and a unit for each thread at least (a lone short decode is 1 unit: one thread
+    /* items of every KV head: off the vdpbf16ps path (all_heads), tiles of a few query
+     * tokens, and a unit for each thread at least (a lone short decode is 1 unit: one thread
      * would read it while the others wait) */
     p->item_heads = 1;
     int small = all_heads && num_kv_heads > 1 && p->num_units >= num_threads;
@@ -1130,7 +1132,7 @@ static int attn_plan_make(struct attn_plan *p, const struct attn_args *c, int32_
 struct attn_scratch {
     float *acc, *row_max, *row_sum, *t_acc, *t_max, *t_sum, *scores, *qf;
     void *kv_scratch;
-    const float **rq; /* block_rows_f32's rows: query, head offset, visible keys */
+    const float **rq; /* block_rows_<S>'s rows: query, head offset, visible keys */
     int64_t *roff;
     int *rn;
 };
