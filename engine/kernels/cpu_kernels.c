@@ -1228,8 +1228,10 @@ static int attn_scratch_alloc(struct attn_scratch *s, const struct attn_args *c,
  * block_rows_<S>; each row runs the same copy of the arithmetic either way, so the
  * choice changes no bits. One layer's batch-1 decode attention at 300 tokens of
  * context, the cache in memory (scripts/bench_attention_kernel.c, F32=1 HUGE=1
- * LAYERS=150, 2 threads, Zen 3) took 25-33 us against 37-41 us; 32 sequences x 100
- * tokens 285-307 against 381-480 us. With the cache in L2 (LAYERS=1) the same batch
+ * LAYERS=150, 2 threads, Zen 3, five alternated pairs) took 25.6-32.2 us against
+ * 36.5-45.8 us; 32 sequences x 100 tokens (LAYERS=30) 252.7-306.7 against 373.5-456.7 us
+ * (docs/benchmarks.md, "Attention items of every KV head"). With the cache in L2
+ * (LAYERS=1) the same batch
  * runs 1.1x slower: each dot product reloads its query row, where a row of one head ran
  * over a block's 16 keys at once; key steps of 4-16 tokens per row won that back hot
  * and lost the gain from memory, so the step is one key. (Earlier, items of a whole
