@@ -75,7 +75,7 @@ def kv_hugepages() -> bool:
 
 
 def decoder_team() -> bool:
-    """``SPECSERVE_DECODER_TEAM=0`` runs the float32 one-call decoder with an OpenMP
+    """``SPECSERVE_DECODER_TEAM=0`` runs the one-call decoder with an OpenMP
     region per kernel instead of all its kernels on one team of threads meeting at a
     spinning barrier (engine/kernels/decoder_kernels.c; the same bits, a few percent
     slower at batch 1; for comparing them, or a host where spinning threads hurt)."""

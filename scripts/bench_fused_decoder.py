@@ -12,7 +12,7 @@ stream's share of the read bound (the bytes a token reads / the step time, again
 all the step reads: the weights and the context's keys and values (as the cache holds
 them). ``--kv-cache-dtype auto,bfloat16`` times the step over each KV cache dtype
 (``bfloat16``: a bf16 cache under a float32 model), all alternated in one process, with
-each one-call time's ratio to the first's. ``--team on,off`` the same for the float32
+each one-call time's ratio to the first's. ``--team on,off`` the same for the one-call
 decoder's kernels on one team of threads (on, the default) or in a region each;
 ``--kv-hugepages on,off`` the KV cache on 2 MB pages (the default) or 4 KB ones, and
 ``--scatter`` draws the context's blocks at random from a cache of the default size
@@ -49,7 +49,7 @@ def main() -> int:
     parser.add_argument(
         "--team",
         default="on",
-        help="on, off, or both comma-separated: the float32 one-call decoder's kernels on "
+        help="on, off, or both comma-separated: the one-call decoder's kernels on "
         "one team of threads, or an OpenMP region each (timed alternately)",
     )
     parser.add_argument(

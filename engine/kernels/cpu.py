@@ -117,6 +117,8 @@ class CpuKernels:
         self._set_bf16_linear.argtypes = [ctypes.c_int32]
         team = self._decoder_team = self.lib.specserve_decoder_team
         team.restype, team.argtypes = ctypes.c_int32, [ctypes.c_int32]
+        team_calls = self._decoder_team_calls = self.lib.specserve_decoder_team_calls
+        team_calls.restype, team_calls.argtypes = _I64, []
         amx = self.lib.specserve_amx_tiles
         amx.restype, amx.argtypes = ctypes.c_int32, []
         # AMX tiles: 0 not in this build, 1 built but Linux did not lend them, 2 in use
@@ -178,12 +180,19 @@ class CpuKernels:
 
     @property
     def decoder_team(self) -> bool:
-        """Whether the one-call float32 decoder runs its kernels on one team of threads
-        (the default; the same bits as a region per kernel, fewer waits)."""
+        """Whether the one-call decoder runs its kernels on one team of threads (the
+        default; the same bits as a region per kernel, fewer waits)."""
         return bool(self._decoder_team(-1))
 
+    @property
+    def decoder_team_calls(self) -> int:
+        """One-call decoder calls the team has run in this process (tests check that a
+        configuration takes it: one whose Linear layers have no team form, or one
+        thread, runs a region per kernel)."""
+        return int(self._decoder_team_calls())
+
     def set_decoder_team(self, on: bool) -> bool:
-        """Turn the float32 decoder's team on or off (to compare them); returns the
+        """Turn the one-call decoder's team on or off (to compare them); returns the
         setting before. Process-wide: every model on this library follows it."""
         before = self.decoder_team
         self._decoder_team(1 if on else 0)

@@ -1696,14 +1696,13 @@ INLINE void linear_tile(bf16 *out, int64_t n, const bf16 *x, int64_t x_stride,
         linear_tile(o, n, xr, x_stride, tile, b, k, R, cols);                                  \
         break;
 
-/* out [m, n] (dense); x [m, k], rows x_stride apart; packed as above; bias [n] or NULL. */
-static void dp_linear_bf16(bf16 *out, const bf16 *x, int64_t x_stride, const bf16 *packed,
-                           const bf16 *bias, int64_t m, int64_t n, int64_t k,
-                           int32_t num_threads) {
-    const int64_t tiles = (n + LINEAR_TILE - 1) / LINEAR_TILE;
+/* Tiles [t0, t1) of LINEAR_TILE outputs of out [m, n] (dense; a team thread's share);
+ * x [m, k], rows x_stride apart; packed as above; bias [n] or NULL. */
+INLINE void dp_tiles_bf16(bf16 *out, const bf16 *x, int64_t x_stride, const bf16 *packed,
+                          const bf16 *bias, int64_t m, int64_t n, int64_t k, int64_t t0,
+                          int64_t t1) {
     const int64_t tile_size = (k + 1) / 2 * 2 * LINEAR_TILE;
-    _Pragma("omp parallel for num_threads(num_threads) schedule(static)") for (int64_t t = 0;
-                                                                               t < tiles; t++) {
+    for (int64_t t = t0; t < t1; t++) {
         const bf16 *tile = packed + t * tile_size;
         const bf16 *b = bias == NULL ? NULL : bias + t * LINEAR_TILE;
         const int64_t cols = n - t * LINEAR_TILE < LINEAR_TILE ? n - t * LINEAR_TILE : LINEAR_TILE;
@@ -1717,6 +1716,16 @@ static void dp_linear_bf16(bf16 *out, const bf16 *x, int64_t x_stride, const bf1
             }
         }
     }
+}
+
+/* The tiles over the threads. */
+static void dp_linear_bf16(bf16 *out, const bf16 *x, int64_t x_stride, const bf16 *packed,
+                           const bf16 *bias, int64_t m, int64_t n, int64_t k,
+                           int32_t num_threads) {
+    const int64_t tiles = (n + LINEAR_TILE - 1) / LINEAR_TILE;
+    _Pragma("omp parallel for num_threads(num_threads) schedule(static)") for (int64_t t = 0;
+                                                                               t < tiles; t++)
+        dp_tiles_bf16(out, x, x_stride, packed, bias, m, n, k, t, t + 1);
 }
 #endif
 

@@ -70,7 +70,7 @@ INLINE int decoder_linear_f32(float *out, const float *x, int64_t x_stride, cons
         seq_lens, query_start_loc, num_seqs, seq_ids, num_selected, max_rows, scale,           \
         num_threads, continue_residual, tree_masks
 
-/* ---- the float32 decoder on one team of threads ----
+/* ---- the decoder on one team of threads ----
  *
  * The same kernels on the same values as the layer loop below, so the same bits, but
  * inside one OpenMP region for the whole call: each kernel split among the team's
@@ -78,42 +78,71 @@ INLINE int decoder_linear_f32(float *out, const float *x, int64_t x_stride, cons
  * items of attention, handed out one at a time), the threads meeting at team_barrier
  * between kernels instead of opening a region per kernel (see struct team). What can
  * fail is checked, and every buffer allocated, before the region: its loop cannot fail.
- * The team runs float32 layers whose Linear layers have a team form: quantized where
- * the AMX path is not taken, float where the build has the FMA kernel; others run the
- * layer loop. specserve_decoder_team(0) turns it off (to compare the two). */
+ * The team runs layers whose Linear layers have a team form: quantized where the AMX
+ * path is not taken; float on the FMA kernel (fp32 and bf16 models) or on vdpbf16ps (bf16
+ * models), not on AMX's tiles (team_float_ok); others run the layer loop.
+ * specserve_decoder_team(0) turns it off (to compare the two). */
 static int32_t decoder_team_on = 1;
 int32_t specserve_decoder_team(int32_t on) {
     if (on >= 0) decoder_team_on = on != 0;
     return decoder_team_on;
 }
+static int64_t decoder_team_calls = 0; /* calls the team ran: tests check the path ran */
+int64_t specserve_decoder_team_calls(void) {
+    return __atomic_load_n(&decoder_team_calls, __ATOMIC_RELAXED);
+}
 
 INLINE int fmt_quantized(int32_t fmt) { return fmt != FMT_FLOAT_PACKED && fmt != FMT_BF16_STORED; }
 
+/* Whether a float Linear of a model with S activations has a team form in this build
+ * and process: fp32 on the FMA kernel; bf16 on the kernel the process picked
+ * (specserve_set_bf16_linear) where that is vdpbf16ps or widen + FMA. */
+INLINE int team_float_ok_f32(void) {
+#if defined(HAVE_LF_LINEAR)
+    return 1;
+#else
+    return 0;
+#endif
+}
+INLINE int team_float_ok_bf16(void) {
+#if defined(HAVE_DP_LINEAR)
+    if (bf16_linear_mode == BF16_LINEAR_DP) return 1;
+#endif
+#if defined(HAVE_LF_LINEAR)
+    if (bf16_linear_mode == BF16_LINEAR_FMA) return 1;
+#endif
+    return 0;
+}
+/* Whether the bf16 float Linear widens x to fp32 first (the FMA kernel's input). */
+INLINE int team_widens_bf16(void) {
+#if defined(HAVE_LF_LINEAR)
+    return bf16_linear_mode == BF16_LINEAR_FMA;
+#else
+    return 0;
+#endif
+}
+
 static int decoder_team_ok(const struct specserve_layer *layers, int64_t num_layers, int64_t n,
-                           int32_t num_threads) {
+                           int32_t num_threads, int float_ok) {
     if (!decoder_team_on || num_threads < 2 || n < 1) return 0;
     for (int64_t l = 0; l < num_layers; l++) {
         const int32_t fmts[4] = {layers[l].qkv_fmt, layers[l].o_fmt, layers[l].gate_up_fmt,
                                  layers[l].down_fmt};
         for (int i = 0; i < 4; i++) {
-            if (fmt_quantized(fmts[i])) {
-                if (q_amx_takes(fmts[i], n)) return 0;
-            } else {
-#if !defined(HAVE_LF_LINEAR)
-                return 0;
-#endif
-            }
+            if (fmt_quantized(fmts[i]) ? q_amx_takes(fmts[i], n) : !float_ok) return 0;
         }
     }
     return 1;
 }
 
 /* Thread tid's share of a Linear layer: out [m, n_out] = x [m, k] @ W^T (+ bias); a
- * quantized one reads x's rows as quantized into a (a->k = k). */
+ * quantized one reads x's rows as quantized into a (a->k = k), a bf16 one on the FMA
+ * kernel reads them widened into wide (rows k apart). */
 INLINE void team_linear_f32(float *out, const float *x, int64_t x_stride, const void *w,
                             int32_t fmt, const float *bias, int64_t m, int64_t n_out, int64_t k,
-                            const struct qrows *a, int tid, int nt) {
+                            const struct qrows *a, const float *wide, int tid, int nt) {
     int64_t lo, hi;
+    (void)wide;
     if (fmt_quantized(fmt)) {
         team_range(q_groups_of(n_out), tid, nt, &lo, &hi);
         q_groups_f32(out, a, w, fmt, bias, m, n_out, lo, hi);
@@ -128,18 +157,59 @@ INLINE void team_linear_f32(float *out, const float *x, int64_t x_stride, const 
     abort(); /* unreachable: decoder_team_ok refuses float layers without the kernel */
 #endif
 }
+INLINE void team_linear_bf16(bf16 *out, const bf16 *x, int64_t x_stride, const void *w,
+                             int32_t fmt, const bf16 *bias, int64_t m, int64_t n_out, int64_t k,
+                             const struct qrows *a, const float *wide, int tid, int nt) {
+    int64_t lo, hi;
+    if (fmt_quantized(fmt)) {
+        team_range(q_groups_of(n_out), tid, nt, &lo, &hi);
+        q_groups_bf16(out, a, w, fmt, bias, m, n_out, lo, hi);
+        return;
+    }
+#if defined(HAVE_DP_LINEAR)
+    if (bf16_linear_mode == BF16_LINEAR_DP) {
+        team_range((n_out + LINEAR_TILE - 1) / LINEAR_TILE, tid, nt, &lo, &hi);
+        dp_tiles_bf16(out, x, x_stride, w, bias, m, n_out, k, lo, hi);
+        return;
+    }
+#endif
+#if defined(HAVE_LF_LINEAR)
+    if (bf16_linear_mode == BF16_LINEAR_FMA) {
+        team_range((n_out + LF_TILE - 1) / LF_TILE, tid, nt, &lo, &hi);
+        lf_tiles_w16_bf16x(out, wide, k, w, bias, m, n_out, k, lo, hi);
+        return;
+    }
+#endif
+    (void)out, (void)x, (void)x_stride, (void)w, (void)bias, (void)m, (void)n_out, (void)k;
+    (void)wide, (void)lo, (void)hi;
+    abort(); /* unreachable: decoder_team_ok refuses float layers without a team form */
+}
 
-/* Rows [r0, r1) of x quantized into a for a quantized Linear of k inputs next (a->k set
- * for it on every thread). */
-INLINE void team_quantize(struct qrows *a, int32_t fmt, const float *x, int64_t k, int64_t r0,
-                          int64_t r1) {
+/* Whether the Linear of format fmt next reads x's rows prepared (quantized, widened),
+ * and rows [r0, r1) of x prepared for it, k inputs (a->k set for it on every thread). */
+INLINE int team_prepares_f32(int32_t fmt) { return fmt_quantized(fmt); }
+INLINE int team_prepares_bf16(int32_t fmt) { return fmt_quantized(fmt) || team_widens_bf16(); }
+INLINE void team_prepare_f32(struct qrows *a, float *wide, int32_t fmt, const float *x,
+                             int64_t k, int64_t r0, int64_t r1) {
+    (void)wide;
     if (!fmt_quantized(fmt)) return;
     a->k = k, a->nb = k / QK;
     q_team_quantize_f32(a, x, k, fmt, r0, r1);
 }
+INLINE void team_prepare_bf16(struct qrows *a, float *wide, int32_t fmt, const bf16 *x,
+                              int64_t k, int64_t r0, int64_t r1) {
+    if (fmt_quantized(fmt)) {
+        a->k = k, a->nb = k / QK;
+        q_team_quantize_bf16(a, x, k, fmt, r0, r1);
+    } else if (team_widens_bf16()) { /* what specserve_linear_bf16 widens, row by row */
+        for (int64_t r = r0; r < r1; r++)
+            for (int64_t j = 0; j < k; j++) wide[r * k + j] = BF16_TO_F32(x[r * k + j]);
+    }
+}
 
-#define DECODER_TEAM(KT, V, NAME, KV_FN)                                                       \
-    static int NAME(DECODER_PARAMS(float)) {                                                   \
+/* T: the activations' type (S its suffix), KT the KV cache's; V the attention's. */
+#define DECODER_TEAM(T, S, KT, V, NAME, NORM_FN, ROPE_FN, KV_FN, SILU_FN)                      \
+    static int NAME(DECODER_PARAMS(T)) {                                                       \
         const int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;        \
         const int64_t qkv_size = q_size + 2 * kv_size, h = hidden_size;                        \
         const int64_t num_slots = num_cache_blocks * block_size;                               \
@@ -147,13 +217,16 @@ INLINE void team_quantize(struct qrows *a, int32_t fmt, const float *x, int64_t 
             if (positions[i] < 0 || positions[i] >= num_positions) return 1;                   \
         for (int64_t i = 0; i < n; i++)                                                        \
             if (slots[i] >= num_slots) return 2;                                               \
-        int64_t kmax = 0;                                                                      \
+        int64_t kmax = 0, wide_k = 0;                                                          \
         for (int64_t l = 0; l < num_layers; l++) {                                             \
             const struct specserve_layer *w = &layers[l];                                      \
             const int32_t fmts[4] = {w->qkv_fmt, w->o_fmt, w->gate_up_fmt, w->down_fmt};      \
             const int64_t outs[4] = {qkv_size, h, 2 * inter, h}, ins[4] = {h, q_size, h, inter}; \
             for (int i = 0; i < 4; i++) {                                                      \
-                if (!fmt_quantized(fmts[i])) continue;                                         \
+                if (!fmt_quantized(fmts[i])) {                                                 \
+                    if (team_prepares_##S(fmts[i]) && ins[i] > wide_k) wide_k = ins[i];        \
+                    continue;                                                                  \
+                }                                                                              \
                 if (specserve_quant_packed_bytes(fmts[i], outs[i], ins[i]) < 0) return 3;      \
                 if (ins[i] > kmax) kmax = ins[i];                                              \
             }                                                                                  \
@@ -168,17 +241,24 @@ INLINE void team_quantize(struct qrows *a, int32_t fmt, const float *x, int64_t 
         if (status) return 10 + status;                                                        \
         struct qrows qa;                                                                       \
         memset(&qa, 0, sizeof qa);                                                             \
+        float *wide = NULL;                                                                    \
         if (kmax > 0 && qrows_alloc(&qa, n, kmax)) { /* it frees what it took */              \
             attn_plan_free(&plan);                                                             \
             return 3;                                                                          \
         }                                                                                      \
+        if (wide_k > 0 && (wide = malloc(sizeof(float) * (size_t)(n * wide_k))) == NULL) {    \
+            qrows_free(&qa);                                                                   \
+            attn_plan_free(&plan);                                                             \
+            return 3;                                                                          \
+        }                                                                                      \
+        const int need_qf = !(sizeof(T) == sizeof(float) && sizeof(KT) == sizeof(float));      \
         struct team tm;                                                                        \
         memset(&tm, 0, sizeof tm);                                                             \
         int failed = 0;                                                                        \
         _Pragma("omp parallel num_threads(num_threads)") {                                     \
             const int tid = omp_get_thread_num(), nt = omp_get_num_threads();                  \
             struct attn_scratch scratch;                                                       \
-            if (attn_scratch_alloc(&scratch, &args, sizeof(KT) != sizeof(float), sizeof(KT)))  \
+            if (attn_scratch_alloc(&scratch, &args, need_qf, sizeof(KT)))                      \
                 __atomic_store_n(&failed, 1, __ATOMIC_RELAXED);                                \
             team_barrier(&tm, nt);                                                             \
             if (!__atomic_load_n(&failed, __ATOMIC_RELAXED)) {                                 \
@@ -192,20 +272,20 @@ INLINE void team_quantize(struct qrows *a, int32_t fmt, const float *x, int64_t 
                     const struct specserve_layer *w = &layers[l];                              \
                     if (l == 0 && !continue_residual) {                                        \
                         memcpy(residual + r0 * h, hidden + r0 * h,                             \
-                               sizeof(float) * (size_t)(nr * h));                              \
-                        specserve_rms_norm(normed + r0 * h, hidden + r0 * h, NULL,             \
-                                           w->input_norm, nr, h, eps, 1);                      \
+                               sizeof(T) * (size_t)(nr * h));                                  \
+                        NORM_FN(normed + r0 * h, hidden + r0 * h, NULL,                        \
+                                (const T *)w->input_norm, nr, h, eps, 1);                      \
                     } else {                                                                   \
-                        specserve_rms_norm(normed + r0 * h, hidden + r0 * h, residual + r0 * h, \
-                                           w->input_norm, nr, h, eps, 1);                      \
+                        NORM_FN(normed + r0 * h, hidden + r0 * h, residual + r0 * h,           \
+                                (const T *)w->input_norm, nr, h, eps, 1);                      \
                     }                                                                          \
-                    team_quantize(&a, w->qkv_fmt, normed, h, r0, r1);                          \
+                    team_prepare_##S(&a, wide, w->qkv_fmt, normed, h, r0, r1);                 \
                     team_barrier(&tm, nt);                                                     \
-                    team_linear_f32(qkv, normed, h, w->qkv, w->qkv_fmt, w->qkv_bias, n,        \
-                                    qkv_size, h, &a, tid, nt);                                 \
+                    team_linear_##S(qkv, normed, h, w->qkv, w->qkv_fmt, (const T *)w->qkv_bias, \
+                                    n, qkv_size, h, &a, wide, tid, nt);                        \
                     team_barrier(&tm, nt);                                                     \
-                    specserve_rope(qkv + r0 * qkv_size, qkv_size, nr, positions + r0, cos_sin, \
-                                   num_positions, num_heads + num_kv_heads, head_dim, 1);      \
+                    ROPE_FN(qkv + r0 * qkv_size, qkv_size, nr, positions + r0, cos_sin,        \
+                            num_positions, num_heads + num_kv_heads, head_dim, 1);             \
                     team_barrier(&tm, nt);                                                     \
                     /* in row order on one thread: rows sharing a slot leave the last one's */ \
                     if (tid == 0)                                                              \
@@ -227,43 +307,45 @@ INLINE void team_quantize(struct qrows *a, int32_t fmt, const float *x, int64_t 
                         phase++;                                                               \
                         team_barrier(&tm, nt);                                                 \
                     }                                                                          \
-                    if (fmt_quantized(w->o_fmt)) {                                             \
-                        team_quantize(&a, w->o_fmt, attn, q_size, r0, r1);                     \
+                    if (team_prepares_##S(w->o_fmt)) {                                         \
+                        team_prepare_##S(&a, wide, w->o_fmt, attn, q_size, r0, r1);            \
                         team_barrier(&tm, nt);                                                 \
                     }                                                                          \
-                    team_linear_f32(hidden, attn, q_size, w->o, w->o_fmt, NULL, n, h, q_size,  \
-                                    &a, tid, nt);                                              \
+                    team_linear_##S(hidden, attn, q_size, w->o, w->o_fmt, NULL, n, h, q_size,  \
+                                    &a, wide, tid, nt);                                        \
                     team_barrier(&tm, nt);                                                     \
-                    specserve_rms_norm(normed + r0 * h, hidden + r0 * h, residual + r0 * h,    \
-                                       w->post_norm, nr, h, eps, 1);                           \
-                    team_quantize(&a, w->gate_up_fmt, normed, h, r0, r1);                      \
+                    NORM_FN(normed + r0 * h, hidden + r0 * h, residual + r0 * h,               \
+                            (const T *)w->post_norm, nr, h, eps, 1);                           \
+                    team_prepare_##S(&a, wide, w->gate_up_fmt, normed, h, r0, r1);             \
                     team_barrier(&tm, nt);                                                     \
-                    team_linear_f32(gate_up, normed, h, w->gate_up, w->gate_up_fmt, NULL, n,   \
-                                    2 * inter, h, &a, tid, nt);                                \
+                    team_linear_##S(gate_up, normed, h, w->gate_up, w->gate_up_fmt, NULL, n,   \
+                                    2 * inter, h, &a, wide, tid, nt);                          \
                     team_barrier(&tm, nt);                                                     \
-                    specserve_silu_and_mul(act + r0 * inter, gate_up + r0 * 2 * inter, nr,     \
-                                           inter, 1);                                          \
-                    team_quantize(&a, w->down_fmt, act, inter, r0, r1);                        \
+                    SILU_FN(act + r0 * inter, gate_up + r0 * 2 * inter, nr, inter, 1);         \
+                    team_prepare_##S(&a, wide, w->down_fmt, act, inter, r0, r1);               \
                     team_barrier(&tm, nt);                                                     \
-                    team_linear_f32(hidden, act, inter, w->down, w->down_fmt, NULL, n, h,      \
-                                    inter, &a, tid, nt);                                       \
+                    team_linear_##S(hidden, act, inter, w->down, w->down_fmt, NULL, n, h,      \
+                                    inter, &a, wide, tid, nt);                                 \
                     team_barrier(&tm, nt);                                                     \
                 }                                                                              \
             }                                                                                  \
             attn_scratch_free(&scratch);                                                       \
         }                                                                                      \
+        free(wide);                                                                            \
         qrows_free(&qa);                                                                       \
         attn_plan_free(&plan);                                                                 \
+        __atomic_fetch_add(&decoder_team_calls, 1, __ATOMIC_RELAXED);                          \
         return failed ? 11 : 0;                                                                \
     }
-DECODER_TEAM(float, f32, decoder_team_f32, specserve_write_kv)
-DECODER_TEAM(bf16, f32_bf16kv, decoder_team_f32_bf16kv, specserve_write_kv_f32_bf16kv)
-#define DECODER_DISPATCH_NONE
-#define DECODER_DISPATCH_f32                                                                   \
-    if (decoder_team_ok(layers, num_layers, n, num_threads)) return decoder_team_f32(DECODER_ARGS);
-#define DECODER_DISPATCH_f32_bf16kv                                                            \
-    if (decoder_team_ok(layers, num_layers, n, num_threads))                                   \
-        return decoder_team_f32_bf16kv(DECODER_ARGS);
+DECODER_TEAM(float, f32, float, f32, decoder_team_f32, specserve_rms_norm, specserve_rope,
+             specserve_write_kv, specserve_silu_and_mul)
+DECODER_TEAM(float, f32, bf16, f32_bf16kv, decoder_team_f32_bf16kv, specserve_rms_norm,
+             specserve_rope, specserve_write_kv_f32_bf16kv, specserve_silu_and_mul)
+DECODER_TEAM(bf16, bf16, bf16, bf16, decoder_team_bf16, specserve_rms_norm_bf16,
+             specserve_rope_bf16, specserve_write_kv_bf16, specserve_silu_and_mul_bf16)
+#define DECODER_DISPATCH(S, TEAM)                                                              \
+    if (decoder_team_ok(layers, num_layers, n, num_threads, team_float_ok_##S()))              \
+        return TEAM(DECODER_ARGS);
 
 /* hidden [n, hidden_size]: the embeddings in, the last layer's MLP output out;
  * residual [n, hidden_size]: the residual stream before that output, out (the final
@@ -326,12 +408,12 @@ DECODER_TEAM(bf16, f32_bf16kv, decoder_team_f32_bf16kv, specserve_write_kv_f32_b
     }
 DECODER_LAYERS(bf16, bf16, bf16, specserve_decoder_layers_bf16, specserve_rms_norm_bf16,
                specserve_rope_bf16, specserve_write_kv_bf16, specserve_paged_attention_bf16,
-               specserve_silu_and_mul_bf16, DECODER_DISPATCH_NONE)
+               specserve_silu_and_mul_bf16, DECODER_DISPATCH(bf16, decoder_team_bf16))
 DECODER_LAYERS(float, f32, float, specserve_decoder_layers, specserve_rms_norm, specserve_rope,
                specserve_write_kv, specserve_paged_attention, specserve_silu_and_mul,
-               DECODER_DISPATCH_f32)
+               DECODER_DISPATCH(f32, decoder_team_f32))
 /* a float32 model over a bf16 KV cache (--kv-cache-dtype bfloat16) */
 DECODER_LAYERS(float, f32, bf16, specserve_decoder_layers_f32_bf16kv, specserve_rms_norm,
                specserve_rope, specserve_write_kv_f32_bf16kv,
                specserve_paged_attention_f32_bf16kv, specserve_silu_and_mul,
-               DECODER_DISPATCH_f32_bf16kv)
+               DECODER_DISPATCH(f32, decoder_team_f32_bf16kv))

@@ -721,14 +721,18 @@ INLINE void q_tile_rows(qacc *acc, int32_t fmt, int rows, const uint8_t *const *
 QUANT_LINEAR(float, f32, specserve_quant_linear)
 QUANT_LINEAR(bf16, bf16, specserve_quant_linear_bf16)
 
-/* The float32 quantized Linear as a team's parts (the one-call decoder): rows [r0, r1)
- * of x quantized into a (buffers for m rows of a->k or more, a->nb = a->k / QK),
- * then, once every row is, groups [g0, g1) of outputs (q_groups_f32). The same calls
- * on the same values as specserve_quant_linear where that does not take the AMX path
- * (q_amx_takes). */
+/* The quantized Linear as a team's parts (the one-call decoder): rows [r0, r1) of x
+ * quantized into a (buffers for m rows of a->k or more, a->nb = a->k / QK), then, once
+ * every row is, groups [g0, g1) of outputs (q_groups_f32, q_groups_bf16). The same calls
+ * on the same values as specserve_quant_linear(_bf16) where that does not take the AMX
+ * path (q_amx_takes). */
 INLINE void q_team_quantize_f32(const struct qrows *a, const float *x, int64_t x_stride,
                                 int32_t fmt, int64_t r0, int64_t r1) {
     for (int64_t i = r0; i < r1; i++) q_quantize_row_f32(a, x, x_stride, fmt, i);
+}
+INLINE void q_team_quantize_bf16(const struct qrows *a, const bf16 *x, int64_t x_stride,
+                                 int32_t fmt, int64_t r0, int64_t r1) {
+    for (int64_t i = r0; i < r1; i++) q_quantize_row_bf16(a, x, x_stride, fmt, i);
 }
 
 /* ---- embedding rows from the packed weights (a tied Q8_0 embedding is the LM head) ----

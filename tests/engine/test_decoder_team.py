@@ -1,11 +1,13 @@
-"""The float32 one-call decoder on one team of threads (engine/kernels/decoder_kernels.c,
+"""The one-call decoder on one team of threads (engine/kernels/decoder_kernels.c,
 DECODER_TEAM): every kernel of every layer inside one OpenMP region, its threads meeting
 at a spinning barrier between kernels. It must compute what the decoder with a region
 per kernel computes, bit for bit (logits and the KV cache it writes), whatever the
 batch (prefills of many query tiles, decodes whose attention splits by key chunk,
 verification queries, token trees), the thread count (more threads than CPUs too: the
-waiting threads then yield), the Linear layers (quantized, float32, bf16-stored) and the
-KV cache dtype; and refuse what the region-per-kernel decoder refuses."""
+waiting threads then yield), the activations (float32, bf16), the Linear layers
+(quantized; float32 or bf16-stored under float32; bf16 on each bf16 kernel, with a qkv
+bias too) and the KV cache dtype; run wherever every Linear has a team form (not on AMX
+tiles); and refuse what the region-per-kernel decoder refuses."""
 
 from __future__ import annotations
 
@@ -40,10 +42,10 @@ def threads():
     torch.set_num_threads(before)
 
 
-def _runner(path: str, kv_dtype: torch.dtype | None) -> ModelRunner:
-    loaded = load_model(path, dtype="float32", device="cpu")
+def _runner(path: str, kv_dtype: torch.dtype | None, dtype: str = "float32") -> ModelRunner:
+    loaded = load_model(path, dtype=dtype, device="cpu")
     runner = ModelRunner(loaded, num_blocks=96, block_size=BLOCK, kv_dtype=kv_dtype)
-    assert runner.model.model.fused is not None, "a float32 model runs in one call"
+    assert runner.model.model.fused is not None, f"a {dtype} model runs in one call"
     return runner
 
 
@@ -96,6 +98,23 @@ def _run(runner: ModelRunner, kernels, team: bool) -> tuple[list[torch.Tensor], 
     return logits, [t.clone() for t in runner.kv_caches]
 
 
+def _compare(kernels, make_runner, team_runs: bool) -> None:
+    """The steps through a runner with the team on, then through another with it off:
+    the same logits and KV caches bit for bit; the team ran every call if team_runs,
+    none otherwise (a region per kernel computed both), and never with it off."""
+    calls = kernels.decoder_team_calls
+    team = _run(make_runner(), kernels, True)
+    ran = kernels.decoder_team_calls - calls
+    assert (ran > 0) is team_runs, f"the team ran {ran} calls"
+    calls = kernels.decoder_team_calls
+    regions = _run(make_runner(), kernels, False)
+    assert kernels.decoder_team_calls == calls, "the team ran while turned off"
+    for ours, theirs in zip(team[0], regions[0], strict=True):
+        assert torch.equal(ours, theirs)
+    for ours, theirs in zip(team[1], regions[1], strict=True):
+        assert torch.equal(ours, theirs)
+
+
 @pytest.mark.parametrize("num_threads", [2, 3])
 @pytest.mark.parametrize("kv", ["auto", "bfloat16"])
 @pytest.mark.parametrize("checkpoint", ["gguf", "fp32", "bf16"])
@@ -108,44 +127,75 @@ def test_the_team_computes_what_a_region_per_kernel_computes(
     path = {"gguf": tiny_gguf_path, "fp32": tiny_model_dir, "bf16": tiny_bf16_checkpoint}
     kv_dtype = torch.bfloat16 if kv == "bfloat16" else None
     threads(num_threads)
-    team = _run(_runner(path[checkpoint], kv_dtype), kernels, True)
-    regions = _run(_runner(path[checkpoint], kv_dtype), kernels, False)
-    for ours, theirs in zip(team[0], regions[0], strict=True):
-        assert torch.equal(ours, theirs)
-    for ours, theirs in zip(team[1], regions[1], strict=True):
-        assert torch.equal(ours, theirs)
+    _compare(kernels, lambda: _runner(path[checkpoint], kv_dtype), team_runs=True)
 
 
-def test_the_team_is_what_one_thread_computes(kernels, threads, tiny_gguf_path):
+@pytest.fixture(params=["vdpbf16ps", "fma", "amx"])
+def bf16_linear(request, kernels):
+    """Each bf16 Linear kernel this build has, in turn (process-wide; weights are packed
+    at load, after the switch)."""
+    if request.param not in kernels.bf16_linear_modes:
+        pytest.skip(f"no {request.param} bf16 Linear kernel here")
+    before = kernels.set_bf16_linear(request.param)
+    yield request.param
+    kernels.set_bf16_linear(before)
+
+
+@pytest.mark.parametrize("num_threads", [2, 3])
+@pytest.mark.parametrize("checkpoint", ["bf16", "qwen2"])  # qwen2: a qkv bias
+def test_the_bf16_team_computes_what_a_region_per_kernel_computes(
+    kernels, threads, bf16_linear, num_threads, checkpoint, tiny_bf16_checkpoint,
+    tiny_model_factory,
+):  # fmt: skip
+    """A bf16 model's float Linear layers on each bf16 kernel: vdpbf16ps and widen +
+    FMA run on the team; AMX's tiles (a tile configuration per region) do not, and the
+    call runs a region per kernel."""
+    path = tiny_bf16_checkpoint if checkpoint == "bf16" else tiny_model_factory("qwen2")
+    threads(num_threads)
+    _compare(kernels, lambda: _runner(path, None, "bfloat16"), team_runs=bf16_linear != "amx")
+
+
+@pytest.mark.parametrize("num_threads", [2, 3])
+def test_the_bf16_team_runs_quantized_layers(kernels, threads, num_threads, tiny_gguf_path):
+    """A GGUF's Q4_1 Linear layers under bf16 activations (the default model on an
+    AVX512-BF16 CPU): on the team whatever the bf16 Linear kernel (Q4_1 never takes the
+    AMX path by default)."""
+    threads(num_threads)
+    _compare(kernels, lambda: _runner(tiny_gguf_path, None, "bfloat16"), team_runs=True)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_team_is_what_one_thread_computes(kernels, threads, dtype, tiny_gguf_path):
     """One thread runs no team (nothing to meet): the team's split of every kernel
     among threads changes no bit against one thread doing all of it."""
     kernels.set_decoder_team(True)
     threads(2)
-    team = _run(_runner(tiny_gguf_path, None), kernels, True)
+    team = _run(_runner(tiny_gguf_path, None, dtype), kernels, True)
     threads(1)
-    alone = _run(_runner(tiny_gguf_path, None), kernels, True)
+    calls = kernels.decoder_team_calls
+    alone = _run(_runner(tiny_gguf_path, None, dtype), kernels, True)
+    assert kernels.decoder_team_calls == calls, "one thread ran a team"
     for ours, theirs in zip(team[0] + team[1], alone[0] + alone[1], strict=True):
         assert torch.equal(ours, theirs)
 
 
-def test_more_threads_than_cpus_still_finish(kernels, threads, tiny_gguf_path):
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_more_threads_than_cpus_still_finish(kernels, threads, dtype, tiny_gguf_path):
     """Threads past the CPUs: a waiting thread yields its CPU after its spins, so the
     team makes progress (and computes the same bits) instead of spinning the others
     out."""
     threads(4 * max(1, len(os.sched_getaffinity(0))))
-    team = _run(_runner(tiny_gguf_path, None), kernels, True)
-    regions = _run(_runner(tiny_gguf_path, None), kernels, False)
-    for ours, theirs in zip(team[0] + team[1], regions[0] + regions[1], strict=True):
-        assert torch.equal(ours, theirs)
+    _compare(kernels, lambda: _runner(tiny_gguf_path, None, dtype), team_runs=True)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("team", [True, False])
 def test_a_position_past_the_rotary_table_is_refused_either_way(
-    kernels, threads, team, tiny_gguf_path
+    kernels, threads, team, dtype, tiny_gguf_path
 ):
     threads(2)
     kernels.set_decoder_team(team)
-    runner = _runner(tiny_gguf_path, None)
+    runner = _runner(tiny_gguf_path, None, dtype)
     far = runner.model.config.max_position_embeddings
     with pytest.raises(Exception, match="(?i)position"):
         runner.forward([SeqInput([3, 4], 0, [1], 2, positions=[0, far], tree_mask=[1, 3])])
