@@ -9,6 +9,10 @@ The factory caches by arguments, so equal requests share one directory.
 
 from __future__ import annotations
 
+import os
+import shutil
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -156,13 +160,65 @@ def close_eagle_targets(tiny_model_factory, tiny_gguf_factory, tmp_path_factory)
 
 
 @pytest.fixture(scope="session")
-def prebuilt_kernel_levels(tmp_path_factory) -> dict:
-    """level -> the compiled library of every prebuilt level of this architecture (once
-    a session: each build of them all takes a minute or more)."""
+def prebuilt_kernel_dir(tmp_path_factory) -> tuple:
+    """(directory, files): ``prebuild``'s library of every prebuilt level of this
+    architecture, best first (once a session: each level is a compile of a minute or so,
+    one per CPU at a time). Read-only for the tests: copy it to write beside it."""
     import platform
 
     from engine.kernels import build as build_mod
 
-    out = tmp_path_factory.mktemp("kernel-levels")
+    if platform.machine() not in build_mod.PREBUILT_LEVELS:
+        pytest.skip(f"no prebuilt kernel levels for {platform.machine()}")
+    out = tmp_path_factory.mktemp("kernel-levels") / "kernels"
+    return out, build_mod.prebuild(out)
+
+
+@pytest.fixture(scope="session")
+def native_kernel_build() -> Path:
+    """The -march=native library of this source, as ``cpu_kernels()`` builds it in the
+    kernel cache (compiled there once, then reused)."""
+    from engine.kernels import build as build_mod
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.delenv("SPECSERVE_KERNEL_LEVEL", raising=False)
+        return build_mod.build_library()
+
+
+@pytest.fixture()
+def compile_once(request, native_kernel_build, monkeypatch) -> None:
+    """Builds of this source reuse the session's compiles instead of compiling again: a
+    minute or more of gcc at -O3 each on a 2-core machine, and the tests of where builds
+    go and which file is loaded make dozens. ``build._compile`` writes the bytes of the
+    session's build for the same -march (the native one above, or the prebuilt level's)
+    into the build directory, as the compiler would (another source or compiler still
+    compiles); everything around it (the cache
+    rules, names, modes, atomic renames, loading) runs as in production. The compile
+    itself runs for real in those session builds and for any other source."""
+    from engine.kernels import build as build_mod
+
+    real, source, compiler = build_mod._compile, build_mod.read_source(), build_mod._compiler()
+
+    def compile_(cc, src, build_dir, name, march="native"):
+        if src != source or cc != compiler:
+            return real(cc, src, build_dir, name, march)
+        if march == "native":
+            built = native_kernel_build
+        else:
+            built = request.getfixturevalue("prebuilt_kernel_levels")[march]
+        fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600, dir_fd=build_dir[1])
+        with os.fdopen(fd, "wb") as out, open(built, "rb") as f:
+            shutil.copyfileobj(f, out)
+
+    monkeypatch.setattr(build_mod, "_compile", compile_)
+
+
+@pytest.fixture(scope="session")
+def prebuilt_kernel_levels(prebuilt_kernel_dir) -> dict:
+    """level -> the compiled library of every prebuilt level of this architecture."""
+    import platform
+
+    from engine.kernels import build as build_mod
+
     levels = [level for level, _ in build_mod.PREBUILT_LEVELS[platform.machine()]]
-    return dict(zip(levels, build_mod.prebuild(out), strict=True))
+    return dict(zip(levels, prebuilt_kernel_dir[1], strict=True))

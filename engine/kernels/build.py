@@ -24,6 +24,7 @@ those this CPU can run when it cannot build for ``-march=native`` itself.
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import hashlib
 import logging
@@ -198,15 +199,21 @@ def prebuild(out_dir: Path, machine: str | None = None) -> list[Path]:
     source = read_source()
     out = _canonical(out_dir)
     _make_dirs(out)
-    built = []
-    for level, _ in PREBUILT_LEVELS[machine]:
+
+    def build(level: str) -> Path:
         name = prebuilt_name(source, level)
         with _build_dir(out) as build_dir:
             _compile(cc, source, build_dir, name, march=level)
             os.close(_open_build(build_dir[1], name))
             os.replace(name, out / name, src_dir_fd=build_dir[1])
-        built.append(out / name)
-    return built
+        return out / name
+
+    # One compiler a CPU: each level is one single-threaded compile of a minute or so.
+    levels = [level for level, _ in PREBUILT_LEVELS[machine]]
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    jobs = max(1, min(len(levels), cpus or 1))
+    with concurrent.futures.ThreadPoolExecutor(max_workers=jobs) as pool:
+        return list(pool.map(build, levels))
 
 
 def prebuilt_name(source: bytes, level: str) -> str:

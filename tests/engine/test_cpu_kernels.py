@@ -450,6 +450,7 @@ def test_switch_restores_the_environment(monkeypatch):
     assert "SPECSERVE_CPU_KERNELS" not in os.environ
 
 
+@pytest.mark.usefixtures("compile_once")
 def test_build_is_cached_per_source(tmp_path):
     first = build_library(tmp_path)
     mtime = first.stat().st_mtime_ns
@@ -475,6 +476,7 @@ def test_loading_the_kernels_leaves_subnormals_alone(kernels):
     assert (tiny * 1.0).item() != 0.0  # 0.0 under flush-to-zero / denormals-are-zero
 
 
+@pytest.mark.usefixtures("compile_once")
 def test_read_only_cache_falls_back_to_a_private_build(tmp_path, monkeypatch):
     """A baked read-only cache with no build for this CPU: a build for this process,
     loaded through its descriptor, and nothing left behind in either directory."""

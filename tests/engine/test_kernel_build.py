@@ -37,6 +37,10 @@ __attribute__((constructor)) static void planted(void) {
 """
 _OTHER_UID = 65534  # nobody
 
+# Builds of the kernel source reuse the session's compiles (tests/conftest.py): what
+# is under test here is where builds go and which file is loaded.
+pytestmark = pytest.mark.usefixtures("compile_once")
+
 
 @pytest.fixture(scope="module")
 def planted_library(tmp_path_factory) -> Path:
@@ -376,15 +380,17 @@ def _cpu_with(monkeypatch, flags: frozenset[str]) -> None:
 
 
 @pytest.fixture(scope="module")
-def prebuilt(tmp_path_factory) -> tuple[Path, list[Path]]:
-    if build_mod.platform.machine() not in build_mod.PREBUILT_LEVELS:
-        pytest.skip(f"no prebuilt levels for {build_mod.platform.machine()}")
+def prebuilt(prebuilt_kernel_dir, tmp_path_factory) -> tuple[Path, list[Path]]:
+    """The session's ``prebuild`` output (tests/conftest.py: built once, not again here),
+    copied, modes and all, to a cache of this module's own that the tests may write to."""
+    built_dir, built = prebuilt_kernel_dir
     out = tmp_path_factory.mktemp("prebuilt") / "kernels"
-    return out, build_mod.prebuild(out)
+    shutil.copytree(built_dir, out)
+    return out, [out / path.name for path in built]
 
 
-def test_prebuild_makes_one_library_per_level(prebuilt):
-    out, built = prebuilt
+def test_prebuild_makes_one_library_per_level(prebuilt_kernel_dir):
+    out, built = prebuilt_kernel_dir  # prebuild's own output, levels built side by side
     levels = [level for level, _ in build_mod.PREBUILT_LEVELS[build_mod.platform.machine()]]
     assert len(built) == len(levels)
     for path, level in zip(built, levels):
