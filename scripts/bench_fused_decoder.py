@@ -4,7 +4,8 @@
 
 The default model as served (the .gguf's Q4_1 layers as stored; ``--model DIR`` another,
 e.g. a bf16 checkpoint served in float32, its Linear layers on the fp32 kernel with
-bf16 storage), one sequence with a 300-token context, one decode step's forward
+bf16 storage), one sequence with a 300-token context (``--batch N``: N sequences of
+their own, the step of a busy server), one decode step's forward
 (embedding to logits) timed with the decoder in one C call and layer by layer,
 alternated call by call; per level the median of each, their ratio, the weight
 stream's share of the read bound (the bytes a token reads / the step time, against
@@ -39,6 +40,12 @@ def main() -> int:
     parser.add_argument("--levels", default="native,x86-64-v3")
     parser.add_argument("--rounds", type=int, default=60)
     parser.add_argument("--context", type=int, default=300)
+    parser.add_argument(
+        "--batch",
+        type=int,
+        default=1,
+        help="sequences decoded in each step, each with --context tokens of its own",
+    )
     parser.add_argument("--model", default=None, help="default: the built-in default model")
     parser.add_argument("--quantization", default="auto", choices=("auto", "none", "int8"))
     parser.add_argument(
@@ -85,7 +92,11 @@ def main() -> int:
         parser.error(f"--kv-hugepages takes on, off or on,off, got {args.kv_hugepages!r}")
     caches = [(kv, page) for kv in kv_names for page in pages]
     variants = [(kv, team, page) for kv, page in caches for team in teams]
+    if args.batch < 1:
+        parser.error(f"--batch must be 1 or more, got {args.batch}")
+    need = (args.context + 24) // 16 + 1  # blocks a sequence holds
     num_blocks = 1456 if args.scatter else 64
+    num_blocks = max(num_blocks, args.batch * need + 1)
     built: dict[str, Path] = {}
     if any(level != "native" for level in levels):
         print("building the prebuilt kernel levels (a minute or two) ...", file=sys.stderr)
@@ -116,17 +127,24 @@ def main() -> int:
         if any(f is None for f in fused.values()):
             print(f"| {level} | - | - | - | - | - | - | (no one-call decoder here) | - | - |")
             continue
-        need = (args.context + 24) // 16 + 1
-        blocks = (
-            random.Random(0).sample(range(1, num_blocks), need)
+        ids = (
+            random.Random(0).sample(range(1, num_blocks), need * args.batch)
             if args.scatter
-            else list(range(1, need + 1))
+            else list(range(1, need * args.batch + 1))
         )
-        tokens = [100 + i % 1000 for i in range(args.context + 1)]
+        tables = [ids[i * need : (i + 1) * need] for i in range(args.batch)]
+        seqs = [
+            [100 + (i + 7 * b) % 1000 for i in range(args.context + 1)] for b in range(args.batch)
+        ]
         for key, runner in runners.items():
             runner.model.model.fused = fused[key]
             runner.model.bind_kv_caches(runner.kv_caches)
-            runner.forward([SeqInput(tokens[:-1], 0, blocks, 1)])
+            for tokens, blocks in zip(seqs, tables, strict=True):
+                runner.forward([SeqInput(tokens[:-1], 0, blocks, 1)])
+        step = [
+            SeqInput(tokens[-1:], args.context, blocks, 1)
+            for tokens, blocks in zip(seqs, tables, strict=True)
+        ]
         times = {(v, one_call): [] for v in variants for one_call in (True, False)}
         team_before = kernels.decoder_team
         for r in range(args.rounds):
@@ -136,7 +154,7 @@ def main() -> int:
                 kernels.set_decoder_team(team == "on")
                 for one_call in (True, False):
                     runner.model.model.fused = fused[kv, page] if one_call else None
-                    prepared = runner.prepare([SeqInput(tokens[-1:], args.context, blocks, 1)])
+                    prepared = runner.prepare(step)
                     start = time.perf_counter()
                     runner.execute(prepared)
                     times[(kv, team, page), one_call].append(time.perf_counter() - start)
@@ -150,8 +168,12 @@ def main() -> int:
             runner = runners[kv, page]
             one, layers = (statistics.median(times[(kv, team, page), k]) for k in (True, False))
             arch = runner.arch  # the context's K/V: one block of one token a position
-            kv_bytes = (args.context + 1) * kv_cache_bytes_per_block(
-                arch.num_layers, 1, arch.num_kv_heads, arch.head_dim, runner.kv_caches[0].dtype
+            kv_bytes = (
+                args.batch
+                * (args.context + 1)
+                * kv_cache_bytes_per_block(
+                    arch.num_layers, 1, arch.num_kv_heads, arch.head_dim, runner.kv_caches[0].dtype
+                )
             )
             shares = []
             for nbytes in (streamed, streamed + kv_bytes):
