@@ -145,6 +145,13 @@ def main() -> int:
             SeqInput(tokens[-1:], args.context, blocks, 1)
             for tokens, blocks in zip(seqs, tables, strict=True)
         ]
+        meta = runners[caches[0]].prepare(step).metadata
+        print(
+            f"{level}: each step decodes {len(meta.seq_lens_cpu)} sequences, "
+            f"{sum(meta.seq_lens_cpu)} positions of K/V",
+            file=sys.stderr,
+            flush=True,
+        )
         times = {(v, one_call): [] for v in variants for one_call in (True, False)}
         team_before = kernels.decoder_team
         for r in range(args.rounds):
