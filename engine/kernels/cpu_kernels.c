@@ -2083,6 +2083,14 @@ static int amx_linear_bf16(bf16 *out, const bf16 *x, int64_t x_stride, const bf1
 int64_t specserve_linear_amx_calls(void) { return 0; }
 #endif
 
+/* Rows [r0, r1) of x (rows x_stride apart) widened to fp32, exactly, into wide (rows k
+ * apart): the FMA kernel's input for a bf16 Linear, here and on the decoder's team. */
+INLINE void widen_rows_bf16(float *wide, const bf16 *x, int64_t x_stride, int64_t k,
+                            int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; r++)
+        for (int64_t j = 0; j < k; j++) wide[r * k + j] = BF16_TO_F32(x[r * x_stride + j]);
+}
+
 /* ---- the bf16 Linear entry points: AMX tiles, vdpbf16ps, or widen + FMA ----
  *
  * Three kernels compute a bf16 model's Linear layers, each batch invariant, in the same
@@ -2150,8 +2158,7 @@ int specserve_linear_bf16(bf16 *out, const bf16 *x, int64_t x_stride, const bf16
     if (bf16_linear_mode == BF16_LINEAR_FMA) {
         float *wide = malloc(sizeof(float) * (size_t)(m * k > 0 ? m * k : 1));
         if (wide == NULL) return 3;
-        for (int64_t r = 0; r < m; r++)
-            for (int64_t j = 0; j < k; j++) wide[r * k + j] = BF16_TO_F32(x[r * x_stride + j]);
+        widen_rows_bf16(wide, x, x_stride, k, 0, m);
         lf_linear_w16_bf16x(out, wide, k, packed, bias, m, n, k, num_threads);
         free(wide);
         return 0;

@@ -201,9 +201,8 @@ INLINE void team_prepare_bf16(struct qrows *a, float *wide, int32_t fmt, const b
     if (fmt_quantized(fmt)) {
         a->k = k, a->nb = k / QK;
         q_team_quantize_bf16(a, x, k, fmt, r0, r1);
-    } else if (team_widens_bf16()) { /* what specserve_linear_bf16 widens, row by row */
-        for (int64_t r = r0; r < r1; r++)
-            for (int64_t j = 0; j < k; j++) wide[r * k + j] = BF16_TO_F32(x[r * k + j]);
+    } else if (team_widens_bf16()) {
+        widen_rows_bf16(wide, x, k, k, r0, r1); /* as specserve_linear_bf16 does */
     }
 }
 
