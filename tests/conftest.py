@@ -162,7 +162,7 @@ def close_eagle_targets(tiny_model_factory, tiny_gguf_factory, tmp_path_factory)
 @pytest.fixture(scope="session")
 def prebuilt_kernel_dir(tmp_path_factory) -> tuple:
     """(directory, files): ``prebuild``'s library of every prebuilt level of this
-    architecture, best first (once a session: each level is a compile of a minute or so,
+    architecture, best first (once a session: each level is a compile of 10-20 s,
     one per CPU at a time). Read-only for the tests: copy it to write beside it."""
     import platform
 
