@@ -99,7 +99,7 @@ def main() -> int:
     num_blocks = max(num_blocks, args.batch * need + 1)
     built: dict[str, Path] = {}
     if any(level != "native" for level in levels):
-        print("building the prebuilt kernel levels (a minute or two) ...", file=sys.stderr)
+        print("building the prebuilt kernel levels (under a minute) ...", file=sys.stderr)
         out = Path(tempfile.mkdtemp(prefix="specserve-levels-"))
         names = [name for name, _ in build_mod.PREBUILT_LEVELS[build_mod.platform.machine()]]
         built = dict(zip(names, build_mod.prebuild(out), strict=True))
