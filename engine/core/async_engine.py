@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import itertools
 import logging
 import queue
@@ -147,6 +148,18 @@ class Reservation:
         self._engine._release(self._streams)
 
 
+def freeze_startup_heap() -> int:
+    """Collect garbage, then move every object the process holds into the collector's
+    permanent generation (``gc.freeze``), as vLLM does once its engine is up; returns how
+    many objects that is. A full collection scans every tracked object while the
+    interpreter holds its lock: with the default model loaded, about 350,000 objects and
+    180 ms in which no stream advances (docs/operations.md). Frozen, the modules, the
+    model and the tokenizer are skipped; serving's own objects are still collected."""
+    gc.collect()
+    gc.freeze()
+    return gc.get_freeze_count()
+
+
 class AsyncEngine:
     """Serve many concurrent requests from one engine loop.
 
@@ -158,6 +171,10 @@ class AsyncEngine:
     Admission: at most ``max_num_seqs + max_waiting_requests`` requests are in flight
     (admitted and not yet finished, failed or cancelled); more are refused with
     EngineOverloadedError. A request leaves the count the moment its iterator ends.
+
+    ``freeze_heap``: once the model is loaded and before ``is_ready``, collect and
+    freeze the process's heap (``freeze_startup_heap``); the server sets it, a library
+    user who makes and drops engines should not (frozen objects are never collected).
     """
 
     def __init__(
@@ -165,9 +182,12 @@ class AsyncEngine:
         config: EngineConfig,
         engine_factory: Callable[[EngineConfig], Any] | None = None,
         step_observers: list[Callable[[Any, list[RequestOutput], Any], None]] | None = None,
+        *,
+        freeze_heap: bool = False,
     ) -> None:
         self.config = config
         self._engine_factory = engine_factory
+        self._freeze_heap = freeze_heap
         # Called in the loop thread with (LLMEngine, outputs, StepRecord) after every
         # step, and with (LLMEngine, [abort output], None) after an abort: the metrics
         # exporter and request logging hang here.
@@ -447,6 +467,9 @@ class AsyncEngine:
             self.model_info["max_token_chars"] = self._encoder.max_token_chars
             self._refresh_stats()
             grammars = getattr(self._engine, "grammars", None)
+            if self._freeze_heap:
+                frozen = freeze_startup_heap()
+                logger.info("start-up heap frozen: %d objects the garbage collector skips", frozen)
             if grammars is not None:  # the first constrained request need not wait for it
                 self._compile_pool.submit(grammars.prepare)
             self._ready.set()

@@ -35,7 +35,7 @@ async def _serve(
     options: ServerOptions,
     setup: Callable[[SpecserveServer], None] | None,
 ) -> int:
-    server = SpecserveServer(AsyncEngine(config), options)
+    server = SpecserveServer(AsyncEngine(config, freeze_heap=True), options)
     if setup is not None:
         setup(server)
     stop = asyncio.Event()
