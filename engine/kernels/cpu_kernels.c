@@ -1270,8 +1270,9 @@ static int attn_scratch_alloc(struct attn_scratch *s, const struct attn_args *c,
  * attn_item_V and attn_merge_V are a call's two passes, one item at a time: the
  * one-call decoder runs them on its own team of threads. */
 #define PAGED_ATTENTION(T, KT, V, NAME)                                                        \
-    static ONE_COPY void attn_item_##V(const struct attn_args *c, const struct attn_plan *p,           \
-                              struct attn_scratch *s, int64_t item) {                          \
+    static ONE_COPY void attn_item_##V(const struct attn_args *c,                              \
+                                       const struct attn_plan *p, struct attn_scratch *s,      \
+                                       int64_t item) {                                         \
         ATTN_LOCALS(T, KT);                                                                    \
         /* fp32 rows over an fp32 cache: read in place, never copied */                       \
         const int is_f32 = sizeof(T) == sizeof(float) && sizeof(KT) == sizeof(float);          \
@@ -1325,8 +1326,9 @@ static int attn_scratch_alloc(struct attn_scratch *s, const struct attn_args *c,
     }                                                                                          \
     /* split mode's second pass, item tile * num_kv_heads + kv_head: a tile's chunks merged \
      * in key order, as the first pass does unsplit */                                        \
-    static ONE_COPY void attn_merge_##V(const struct attn_args *c, const struct attn_plan *p,          \
-                               struct attn_scratch *s, int64_t item) {                         \
+    static ONE_COPY void attn_merge_##V(const struct attn_args *c,                             \
+                                        const struct attn_plan *p, struct attn_scratch *s,     \
+                                        int64_t item) {                                        \
         ATTN_LOCALS(T, KT);                                                                    \
         const int64_t tile = item / num_kv_heads, kv_head = item % num_kv_heads;               \
         TILE_INFO(tile);                                                                       \
@@ -1705,9 +1707,9 @@ INLINE void linear_tile(bf16 *out, int64_t n, const bf16 *x, int64_t x_stride,
 
 /* Tiles [t0, t1) of LINEAR_TILE outputs of out [m, n] (dense; a team thread's share);
  * x [m, k], rows x_stride apart; packed as above; bias [n] or NULL. */
-static ONE_COPY void dp_tiles_bf16(bf16 *out, const bf16 *x, int64_t x_stride, const bf16 *packed,
-                          const bf16 *bias, int64_t m, int64_t n, int64_t k, int64_t t0,
-                          int64_t t1) {
+static ONE_COPY void dp_tiles_bf16(bf16 *out, const bf16 *x, int64_t x_stride,
+                                   const bf16 *packed, const bf16 *bias, int64_t m, int64_t n,
+                                   int64_t k, int64_t t0, int64_t t1) {
     const int64_t tile_size = (k + 1) / 2 * 2 * LINEAR_TILE;
     for (int64_t t = t0; t < t1; t++) {
         const bf16 *tile = packed + t * tile_size;
@@ -1925,9 +1927,9 @@ LF_TILE_W16(bf16, bf16x)
 /* One (weight storage, output type)'s loop: tiles [t0, t1), LF_ROWS rows of x at a time
  * per tile; and the tiles over the threads. */
 #define LF_LINEAR(W, WT, OT, XS)                                                               \
-    static ONE_COPY void lf_tiles_##W##_##XS(OT *out, const float *x, int64_t x_stride,                 \
-                                    const WT *packed, const OT *bias, int64_t m, int64_t n,    \
-                                    int64_t k, int64_t t0, int64_t t1) {                       \
+    static ONE_COPY void lf_tiles_##W##_##XS(OT *out, const float *x, int64_t x_stride,        \
+                                             const WT *packed, const OT *bias, int64_t m,      \
+                                             int64_t n, int64_t k, int64_t t0, int64_t t1) {   \
         const int64_t tile_size = (sizeof(WT) == 2 ? (k + 1) / 2 * 2 : k) * LF_TILE;           \
         for (int64_t t = t0; t < t1; t++) {                                                    \
             const WT *tile = packed + t * tile_size;                                           \

@@ -642,9 +642,9 @@ INLINE int64_t q_groups_of(int64_t n) { return (n + QLANES * QTILES - 1) / (QLAN
             ST_##S(out, c, bias == NULL ? lanes[c] : lanes[c] + LD_##S(bias, c));              \
     }                                                                                          \
     /* groups [g0, g1) of QTILES tiles of outputs, off x's rows quantized into a */           \
-    static ONE_COPY void q_groups_##S(T *out, const struct qrows *a, const uint8_t *packed,             \
-                             int32_t fmt, const T *bias, int64_t m, int64_t n, int64_t g0,     \
-                             int64_t g1) {                                                     \
+    static ONE_COPY void q_groups_##S(T *out, const struct qrows *a, const uint8_t *packed,    \
+                                      int32_t fmt, const T *bias, int64_t m, int64_t n,        \
+                                      int64_t g0, int64_t g1) {                                \
         const int64_t tiles = (n + QLANES - 1) / QLANES;                                       \
         const int64_t tile_bytes = a->nb * q_tile_block_bytes(fmt);                            \
         for (int64_t g = g0; g < g1; g++) {                                                    \
