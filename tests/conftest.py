@@ -187,13 +187,13 @@ def native_kernel_build() -> Path:
 
 @pytest.fixture()
 def compile_once(request, native_kernel_build, monkeypatch) -> None:
-    """Builds of this source reuse the session's compiles instead of compiling again: a
-    minute or more of gcc at -O3 each on a 2-core machine, and the tests of where builds
-    go and which file is loaded make dozens. ``build._compile`` writes the bytes of the
-    session's build for the same -march (the native one above, or the prebuilt level's)
-    into the build directory, as the compiler would (another source or compiler still
-    compiles); everything around it (the cache
-    rules, names, modes, atomic renames, loading) runs as in production. The compile
+    """Builds of this source reuse the session's compiles instead of compiling again: 10-20
+    s of gcc at -O3 each on a 2-core machine, and the tests of where builds go and which
+    file is loaded make dozens. ``build._compile`` writes the bytes of the session's
+    build for the same -march (the native one above, or the prebuilt level's) into the
+    build directory, as the compiler would (another source or compiler still compiles);
+    everything around it (the cache rules, names, modes, atomic renames, loading) runs
+    as in production. The compile
     itself runs for real in those session builds and for any other source."""
     from engine.kernels import build as build_mod
 

@@ -153,7 +153,7 @@ def freeze_startup_heap() -> int:
     permanent generation (``gc.freeze``), as vLLM does once its engine is up; returns how
     many objects that is. A full collection scans every tracked object while the
     interpreter holds its lock: with the default model loaded, about 350,000 objects and
-    180 ms in which no stream advances (docs/operations.md). Frozen, the modules, the
+    150-180 ms in which no stream advances (docs/operations.md). Frozen, the modules, the
     model and the tokenizer are skipped; serving's own objects are still collected."""
     gc.collect()
     gc.freeze()
