@@ -1,12 +1,15 @@
 """The quantized Linear on AMX tiles against vpdpbusd, one layer alone.
 
     .venv/bin/python scripts/bench_amx.py --rounds 3
+    .venv/bin/python scripts/bench_amx.py --rounds 3 --base HEAD~1
 
-For Q4_1 and Q8_0 weights of the default model's MLP shape ([1536, 576], random
-quants) and bf16 activations of m rows, the median time of a call with the AMX path
-off and forced on (every row block on tiles), alternated call by call, and the
-multiply-adds per second of the faster. Checks on the way that both paths give the
-same bits. On a CPU or build without AMX it says so and stops.
+For Q4_1 and Q8_0 weights of the default model's shapes ([1536, 576] as gate_up and
+[576, 1536] as down, random quants) and bf16 activations of m rows, the median time of
+a call with the AMX path off and forced on (every row block on tiles), alternated call
+by call, and the multiply-adds per second of the faster. ``--base REV`` also builds the
+kernels at a git revision and times its AMX path in the same rounds (a change to the
+tile path against the one before it, in one process and hour). Checks on the way that
+every path gives the same bits. On a CPU or build without AMX it says so and stops.
 """
 
 from __future__ import annotations
@@ -24,42 +27,75 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--rows", default="1,3,5,9,16,32,64,128")
     parser.add_argument("--calls", type=int, default=200)
+    parser.add_argument("--shapes", default="1536x576,576x1536", help="[n, k] of each layer")
+    parser.add_argument("--base", default=None, help="git revision whose AMX path to time too")
     args = parser.parse_args()
+    try:
+        shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
+        rows = [int(r) for r in args.rows.split(",")]
+    except ValueError:
+        parser.error("--shapes is NxK[,NxK...] and --rows a list of integers")
+    if min(args.rounds, args.calls, *rows) < 1 or any(k % 32 or n < 1 for n, k in shapes):
+        parser.error("--rounds, --calls and --rows must be at least 1, each k a multiple of 32")
 
     import torch
 
-    from engine.kernels.quant import FORMATS, quant_ops
+    from engine.kernels.quant import FORMATS, QuantOps, quant_ops
 
     ops = quant_ops()
     if ops is None or ops.amx_min_rows == 0:
         print("this build of the kernels has no AMX path (a CPU without AMX-INT8)")
         return 1
+    base = None
+    if args.base is not None:
+        from bench_kernel_ab import base_source
+
+        from engine.kernels import build
+        from engine.kernels.cpu import CpuKernels
+
+        print(f"building the kernels at {args.base} ...", file=sys.stderr, flush=True)
+        base = QuantOps(CpuKernels(build.build_source(base_source(args.base))).lib)
     torch.manual_seed(0)
-    n, k = 1536, 576
-    print("| format | rows | vpdpbusd us | AMX us | AMX vs vpdpbusd | GMAC/s (faster) |")
-    print("|---|---|---|---|---|---|")
+    columns = ("| format | [n, k] | rows | vpdpbusd us | AMX us | AMX vs vpdpbusd "
+               "| GMAC/s (faster) |")  # fmt: skip
+    if base is not None:
+        columns += f" AMX at {args.base} us | this / {args.base} |"
+    print(columns)
+    print("|---" * (columns.count("|") - 1) + "|")
     for name in ("Q4_1", "Q8_0"):
-        weight = ops.pack(FORMATS[name], _random_rows(torch, name, n, k), k)
-        for m in (int(r) for r in args.rows.split(",")):
-            x = torch.randn(m, k).to(torch.bfloat16)
-            times = {0: [], 1: []}
-            outs = {}
-            for _ in range(args.rounds):
-                for rule in (0, 1):
-                    ops.set_amx_min_rows(rule)
-                    outs[rule] = ops.linear(x, weight, None)
-                    start = time.perf_counter()
-                    for _ in range(args.calls):
-                        ops.linear(x, weight, None)
-                    times[rule].append((time.perf_counter() - start) / args.calls)
-            if not torch.equal(outs[0], outs[1]):
-                print(f"{name} m={m}: the two paths differ", file=sys.stderr)
-                return 2
-            plain, amx = (1e6 * statistics.median(times[r]) for r in (0, 1))
-            gmacs = m * n * k / min(plain, amx) / 1e3
-            print(f"| {name} | {m} | {plain:.1f} | {amx:.1f} | {plain / amx:.2f}x | {gmacs:.0f} |",
-                  flush=True)  # fmt: skip
+        for n, k in shapes:
+            rows_gguf = _random_rows(torch, name, n, k)
+            weight = ops.pack(FORMATS[name], rows_gguf, k)
+            base_weight = None if base is None else base.pack(FORMATS[name], rows_gguf, k)
+            for m in rows:
+                x = torch.randn(m, k).to(torch.bfloat16)
+                # (ops, weight, rule): vpdpbusd, AMX, and the base revision's AMX
+                runs = {"off": (ops, weight, 0), "amx": (ops, weight, 1)}
+                if base is not None:
+                    runs["base"] = (base, base_weight, 1)
+                times = {key: [] for key in runs}
+                outs = {}
+                for _ in range(args.rounds):
+                    for key, (o, w, rule) in runs.items():
+                        o.set_amx_min_rows(rule)
+                        outs[key] = o.linear(x, w, None)
+                        start = time.perf_counter()
+                        for _ in range(args.calls):
+                            o.linear(x, w, None)
+                        times[key].append((time.perf_counter() - start) / args.calls)
+                if any(not torch.equal(outs["off"], out) for out in outs.values()):
+                    print(f"{name} m={m}: the paths differ", file=sys.stderr)
+                    return 2
+                us = {key: 1e6 * statistics.median(t) for key, t in times.items()}
+                gmacs = m * n * k / min(us["off"], us["amx"]) / 1e3
+                line = (f"| {name} | [{n}, {k}] | {m} | {us['off']:.1f} | {us['amx']:.1f} | "
+                        f"{us['off'] / us['amx']:.2f}x | {gmacs:.0f} |")  # fmt: skip
+                if base is not None:
+                    line += f" {us['base']:.1f} | {us['amx'] / us['base']:.3f} |"
+                print(line, flush=True)
     ops.set_amx_min_rows(-1)
+    if base is not None:
+        base.set_amx_min_rows(-1)
     return 0
 
 

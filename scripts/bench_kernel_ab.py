@@ -49,6 +49,8 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=100)
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     parser.add_argument("--model", default=None, help="default: the built-in default model")
+    parser.add_argument("--quantization", default="auto", choices=("auto", "none", "int8"),
+                        help="as serve's (auto: a GGUF's formats as stored)")  # fmt: skip
     args = parser.parse_args()
     if min(args.context, args.rounds, args.batch) < 1:
         parser.error("--context, --rounds and --batch must be at least 1")
@@ -72,7 +74,9 @@ def main() -> int:
         kernels = CpuKernels(lib)
         for module in (cpu_mod, layers_mod, quant_mod):
             module.cpu_kernels = lambda k=kernels: k
-        loaded = load_model(args.model, dtype=args.dtype, device="cpu", quantization="auto")
+        loaded = load_model(
+            args.model, dtype=args.dtype, device="cpu", quantization=args.quantization
+        )
         runner = ModelRunner(loaded, num_blocks=args.batch * per + 1, block_size=block)
         if args.batch == 1 and runner.model.model.fused is None:
             raise SystemExit(f"error: the {name} kernels give this model no one-call decoder")

@@ -78,9 +78,11 @@ INLINE int decoder_linear_f32(float *out, const float *x, int64_t x_stride, cons
  * items of attention, handed out one at a time), the threads meeting at team_barrier
  * between kernels instead of opening a region per kernel (see struct team). What can
  * fail is checked, and every buffer allocated, before the region: its loop cannot fail.
- * The team runs layers whose Linear layers have a team form: quantized where the AMX
- * path is not taken; float on the FMA kernel (fp32 and bf16 models) or on vdpbf16ps (bf16
- * models), not on AMX's tiles (team_float_ok); others run the layer loop.
+ * The team runs layers whose Linear layers have a team form: quantized (on vpdpbusd, or
+ * on AMX tiles where a call takes them: q_groups configures each thread's tiles, and
+ * a thread without scratch for Q4's nibbles runs its share on vpdpbusd, same bits);
+ * float on the FMA kernel (fp32 and bf16 models) or on vdpbf16ps (bf16 models), not on
+ * AMX's tiles (team_float_ok); others run the layer loop.
  * specserve_decoder_team(0) turns it off (to compare the two). */
 static int32_t decoder_team_on = 1;
 int32_t specserve_decoder_team(int32_t on) {
@@ -129,7 +131,7 @@ static int decoder_team_ok(const struct specserve_layer *layers, int64_t num_lay
         const int32_t fmts[4] = {layers[l].qkv_fmt, layers[l].o_fmt, layers[l].gate_up_fmt,
                                  layers[l].down_fmt};
         for (int i = 0; i < 4; i++) {
-            if (fmt_quantized(fmts[i]) ? q_amx_takes(fmts[i], n) : !float_ok) return 0;
+            if (!fmt_quantized(fmts[i]) && !float_ok) return 0;
         }
     }
     return 1;

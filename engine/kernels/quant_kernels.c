@@ -303,14 +303,21 @@ INLINE void q_acc_to_lanes(float *lanes, qacc v) { _mm512_storeu_ps(lanes, v); }
  * output, sum(q * xq), signed against signed, so no +128 offset. It is then scaled
  * and accumulated exactly as the vpdpbusd path does, in the same order (Q4_0's
  * - 8 * sum(xq) first): every output is bit for bit the one the other path gives,
- * so which path a call takes (its row count) changes nothing. On this project's Xeon
- * VM the tile unit's work and the vector scaling hardly overlap
- * (scripts/bench_amx_overlap.c: 10.7-11.0 and 6.7-6.8 ns a block alone, 15.5-21.5
- * together), which bounds this path near twice vpdpbusd's rate. (A variant carrying
- * 64 rows through each block, sharing the unpacked weights, measured 1.08x on Q4_1 at
- * 64-128 rows but 10-15% slower on Q8_0 than this one: not kept.) Linux lends a
- * process the tile registers on request (arch_prctl ARCH_REQ_XCOMP_PERM); refused,
- * the vpdpbusd path runs. */
+ * so which path a call takes (its row count) changes nothing, and q_groups takes it
+ * inside the decoder's team as in a Linear call. On this project's Xeon VM the tile
+ * unit's work and the vector scaling hardly overlap (scripts/bench_amx_overlap.c:
+ * 10.7-11.0 and 6.7-6.8 ns a block alone, 15.5-21.5 together; 20 and 11, 34 on a slow
+ * day), and each tile instruction (load, tdpbssd, store) takes 6-8 ns whatever else
+ * runs, which bounds this path near twice vpdpbusd's rate. What the loop does about
+ * it: Q4's nibbles are split once per tile for all its row blocks; the accumulators
+ * are locals (through a pointer gcc kept them in memory, reloading the row scales'
+ * pointers after every store); and each block's tile work is issued before the
+ * previous block's sums are stored, those sums scaled a block later still, on A and B
+ * tiles of its own, so no tile load waits on a store just issued (0.69-0.88x the time
+ * of the loop before on Q4_1 from 32 rows, 0.84-0.97x on Q8_0: docs/benchmarks.md).
+ * (Carrying 32 or 64 rows through each block with four C tiles and the accumulators in
+ * memory measured slower.) Linux lends a process the tile registers on request
+ * (arch_prctl ARCH_REQ_XCOMP_PERM); refused, the vpdpbusd path runs. */
 #define QPATH_AMX 1
 #define Q_AMX_ROWS 16
 
@@ -318,9 +325,10 @@ INLINE void q_acc_to_lanes(float *lanes, qacc v) { _mm512_storeu_ps(lanes, v); }
  * faster (docs/benchmarks.md): Q8_0 from 9 rows (a [1536, 576] Linear alone is 1.1-2x
  * from 5 rows, but inside the decoder 5 rows came out slower; an int8 model's forward
  * over 17 and 33 tokens 1.15x, the default model's Q8_0 head 1.2-1.4x); Q4 never
- * (1.04-1.06x alone from 16 rows, slower inside the decoder: its nibbles must be split
- * into a tile in memory first, and each block's scaling, the same work as on
- * vpdpbusd, bounds both paths). 0: never. */
+ * (alone 1.13-1.28x from 32 rows but 0.73-0.94x at 9-16; in the decoder's team at 32
+ * and 64 sequences within the noise, 0.99-1.05x: its nibbles must be split into a
+ * tile in memory first, and each block's scaling, the same work as on vpdpbusd,
+ * bounds both paths). 0: never. */
 static int32_t q_amx_min_rows = -1;
 
 static int64_t q_amx_calls = 0; /* calls that ran on tiles: tests check the path ran */
@@ -339,88 +347,127 @@ INLINE void q_amx_config(void) {
     cfg.rows[0] = Q_AMX_ROWS, cfg.colsb[0] = 64; /* C: 16 rows x 16 int32 */
     cfg.rows[1] = Q_AMX_ROWS, cfg.colsb[1] = QK; /* A: 16 rows x 32 int8 */
     cfg.rows[2] = QK / 4, cfg.colsb[2] = 64;     /* B: 8 x (16 outputs x 4 int8) */
-    cfg.rows[3] = Q_AMX_ROWS, cfg.colsb[3] = 64; /* the second C */
+    cfg.rows[3] = Q_AMX_ROWS, cfg.colsb[3] = 64; /* the second C, A and B */
+    cfg.rows[4] = Q_AMX_ROWS, cfg.colsb[4] = QK;
+    cfg.rows[5] = QK / 4, cfg.colsb[5] = 64;
     _tile_loadconfig(&cfg);
 }
 
-/* Tile B of block b: Q8_0's packed bytes as they are; Q4's nibbles split into bq. */
-INLINE const uint8_t *q_amx_weights(int32_t fmt, const uint8_t *qs, uint8_t *bq) {
-    if (fmt == QFMT_Q8_0) return qs;
+/* Tile B of block 0 of a tile, the others wstride apart (q_amx_wstride): Q8_0's packed
+ * quants as they are; Q4's nibbles split into wq (nb * 512 bytes, 64-byte aligned), once
+ * per tile for all its row blocks. */
+INLINE int64_t q_amx_wstride(int32_t fmt) {
+    return fmt == QFMT_Q8_0 ? q_tile_block_bytes(fmt) : 512;
+}
+INLINE const uint8_t *q_amx_weights(int32_t fmt, const uint8_t *tile, int64_t nb,
+                                    uint8_t *wq) {
+    const int64_t tb = q_tile_block_bytes(fmt), sb = q_scale_bytes(fmt);
+    if (fmt == QFMT_Q8_0) return tile + QLANES * sb;
     const __m512i low4 = _mm512_set1_epi8(0x0f);
-    for (int ch = 0; ch < 4; ch++) {
-        const __m512i v = _mm512_loadu_si512(qs + ch * 64);
-        _mm512_store_si512(bq + ch * 64, _mm512_and_si512(v, low4));
-        _mm512_store_si512(bq + (4 + ch) * 64, _mm512_and_si512(_mm512_srli_epi16(v, 4), low4));
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *qs = tile + b * tb + QLANES * sb;
+        uint8_t *bq = wq + b * 512;
+        for (int ch = 0; ch < 4; ch++) {
+            const __m512i v = _mm512_loadu_si512(qs + ch * 64);
+            _mm512_store_si512(bq + ch * 64, _mm512_and_si512(v, low4));
+            _mm512_store_si512(bq + (4 + ch) * 64, _mm512_and_si512(_mm512_srli_epi16(v, 4), low4));
+        }
     }
-    return bq;
+    return wq;
 }
 
-/* Block b's products into C tile T (0 or 3; the tile number must be a constant). */
-#define Q_AMX_ISSUE(T, b)                                                                      \
+/* Each thread's scratch for Q4's split nibbles, kept between calls and grown as needed
+ * (the threads are the OpenMP pool's and the decoder team's, which live on). */
+static _Thread_local uint8_t *q_amx_wq = NULL;
+static _Thread_local size_t q_amx_wq_bytes = 0;
+INLINE uint8_t *q_amx_scratch(size_t bytes) {
+    if (bytes > q_amx_wq_bytes) {
+        free(q_amx_wq);
+        q_amx_wq = aligned_alloc(64, (bytes + 63) / 64 * 64);
+        q_amx_wq_bytes = q_amx_wq == NULL ? 0 : bytes;
+    }
+    return q_amx_wq;
+}
+
+/* Block b's sums (c: 16 rows x 16 int32) scaled into the accumulators, as the
+ * vpdpbusd path does. xd, xs and ms point at row r0's block b, a row nb apart. */
+#define Q_AMX_SCALE(acc, fmt, rows, blk, xd, xs, ms, nb, c)                                    \
     do {                                                                                       \
-        const uint8_t *blk_ = tile + (b) * tb;                                                 \
-        const uint8_t *w_ = q_amx_weights(fmt, blk_ + QLANES * sb, bq + ((b) & 1) * 512);      \
-        _tile_zero(T);                                                                         \
-        _tile_loadd(1, a->q + r0 * a->k + (b) * QK, a->k);                                     \
-        _tile_loadd(2, w_, 64);                                                                \
-        _tile_dpbssd(T, 1, 2);                                                                 \
+        const __m256i *scales_ = (const __m256i *)(blk);                                       \
+        const __m512 d_ = _mm512_cvtph_ps(_mm256_loadu_si256(scales_));                        \
+        const __m512 m_ = (fmt) == QFMT_Q4_1                                                   \
+                              ? _mm512_cvtph_ps(_mm256_loadu_si256(scales_ + 1))               \
+                              : _mm512_setzero_ps();                                           \
+        _Pragma("GCC unroll 16") for (int r = 0; r < (rows); r++) {                            \
+            __m512i total = _mm512_load_si512((c) + r * 16);                                   \
+            if ((fmt) == QFMT_Q4_0)                                                            \
+                total = _mm512_sub_epi32(total, _mm512_set1_epi32(8 * (xs)[r * (nb)]));        \
+            const __m512 scale_ = _mm512_mul_ps(d_, _mm512_set1_ps((xd)[r * (nb)]));           \
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(total), scale_, acc[r]);               \
+            if ((fmt) == QFMT_Q4_1)                                                            \
+                acc[r] = _mm512_fmadd_ps(m_, _mm512_set1_ps((ms)[r * (nb)]), acc[r]);          \
+        }                                                                                      \
     } while (0)
 
-/* Block b's sums (in c) scaled into the accumulators, as the vpdpbusd path does. */
-INLINE void q_amx_scale(qacc *acc, int32_t fmt, int rows, const uint8_t *blk,
-                        const struct qrows *a, int64_t r0, int64_t b, const int32_t *c) {
-    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)blk));
-    const __m512 m = fmt == QFMT_Q4_1
-                         ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + 32)))
-                         : _mm512_setzero_ps();
-    for (int r = 0; r < rows; r++) {
-        const int64_t i = (r0 + r) * a->nb + b;
-        const float xd = a->d[i];
-        const int32_t xs = a->s[i];
-        __m512i total = _mm512_load_si512(c + r * 16);
-        if (fmt == QFMT_Q4_0) total = _mm512_sub_epi32(total, _mm512_set1_epi32(8 * xs));
-        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(total), _mm512_mul_ps(d, _mm512_set1_ps(xd)),
-                                 acc[r]);
-        if (fmt == QFMT_Q4_1) acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(a->ms[i]), acc[r]);
+/* out[r]: row r0 + r's 16 outputs of `tile`, whose tile B of block b is at w + b *
+ * wstride (q_amx_weights); c (512 int32) is the caller's scratch, 64-byte aligned.
+ * Even and odd blocks take turns on two sets of tiles (C, A, B), and step j issues
+ * block j's products, then stores block j - 1's sums, then scales block j - 2's: no
+ * tile load waits on the store before it, and no scaling on the store it reads. The
+ * accumulators are locals, so they live in registers. */
+INLINE void q_tile_amx(qacc *out, int32_t fmt, int rows, const uint8_t *tile,
+                       const uint8_t *w, int64_t wstride, const struct qrows *a, int64_t r0,
+                       int32_t *c) {
+    const int64_t tb = q_tile_block_bytes(fmt), nb = a->nb, k = a->k;
+    const int8_t *xq = a->q + r0 * k;
+    const float *restrict xd = a->d + r0 * nb, *restrict ms = a->ms + r0 * nb;
+    const int32_t *restrict xs = a->s + r0 * nb;
+    __m512 acc[Q_AMX_ROWS];
+    for (int r = 0; r < Q_AMX_ROWS; r++) acc[r] = _mm512_setzero_ps();
+#define Q_AMX_ISSUE(T, TA, TB, b)                                                              \
+    do {                                                                                       \
+        _tile_zero(T);                                                                         \
+        _tile_loadd(TA, xq + (b) * QK, k);                                                     \
+        _tile_loadd(TB, w + (b) * wstride, 64);                                                \
+        _tile_dpbssd(T, TA, TB);                                                               \
+    } while (0)
+#define Q_AMX_SCALE_BLOCK(b, cc)                                                               \
+    Q_AMX_SCALE(acc, fmt, rows, tile + (b) * tb, xd + (b), xs + (b), ms + (b), nb, cc)
+    /* Step j: block j onto the tile unit, block j - 1's sums stored, block j - 2's
+     * scaled; even blocks in C tile 0 (A 1, B 2), odd ones in 3 (A 4, B 5). */
+#define Q_AMX_STEP(j, T, TA, TB, PT)                                                           \
+    do {                                                                                       \
+        if ((j) < nb) Q_AMX_ISSUE(T, TA, TB, j);                                               \
+        if ((j) >= 1 && (j) - 1 < nb) _tile_stored(PT, c + (((j) - 1) & 1) * 256, 64);         \
+        if ((j) >= 2 && (j) - 2 < nb) Q_AMX_SCALE_BLOCK((j) - 2, c + (((j) - 2) & 1) * 256);   \
+    } while (0)
+    for (int64_t b = 0; b < nb + 2; b += 2) {
+        Q_AMX_STEP(b, 0, 1, 2, 3);
+        Q_AMX_STEP(b + 1, 3, 4, 5, 0);
     }
-}
-
-/* acc[r]: row r0 + r's 16 outputs of `tile`; bq (1024 bytes) and c (512 int32) are the
- * caller's scratch, 64-byte aligned. Two C tiles take turns: block b + 1's products
- * run on the tile unit while block b's are scaled. */
-INLINE void q_tile_amx(qacc *acc, int32_t fmt, int rows, const uint8_t *tile,
-                       const struct qrows *a, int64_t r0, uint8_t *bq, int32_t *c) {
-    const int64_t tb = q_tile_block_bytes(fmt), sb = q_scale_bytes(fmt), nb = a->nb;
-    for (int r = 0; r < rows; r++) acc[r] = _mm512_setzero_ps();
-    Q_AMX_ISSUE(0, 0);
-    for (int64_t b = 0; b < nb; b += 2) {
-        _tile_stored(0, c, 64);
-        if (b + 1 < nb) Q_AMX_ISSUE(3, b + 1);
-        q_amx_scale(acc, fmt, rows, tile + b * tb, a, r0, b, c);
-        if (b + 1 >= nb) break;
-        _tile_stored(3, c + 256, 64);
-        if (b + 2 < nb) Q_AMX_ISSUE(0, b + 2);
-        q_amx_scale(acc, fmt, rows, tile + (b + 1) * tb, a, r0, b + 1, c + 256);
-    }
+    for (int r = 0; r < rows; r++) out[r] = acc[r];
+#undef Q_AMX_STEP
+#undef Q_AMX_ISSUE
+#undef Q_AMX_SCALE_BLOCK
 }
 
 #define Q_TILE_AMX_FMT(F)                                                                      \
-    static __attribute__((noinline)) void q_tile_amx_##F(qacc *acc, int rows,                 \
-                                                          const uint8_t *tile,                 \
-                                                          const struct qrows *a, int64_t r0,   \
-                                                          uint8_t *bq, int32_t *c) {           \
-        if (rows == Q_AMX_ROWS) q_tile_amx(acc, F, Q_AMX_ROWS, tile, a, r0, bq, c);            \
-        else q_tile_amx(acc, F, rows, tile, a, r0, bq, c);                                     \
+    static __attribute__((noinline)) void q_tile_amx_##F(                                      \
+        qacc *acc, int rows, const uint8_t *tile, const uint8_t *w, int64_t wstride,           \
+        const struct qrows *a, int64_t r0, int32_t *c) {                                       \
+        if (rows == Q_AMX_ROWS) q_tile_amx(acc, F, Q_AMX_ROWS, tile, w, wstride, a, r0, c);    \
+        else q_tile_amx(acc, F, rows, tile, w, wstride, a, r0, c);                             \
     }
 Q_TILE_AMX_FMT(QFMT_Q4_0)
 Q_TILE_AMX_FMT(QFMT_Q4_1)
 Q_TILE_AMX_FMT(QFMT_Q8_0)
 
 INLINE void q_tile_amx_rows(qacc *acc, int32_t fmt, int rows, const uint8_t *tile,
-                            const struct qrows *a, int64_t r0, uint8_t *bq, int32_t *c) {
-    if (fmt == QFMT_Q8_0) q_tile_amx_QFMT_Q8_0(acc, rows, tile, a, r0, bq, c);
-    else if (fmt == QFMT_Q4_1) q_tile_amx_QFMT_Q4_1(acc, rows, tile, a, r0, bq, c);
-    else q_tile_amx_QFMT_Q4_0(acc, rows, tile, a, r0, bq, c);
+                            const uint8_t *w, int64_t wstride, const struct qrows *a,
+                            int64_t r0, int32_t *c) {
+    if (fmt == QFMT_Q8_0) q_tile_amx_QFMT_Q8_0(acc, rows, tile, w, wstride, a, r0, c);
+    else if (fmt == QFMT_Q4_1) q_tile_amx_QFMT_Q4_1(acc, rows, tile, w, wstride, a, r0, c);
+    else q_tile_amx_QFMT_Q4_0(acc, rows, tile, w, wstride, a, r0, c);
 }
 
 /* The rows from which QUANT_LINEAR runs fmt on tiles (0: never), and whether it takes
@@ -433,58 +480,44 @@ INLINE int q_amx_takes(int32_t fmt, int64_t m) {
     return rows > 0 && m >= rows && amx_ready();
 }
 
-/* The AMX path of QUANT_LINEAR, for output type T (S its suffix): returns from it when
- * taken. Row blocks of 16 run on tiles where they hold amx_rows_ rows or more, the
- * others (a short last block) on vpdpbusd: the same bits either way. */
-#define Q_AMX_LINEAR(T, S)                                                                     \
-    const int64_t amx_rows_ = q_amx_rows(fmt);                                                 \
-    if (q_amx_takes(fmt, m)) {                                                                 \
+/* The AMX path of q_groups, for output type T (S its suffix): returns from it when
+ * taken. Each tile's weights are made tile B once, then its row blocks of 16 run on
+ * tiles; a last row block of fewer than q_amx_rows rows runs on vpdpbusd: the same
+ * bits either way. Without scratch for Q4's nibbles (out of memory) the call runs on
+ * vpdpbusd, which needs none. */
+#define Q_AMX_GROUPS(T, S)                                                                     \
+    uint8_t *wq_ = NULL;                                                                       \
+    if (q_amx_takes(fmt, m) &&                                                                 \
+        (fmt == QFMT_Q8_0 || (wq_ = q_amx_scratch((size_t)(a->nb * 512))) != NULL)) {          \
         __atomic_fetch_add(&q_amx_calls, 1, __ATOMIC_RELAXED);                                 \
-        const int64_t tiles = (n + QLANES - 1) / QLANES;                                       \
-        const int64_t groups = (tiles + QTILES - 1) / QTILES;                                  \
-        const int64_t tile_bytes = a.nb * q_tile_block_bytes(fmt);                             \
-        _Pragma("omp parallel num_threads(num_threads)") {                                     \
-            q_amx_config();                                                                    \
-            uint8_t bq[1024] __attribute__((aligned(64)));                                     \
-            int32_t c[512] __attribute__((aligned(64)));                                       \
-            qacc acc[Q_AMX_ROWS];                                                              \
-            _Pragma("omp for schedule(static)") for (int64_t g = 0; g < groups; g++) {        \
-                const uint8_t *group[QTILES];                                                  \
-                for (int j = 0; j < QTILES; j++) {                                             \
-                    const int64_t t = g * QTILES + j < tiles ? g * QTILES + j : tiles - 1;     \
-                    group[j] = packed + t * tile_bytes;                                        \
-                }                                                                              \
-                for (int64_t r0 = 0; r0 < m; r0 += Q_AMX_ROWS) {                               \
+        const int64_t full_ = m / Q_AMX_ROWS * Q_AMX_ROWS;                                     \
+        const int64_t amx_end_ = m - full_ >= q_amx_rows(fmt) ? m : full_;                     \
+        int32_t c_[512] __attribute__((aligned(64)));                                          \
+        qacc acc_[Q_AMX_ROWS];                                                                 \
+        q_amx_config();                                                                        \
+        for (int64_t g = g0; g < g1; g++) {                                                    \
+            const uint8_t *group[QTILES];                                                      \
+            for (int j = 0; j < QTILES; j++) {                                                 \
+                const int64_t t = g * QTILES + j < tiles ? g * QTILES + j : tiles - 1;         \
+                group[j] = packed + t * tile_bytes;                                            \
+            }                                                                                  \
+            for (int j = 0; j < QTILES && g * QTILES + j < tiles; j++) {                       \
+                const int64_t c0 = (g * QTILES + j) * QLANES;                                  \
+                const int64_t cols = n - c0 < QLANES ? n - c0 : QLANES;                        \
+                const T *bb = bias == NULL ? NULL : bias + c0;                                 \
+                const uint8_t *w_ = q_amx_weights(fmt, group[j], a->nb, wq_);                  \
+                for (int64_t r0 = 0; r0 < amx_end_; r0 += Q_AMX_ROWS) {                        \
                     const int rows = m - r0 < Q_AMX_ROWS ? (int)(m - r0) : Q_AMX_ROWS;         \
-                    for (int j = 0; j < QTILES && g * QTILES + j < tiles; j++) {               \
-                        const int64_t c0 = (g * QTILES + j) * QLANES;                          \
-                        const int64_t cols = n - c0 < QLANES ? n - c0 : QLANES;                \
-                        const T *bb = bias == NULL ? NULL : bias + c0;                         \
-                        if (rows >= amx_rows_) {                                               \
-                            q_tile_amx_rows(acc, fmt, rows, group[j], &a, r0, bq, c);          \
-                            for (int r = 0; r < rows; r++)                                     \
-                                q_store_##S(out + (r0 + r) * n + c0, acc[r], bb, cols);        \
-                        }                                                                      \
-                    }                                                                          \
-                    if (rows >= amx_rows_) continue;                                           \
-                    for (int64_t r1 = r0; r1 < r0 + rows; r1 += QROWS) {                       \
-                        const int rr = r0 + rows - r1 < QROWS ? (int)(r0 + rows - r1) : QROWS; \
-                        q_tile_rows(acc, fmt, rr, group, &a, r1);                              \
-                        for (int j = 0; j < QTILES && g * QTILES + j < tiles; j++) {           \
-                            const int64_t c0 = (g * QTILES + j) * QLANES;                      \
-                            const int64_t cols = n - c0 < QLANES ? n - c0 : QLANES;            \
-                            const T *bb = bias == NULL ? NULL : bias + c0;                     \
-                            for (int r = 0; r < rr; r++)                                       \
-                                q_store_##S(out + (r1 + r) * n + c0, acc[r * QTILES + j], bb,  \
-                                            cols);                                             \
-                        }                                                                      \
-                    }                                                                          \
+                    q_tile_amx_rows(acc_, fmt, rows, group[j], w_, q_amx_wstride(fmt), a, r0,  \
+                                    c_);                                                       \
+                    for (int r = 0; r < rows; r++)                                             \
+                        q_store_##S(out + (r0 + r) * n + c0, acc_[r], bb, cols);               \
                 }                                                                              \
             }                                                                                  \
-            _tile_release();                                                                   \
+            Q_GROUP_VNNI(T, S, g, group, amx_end_);                                            \
         }                                                                                      \
-        qrows_free(&a);                                                                        \
-        return 0;                                                                              \
+        _tile_release();                                                                       \
+        return;                                                                                \
     }
 #endif /* Q_ROW_PAD == 16 */
 
@@ -616,11 +649,29 @@ INLINE void q_acc_to_lanes(float *lanes, qacc v) { memcpy(lanes, v.v, sizeof(v.v
 /* ---- out = x @ W^T (+ bias) ---- */
 
 #ifndef QPATH_AMX
-#define Q_AMX_LINEAR(T, S)
+#define Q_AMX_GROUPS(T, S)
 INLINE int q_amx_takes(int32_t fmt, int64_t m) { return (void)fmt, (void)m, 0; }
 int32_t specserve_quant_amx_min_rows(int32_t rows) { return (void)rows, 0; } /* no AMX */
 int64_t specserve_quant_amx_calls(void) { return 0; }
 #endif
+
+/* Group g's outputs (its tiles in group) for rows [r_start, m) on the dot-product
+ * instructions, QROWS rows at a time; inside q_groups. */
+#define Q_GROUP_VNNI(T, S, g, group, r_start)                                                  \
+    do {                                                                                       \
+        qacc acc[QROWS * QTILES];                                                              \
+        for (int64_t r0 = (r_start); r0 < m; r0 += QROWS) {                                    \
+            const int rows = m - r0 < QROWS ? (int)(m - r0) : QROWS;                           \
+            q_tile_rows(acc, fmt, rows, group, a, r0);                                         \
+            for (int j = 0; j < QTILES && (g) * QTILES + j < tiles; j++) {                     \
+                const int64_t c0 = ((g) * QTILES + j) * QLANES;                                \
+                const int64_t cols = n - c0 < QLANES ? n - c0 : QLANES;                        \
+                const T *b = bias == NULL ? NULL : bias + c0;                                  \
+                for (int r = 0; r < rows; r++)                                                 \
+                    q_store_##S(out + (r0 + r) * n + c0, acc[r * QTILES + j], b, cols);        \
+            }                                                                                  \
+        }                                                                                      \
+    } while (0)
 
 /* Groups of QTILES tiles of QLANES outputs in n outputs. */
 INLINE int64_t q_groups_of(int64_t n) { return (n + QLANES * QTILES - 1) / (QLANES * QTILES); }
@@ -647,6 +698,7 @@ INLINE int64_t q_groups_of(int64_t n) { return (n + QLANES * QTILES - 1) / (QLAN
                                       int64_t g0, int64_t g1) {                                \
         const int64_t tiles = (n + QLANES - 1) / QLANES;                                       \
         const int64_t tile_bytes = a->nb * q_tile_block_bytes(fmt);                            \
+        Q_AMX_GROUPS(T, S)                                                                     \
         for (int64_t g = g0; g < g1; g++) {                                                    \
             /* a last group short of tiles repeats its last one; its outputs are not kept */   \
             const uint8_t *group[QTILES];                                                      \
@@ -654,18 +706,7 @@ INLINE int64_t q_groups_of(int64_t n) { return (n + QLANES * QTILES - 1) / (QLAN
                 const int64_t t = g * QTILES + j < tiles ? g * QTILES + j : tiles - 1;         \
                 group[j] = packed + t * tile_bytes;                                            \
             }                                                                                  \
-            qacc acc[QROWS * QTILES];                                                          \
-            for (int64_t r0 = 0; r0 < m; r0 += QROWS) {                                        \
-                const int rows = m - r0 < QROWS ? (int)(m - r0) : QROWS;                       \
-                q_tile_rows(acc, fmt, rows, group, a, r0);                                     \
-                for (int j = 0; j < QTILES && g * QTILES + j < tiles; j++) {                    \
-                    const int64_t t = g * QTILES + j, c0 = t * QLANES;                         \
-                    const int64_t cols = n - c0 < QLANES ? n - c0 : QLANES;                    \
-                    const T *b = bias == NULL ? NULL : bias + c0;                              \
-                    for (int r = 0; r < rows; r++)                                             \
-                        q_store_##S(out + (r0 + r) * n + c0, acc[r * QTILES + j], b, cols);    \
-                }                                                                              \
-            }                                                                                  \
+            Q_GROUP_VNNI(T, S, g, group, 0);                                                   \
         }                                                                                      \
     }                                                                                          \
     /* out [m, n] (dense); x [m, k], rows x_stride apart; packed by specserve_quant_pack;    \
@@ -677,11 +718,13 @@ INLINE int64_t q_groups_of(int64_t n) { return (n + QLANES * QTILES - 1) / (QLAN
         struct qrows a;                                                                        \
         if (qrows_alloc(&a, m, k)) return 3;                                                   \
         FOR_ROWS_OF(m, k, num_threads, QUANTIZE_ONE_##S);                                      \
-        Q_AMX_LINEAR(T, S)                                                                     \
         const int64_t groups = q_groups_of(n);                                                 \
-        _Pragma("omp parallel for num_threads(num_threads) schedule(static)") for (           \
-            int64_t g = 0; g < groups; g++)                                                    \
-            q_groups_##S(out, &a, packed, fmt, bias, m, n, g, g + 1);                          \
+        /* one contiguous share of the groups a thread, as schedule(static) gives */           \
+        _Pragma("omp parallel num_threads(num_threads)") {                                     \
+            int64_t lo, hi;                                                                    \
+            team_range(groups, omp_get_thread_num(), omp_get_num_threads(), &lo, &hi);         \
+            if (lo < hi) q_groups_##S(out, &a, packed, fmt, bias, m, n, lo, hi);               \
+        }                                                                                      \
         qrows_free(&a);                                                                        \
         return 0;                                                                              \
     }

@@ -5,9 +5,10 @@ per kernel computes, bit for bit (logits and the KV cache it writes), whatever t
 batch (prefills of many query tiles, decodes whose attention splits by key chunk,
 verification queries, token trees), the thread count (more threads than CPUs too: the
 waiting threads then yield), the activations (float32, bf16), the Linear layers
-(quantized; float32 or bf16-stored under float32; bf16 on each bf16 kernel, with a qkv
-bias too) and the KV cache dtype; run wherever every Linear has a team form (not on AMX
-tiles); and refuse what the region-per-kernel decoder refuses."""
+(quantized, on vpdpbusd or AMX tiles; float32 or bf16-stored under float32; bf16 on
+each bf16 kernel, with a qkv bias too) and the KV cache dtype; run wherever every Linear
+has a team form (the bf16 Linear on AMX tiles has none); and refuse what the
+region-per-kernel decoder refuses."""
 
 from __future__ import annotations
 
@@ -42,8 +43,10 @@ def threads():
     torch.set_num_threads(before)
 
 
-def _runner(path: str, kv_dtype: torch.dtype | None, dtype: str = "float32") -> ModelRunner:
-    loaded = load_model(path, dtype=dtype, device="cpu")
+def _runner(
+    path: str, kv_dtype: torch.dtype | None, dtype: str = "float32", quantization: str = "auto"
+) -> ModelRunner:
+    loaded = load_model(path, dtype=dtype, device="cpu", quantization=quantization)
     runner = ModelRunner(loaded, num_blocks=96, block_size=BLOCK, kv_dtype=kv_dtype)
     assert runner.model.model.fused is not None, f"a {dtype} model runs in one call"
     return runner
@@ -98,14 +101,16 @@ def _run(runner: ModelRunner, kernels, team: bool) -> tuple[list[torch.Tensor], 
     return logits, [t.clone() for t in runner.kv_caches]
 
 
-def _compare(kernels, make_runner, team_runs: bool) -> None:
-    """The steps through a runner with the team on, then through another with it off:
-    the same logits and KV caches bit for bit; the team ran every call if team_runs,
-    none otherwise (a region per kernel computed both), and never with it off."""
+def _compare(kernels, make_runner, team_runs: bool, between=lambda: None) -> None:
+    """The steps through a runner with the team on, then (after ``between``) through
+    another with it off: the same logits and KV caches bit for bit; the team ran every
+    call if team_runs, none otherwise (a region per kernel computed both), and never
+    with it off."""
     calls = kernels.decoder_team_calls
     team = _run(make_runner(), kernels, True)
     ran = kernels.decoder_team_calls - calls
     assert (ran > 0) is team_runs, f"the team ran {ran} calls"
+    between()
     calls = kernels.decoder_team_calls
     regions = _run(make_runner(), kernels, False)
     assert kernels.decoder_team_calls == calls, "the team ran while turned off"
@@ -162,6 +167,37 @@ def test_the_bf16_team_runs_quantized_layers(kernels, threads, num_threads, tiny
     AMX path by default)."""
     threads(num_threads)
     _compare(kernels, lambda: _runner(tiny_gguf_path, None, "bfloat16"), team_runs=True)
+
+
+@pytest.mark.parametrize("rule", [1, 9])
+@pytest.mark.parametrize("quantization", ["auto", "int8"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_team_runs_quantized_layers_on_amx_tiles(
+    kernels, threads, rule, quantization, dtype, tiny_gguf_path
+):
+    """Quantized Linear layers on AMX tiles inside the team (every row block from
+    ``rule`` rows: 1 puts even a lone row on tiles, 9 leaves short last blocks on
+    vpdpbusd), Q4_1 as the GGUF stores it and Q8_0 made at load: the same bits as a
+    region per kernel with the tiles off, so the path a call takes changes nothing."""
+    from engine.kernels.quant import quant_ops
+
+    ops = quant_ops()
+    if ops is None or ops.amx_min_rows == 0 or kernels.amx_tiles != 2:
+        pytest.skip("no AMX path here (a CPU without AMX-INT8, or Linux lent no tiles)")
+    threads(2)
+    before = ops.amx_min_rows
+    ops.set_amx_min_rows(rule)
+    try:
+        tiles = ops.amx_calls
+        _compare(
+            kernels,
+            lambda: _runner(tiny_gguf_path, None, dtype, quantization),
+            team_runs=True,
+            between=lambda: ops.set_amx_min_rows(0),
+        )
+    finally:
+        ops.set_amx_min_rows(before)
+    assert ops.amx_calls > tiles, "no call ran on tiles"
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

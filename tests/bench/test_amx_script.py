@@ -1,0 +1,60 @@
+"""scripts/bench_amx.py: on a CPU and build with AMX-INT8, a row per format, shape and
+row count with every column filled (and the base revision's column with --base); where
+there is no AMX path, the one line that says so; a bad option is one line naming it."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from engine.kernels.quant import quant_ops
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "scripts" / "bench_amx.py"
+
+
+def _run(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, str(SCRIPT), *args], cwd=ROOT, capture_output=True, text=True,
+        timeout=600,
+    )  # fmt: skip
+
+
+def _amx() -> bool:
+    ops = quant_ops()
+    return ops is not None and ops.amx_min_rows != 0
+
+
+@pytest.mark.parametrize("base", [None, "HEAD"])
+def test_a_row_for_each_format_shape_and_row_count(base):
+    args = ["--rounds", "1", "--calls", "2", "--rows", "1,17", "--shapes", "64x64,32x96"]
+    done = _run(*args, *(["--base", base] if base else []))
+    if not _amx():
+        assert done.returncode == 1, done.stderr[-2000:]
+        assert done.stdout.strip() == (
+            "this build of the kernels has no AMX path (a CPU without AMX-INT8)"
+        )
+        return
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = [line for line in done.stdout.splitlines() if line.startswith("| Q")]
+    cells = [[c.strip() for c in row.strip("|").split("|")] for row in rows]
+    got = [(c[0], c[1], c[2]) for c in cells]
+    assert got == [(f, s, m) for f in ("Q4_1", "Q8_0") for s in ("[64, 64]", "[32, 96]")
+                   for m in ("1", "17")], done.stdout  # fmt: skip
+    for c in cells:
+        assert len(c) == (9 if base else 7), c
+        assert float(c[3]) > 0 and float(c[4]) > 0 and c[5].endswith("x"), c
+        if base:
+            assert float(c[7]) > 0 and float(c[8]) > 0, c
+
+
+@pytest.mark.parametrize(
+    "args", [["--shapes", "64x60"], ["--rows", "0"], ["--rows", "a"], ["--calls", "0"]]
+)
+def test_a_bad_option_is_one_line(args):
+    done = _run(*args)
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines()[-1].startswith("bench_amx.py: error:"), done.stderr
