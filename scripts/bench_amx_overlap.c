@@ -9,6 +9,8 @@
  * weight scales by the row's scale, fused multiply-add into 16 accumulators. Printed:
  * ns per block for each alone and for both in one loop, on independent data (so any
  * difference from the larger of the two alone is the core not overlapping them).
+ * Then the tile op's instructions one at a time, added in turn: tdpbssd on a zeroed C,
+ * then with the load of A, of B, the store of C (each instruction's share).
  * Single thread; the weights of 96 tiles x 18 blocks stream from L2 as in a
  * [1536, 576] layer. Needs a CPU with AMX-INT8 and Linux 5.16 or later. */
 #include <immintrin.h>
@@ -91,6 +93,24 @@ int main(void) {
         float sink[16]; /* every accumulator is used: none of the scaling is dead code */
         _mm512_storeu_ps(sink, all);
         printf("%-24s %5.1f ns per block%s\n", names[mode], ns, sink[0] == 12345.0f ? " " : "");
+    }
+    const char *parts[4] = {"tdpbssd (C zeroed)", "+ load of A", "+ load of B", "+ store of C"};
+    _tile_loadd(1, act, 576);
+    _tile_loadd(2, weights + 32, 64);
+    for (int part = 0; part < 4; part++) {
+        const double start = now();
+        for (int rep = 0; rep < reps; rep++)
+            for (int t = 0; t < TILES; t++)
+                for (int b = 0; b < NB; b++) {
+                    const uint8_t *blk = weights + ((size_t)t * NB + b) * TB;
+                    if (part >= 2) _tile_loadd(2, blk + 32, 64);
+                    if (part >= 1) _tile_loadd(1, act + b * 32, 576);
+                    _tile_zero(0);
+                    _tile_dpbssd(0, 1, 2);
+                    if (part >= 3) _tile_stored(0, sums[b & 1], 64);
+                }
+        const double ns = (now() - start) / ((double)reps * TILES * NB) * 1e9;
+        printf("%-24s %5.1f ns per block\n", parts[part], ns);
     }
     _tile_release();
     return 0;

@@ -11,6 +11,9 @@ runs in turn, each first in every other round, ``--rounds`` times: medians in ms
 new / base. Both builds share the process, the hour and the memory, so the ratio holds
 where a machine's speed moves between runs of separate commands by more than the
 change. ``--base HEAD`` with a clean tree is the control: two identical builds.
+``--amx-rows N`` sets the new build's rule for the quantized Linear's AMX tiles (from N
+rows; 0 never, -1 by format as shipped): with ``--base HEAD``, a rule against the
+shipped one in the same code.
 """
 
 from __future__ import annotations
@@ -51,9 +54,13 @@ def main() -> int:
     parser.add_argument("--model", default=None, help="default: the built-in default model")
     parser.add_argument("--quantization", default="auto", choices=("auto", "none", "int8"),
                         help="as serve's (auto: a GGUF's formats as stored)")  # fmt: skip
+    parser.add_argument("--amx-rows", type=int, default=None,
+                        help="the new build's AMX rule for quantized Linear layers")  # fmt: skip
     args = parser.parse_args()
     if min(args.context, args.rounds, args.batch) < 1:
         parser.error("--context, --rounds and --batch must be at least 1")
+    if args.amx_rows is not None and args.amx_rows < -1:
+        parser.error(f"--amx-rows must be -1 or more, got {args.amx_rows}")
 
     from engine.core.model_runner import ModelRunner, SeqInput
     from engine.kernels import build
@@ -72,6 +79,8 @@ def main() -> int:
     runners = {}
     for name, lib in libs.items():
         kernels = CpuKernels(lib)
+        if name == "new" and args.amx_rows is not None:
+            quant_mod.QuantOps(kernels.lib).set_amx_min_rows(args.amx_rows)
         for module in (cpu_mod, layers_mod, quant_mod):
             module.cpu_kernels = lambda k=kernels: k
         loaded = load_model(
