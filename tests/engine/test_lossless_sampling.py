@@ -8,7 +8,8 @@ The exact distribution comes from enumeration: temperature 1 and top-k 2 over 4 
 is at most 16 sequences. 4000 requests each sample one; the first token comes from
 prefill, the rest from verifications of up to 2 drafts. Unseeded requests are verified
 by rejection sampling, seeded ones by coupling; penalties, logit bias, min_tokens and a
-stop token ride along in their own rows of the matrix.
+stop token ride along in their own rows of the matrix, and so do the .gguf's layers on
+AMX tiles where the kernels have them.
 
 Two targets: the tiny float model, against transformers' own forward, and the same
 model as a .gguf served quantized (Q4_1 layers and head, Q8_0 embedding), against the
@@ -341,6 +342,39 @@ def test_a_bf16_kv_cache_follows_its_own_distribution(
     samples = sample_sequences(
         model, dirs, proposer, prompt, seeded=seeded, kv_cache_dtype="bfloat16"
     )
+    assert set(samples) <= set(exact)
+    assert tv(samples, exact) < ENGINE_TV_BOUND
+
+
+@pytest.mark.parametrize(
+    ("proposer", "dtype", "seeded"),
+    [
+        ("hybrid", "float32", False),
+        ("random-trees", "float32", True),
+        ("draft", "bfloat16", False),
+    ],
+)
+def test_quantized_layers_on_amx_tiles_follow_the_target_distribution(
+    targets, draft_dirs, proposer, dtype, seeded
+):
+    """The .gguf's quantized Linear layers on AMX tiles (every row block, even a lone
+    decode row: the rule 1), where the kernels have the tile path: the target is the
+    same bits as on vpdpbusd, so speculation stays lossless; chains, mixed batches and
+    trees, rejection and coupling, fp32 and bf16."""
+    from engine.kernels.quant import quant_ops
+
+    ops = quant_ops()
+    if ops is None or ops.amx_min_rows == 0:
+        pytest.skip("no AMX path for the quantized Linear here (a CPU without AMX-INT8)")
+    before, calls = ops.amx_min_rows, ops.amx_calls
+    ops.set_amx_min_rows(1)
+    try:
+        model, dirs, prompt = _case(targets, draft_dirs, proposer, "gguf")
+        exact = exact_distribution(model, prompt, dtype=getattr(torch, dtype))
+        samples = sample_sequences(model, dirs, proposer, prompt, seeded=seeded, dtype=dtype)
+    finally:
+        ops.set_amx_min_rows(before)
+    assert ops.amx_calls > calls, "no call ran on tiles"
     assert set(samples) <= set(exact)
     assert tv(samples, exact) < ENGINE_TV_BOUND
 

@@ -10,7 +10,9 @@ as stored) x the speculation gate on or off (its lanes choosing k by timing) x a
 cache in the model's dtype or, for half the float32 seeds, in bf16; odd seeds
 in bfloat16, each on one of the bf16 Linear kernels this CPU has (AMX tiles, vdpbf16ps,
 FMA); even seeds in float32, each on the native build or one of the prebuilt kernel
-levels this CPU executes (the AVX2 one among them).
+levels this CPU executes (the AVX2 one among them) x, where the kernels have the
+quantized Linear's AMX path, its rule (as shipped, every row block on tiles, or from
+16 rows), so the .gguf's layers run on tiles, in the team and out of it.
 
 Every step: both pools pass check_integrity and no request holds a block beyond its KV
 length (check_pools); the draft cache never covers a request's last verified token.
@@ -33,6 +35,7 @@ import random
 from dataclasses import replace
 
 from engine.io.sampling_params import SamplingParams, StructuredOutput
+from engine.kernels import quant as quant_mod
 from engine.kernels.cpu import cpu_kernels
 from tests.engine.engine_helpers import (
     LogitPoison,
@@ -253,6 +256,14 @@ def test_randomized_engine_stress(
     # and reference alike: seeds 4 and 6 of CI's 8 (0 and 2 keep the fp32 cache)
     kv = "bfloat16" if config["dtype"] == "float32" and (stress_seed // 4) % 2 else "auto"
     config["kv_cache_dtype"] = kv
+    ops = quant_mod.quant_ops()  # the kernels this seed's engine and reference use
+    if ops is not None and ops.amx_min_rows != 0:
+        # the quantized Linear's AMX rule by seed, engine and reference alike: as shipped
+        # (Q4 never), every row block on tiles (even a lone decode row), or from 16 rows
+        rule = random.Random(4 * 10**6 + stress_seed).choice([-1, 1, 16])
+        before_rule = ops.amx_min_rows
+        ops.set_amx_min_rows(rule)
+        request.addfinalizer(lambda: ops.set_amx_min_rows(before_rule))
     kernels = cpu_kernels()
     if config["dtype"] == "bfloat16" and kernels is not None and kernels.bf16_linear_modes:
         # each bf16 Linear kernel this CPU has (AMX tiles, vdpbf16ps, FMA), by seed, for
