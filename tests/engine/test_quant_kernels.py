@@ -116,14 +116,14 @@ def _cpu_has_amx() -> bool:
 
 @pytest.mark.parametrize("name", FORMAT_NAMES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("k", [192, 224])
+@pytest.mark.parametrize("k", [32, 64, 192, 224])
 def test_the_amx_path_gives_the_same_bits_as_vpdpbusd(ops, name, dtype, k):
     """Where the build has the AMX path (a CPU with AMX-INT8; elsewhere this checks the
     rule is inert): every output of every row is bit for bit what the vpdpbusd path
     gives, whichever rows take the tiles (chunks of 64 rows, 16-row blocks inside them,
-    a short last chunk on either path; an even and an odd number of 32-input blocks,
-    which the tile pipeline takes in turns), so the row count a call has changes
-    nothing (batch invariance)."""
+    a short last chunk on either path; one, two, an even and an odd number of 32-input
+    blocks, which the tile pipeline takes in turns), so the row count a call has
+    changes nothing (batch invariance)."""
     weight, x, rows = _case(83, k, 131, name, seed=5)
     x = x.to(dtype)
     packed = ops.pack(FORMATS[name], rows, k)
