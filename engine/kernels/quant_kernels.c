@@ -480,45 +480,40 @@ INLINE int q_amx_takes(int32_t fmt, int64_t m) {
     return rows > 0 && m >= rows && amx_ready();
 }
 
-/* The AMX path of q_groups, for output type T (S its suffix): returns from it when
- * taken. Each tile's weights are made tile B once, then its row blocks of 16 run on
- * tiles; a last row block of fewer than q_amx_rows rows runs on vpdpbusd: the same
- * bits either way. Without scratch for Q4's nibbles (out of memory) the call runs on
- * vpdpbusd, which needs none. */
-#define Q_AMX_GROUPS(T, S)                                                                     \
+/* The AMX path of q_groups, for output type T (S its suffix), around its one loop over
+ * the groups. Q_AMX_BEGIN: amx_end_, the rows the call runs on tiles: 0 when it does
+ * not take the path (or, for Q4, has no scratch for the split nibbles: out of memory),
+ * else every row block of 16 but a last one of fewer than q_amx_rows rows, which runs
+ * on vpdpbusd with the group's other rows past amx_end_: the same bits either way.
+ * Q_AMX_GROUP: group g's rows [0, amx_end_), each tile's weights made tile B once, then
+ * its row blocks. Q_AMX_END: the tiles given back. */
+#define Q_AMX_BEGIN                                                                            \
+    int64_t amx_end_ = 0;                                                                      \
     uint8_t *wq_ = NULL;                                                                       \
     if (q_amx_takes(fmt, m) &&                                                                 \
         (fmt == QFMT_Q8_0 || (wq_ = q_amx_scratch((size_t)(a->nb * 512))) != NULL)) {          \
         __atomic_fetch_add(&q_amx_calls, 1, __ATOMIC_RELAXED);                                 \
         const int64_t full_ = m / Q_AMX_ROWS * Q_AMX_ROWS;                                     \
-        const int64_t amx_end_ = m - full_ >= q_amx_rows(fmt) ? m : full_;                     \
+        amx_end_ = m - full_ >= q_amx_rows(fmt) ? m : full_;                                   \
+        q_amx_config();                                                                        \
+    }
+#define Q_AMX_GROUP(T, S, g, group)                                                            \
+    for (int j = 0; amx_end_ > 0 && j < QTILES && (g) * QTILES + j < tiles; j++) {             \
         int32_t c_[512] __attribute__((aligned(64)));                                          \
         qacc acc_[Q_AMX_ROWS];                                                                 \
-        q_amx_config();                                                                        \
-        for (int64_t g = g0; g < g1; g++) {                                                    \
-            const uint8_t *group[QTILES];                                                      \
-            for (int j = 0; j < QTILES; j++) {                                                 \
-                const int64_t t = g * QTILES + j < tiles ? g * QTILES + j : tiles - 1;         \
-                group[j] = packed + t * tile_bytes;                                            \
-            }                                                                                  \
-            for (int j = 0; j < QTILES && g * QTILES + j < tiles; j++) {                       \
-                const int64_t c0 = (g * QTILES + j) * QLANES;                                  \
-                const int64_t cols = n - c0 < QLANES ? n - c0 : QLANES;                        \
-                const T *bb = bias == NULL ? NULL : bias + c0;                                 \
-                const uint8_t *w_ = q_amx_weights(fmt, group[j], a->nb, wq_);                  \
-                for (int64_t r0 = 0; r0 < amx_end_; r0 += Q_AMX_ROWS) {                        \
-                    const int rows = m - r0 < Q_AMX_ROWS ? (int)(m - r0) : Q_AMX_ROWS;         \
-                    q_tile_amx_rows(acc_, fmt, rows, group[j], w_, q_amx_wstride(fmt), a, r0,  \
-                                    c_);                                                       \
-                    for (int r = 0; r < rows; r++)                                             \
-                        q_store_##S(out + (r0 + r) * n + c0, acc_[r], bb, cols);               \
-                }                                                                              \
-            }                                                                                  \
-            Q_GROUP_VNNI(T, S, g, group, amx_end_);                                            \
+        const int64_t c0 = ((g) * QTILES + j) * QLANES;                                        \
+        const int64_t cols = n - c0 < QLANES ? n - c0 : QLANES;                                \
+        const T *bb = bias == NULL ? NULL : bias + c0;                                         \
+        const uint8_t *w_ = q_amx_weights(fmt, (group)[j], a->nb, wq_);                        \
+        for (int64_t r0 = 0; r0 < amx_end_; r0 += Q_AMX_ROWS) {                                \
+            const int rows = m - r0 < Q_AMX_ROWS ? (int)(m - r0) : Q_AMX_ROWS;                 \
+            q_tile_amx_rows(acc_, fmt, rows, (group)[j], w_, q_amx_wstride(fmt), a, r0, c_);   \
+            for (int r = 0; r < rows; r++)                                                     \
+                q_store_##S(out + (r0 + r) * n + c0, acc_[r], bb, cols);                       \
         }                                                                                      \
-        _tile_release();                                                                       \
-        return;                                                                                \
     }
+#define Q_AMX_END                                                                              \
+    if (amx_end_ > 0) _tile_release();
 #endif /* Q_ROW_PAD == 16 */
 
 #elif defined(QPATH_AVX2)
@@ -649,7 +644,9 @@ INLINE void q_acc_to_lanes(float *lanes, qacc v) { memcpy(lanes, v.v, sizeof(v.v
 /* ---- out = x @ W^T (+ bias) ---- */
 
 #ifndef QPATH_AMX
-#define Q_AMX_GROUPS(T, S)
+#define Q_AMX_BEGIN const int64_t amx_end_ = 0;
+#define Q_AMX_GROUP(T, S, g, group)
+#define Q_AMX_END
 INLINE int q_amx_takes(int32_t fmt, int64_t m) { return (void)fmt, (void)m, 0; }
 int32_t specserve_quant_amx_min_rows(int32_t rows) { return (void)rows, 0; } /* no AMX */
 int64_t specserve_quant_amx_calls(void) { return 0; }
@@ -698,7 +695,7 @@ INLINE int64_t q_groups_of(int64_t n) { return (n + QLANES * QTILES - 1) / (QLAN
                                       int64_t g0, int64_t g1) {                                \
         const int64_t tiles = (n + QLANES - 1) / QLANES;                                       \
         const int64_t tile_bytes = a->nb * q_tile_block_bytes(fmt);                            \
-        Q_AMX_GROUPS(T, S)                                                                     \
+        Q_AMX_BEGIN                                                                            \
         for (int64_t g = g0; g < g1; g++) {                                                    \
             /* a last group short of tiles repeats its last one; its outputs are not kept */   \
             const uint8_t *group[QTILES];                                                      \
@@ -706,8 +703,10 @@ INLINE int64_t q_groups_of(int64_t n) { return (n + QLANES * QTILES - 1) / (QLAN
                 const int64_t t = g * QTILES + j < tiles ? g * QTILES + j : tiles - 1;         \
                 group[j] = packed + t * tile_bytes;                                            \
             }                                                                                  \
-            Q_GROUP_VNNI(T, S, g, group, 0);                                                   \
+            Q_AMX_GROUP(T, S, g, group);                                                       \
+            Q_GROUP_VNNI(T, S, g, group, amx_end_);                                            \
         }                                                                                      \
+        Q_AMX_END                                                                              \
     }                                                                                          \
     /* out [m, n] (dense); x [m, k], rows x_stride apart; packed by specserve_quant_pack;    \
      * bias [n] or NULL. Returns 0, 1 for a bad fmt or k, 3 when out of memory. */           \
