@@ -2,14 +2,18 @@
 
     .venv/bin/python scripts/bench_amx.py --rounds 3
     .venv/bin/python scripts/bench_amx.py --rounds 3 --base HEAD~1
+    .venv/bin/python scripts/bench_amx.py --rounds 5 --rows 8,16,32,64,512 --bf16
 
 For Q4_1 and Q8_0 weights of the default model's shapes ([1536, 576] as gate_up and
 [576, 1536] as down, random quants) and bf16 activations of m rows, the median time of
 a call with the AMX path off and forced on (every row block on tiles), alternated call
 by call, and the multiply-adds per second of the faster. ``--base REV`` also builds the
 kernels at a git revision and times its AMX path in the same rounds (a change to the
-tile path against the one before it, in one process and hour). Checks on the way that
-every path gives the same bits. On a CPU or build without AMX it says so and stops.
+tile path against the one before it, in one process and hour). ``--bf16`` also times
+the path ``--no-batch-invariance`` turns on (weights dequantized to bf16 on AMX-BF16
+tiles, every call on it), against the faster of the two int8 paths. Checks on the way
+that every int8 path gives the same bits (the bf16 one has its own, checked by
+tests/engine/test_quant_kernels.py). On a CPU or build without AMX it says so and stops.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ def main() -> int:
     parser.add_argument("--calls", type=int, default=200)
     parser.add_argument("--shapes", default="1536x576,576x1536", help="[n, k] of each layer")
     parser.add_argument("--base", default=None, help="git revision whose AMX path to time too")
+    parser.add_argument("--bf16", action="store_true", help="time the bf16-tile path too")
     args = parser.parse_args()
     try:
         shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
@@ -46,6 +51,9 @@ def main() -> int:
     if ops is None or ops.amx_min_rows == 0:
         print("this build of the kernels has no AMX path (a CPU without AMX-INT8)")
         return 1
+    if args.bf16 and not _has_bf16_tiles(ops):
+        print("this build of the kernels has no bf16-tile path (a CPU without AMX-BF16)")
+        return 1
     base = None
     if args.base is not None:
         from bench_kernel_ab import base_source
@@ -60,6 +68,8 @@ def main() -> int:
                "| GMAC/s (faster) |")  # fmt: skip
     if base is not None:
         columns += f" AMX at {args.base} us | this / {args.base} |"
+    if args.bf16:
+        columns += " bf16 tiles us | bf16 vs the faster |"
     print(columns)
     print("|---" * (columns.count("|") - 1) + "|")
     for name in ("Q4_1", "Q8_0"):
@@ -73,16 +83,21 @@ def main() -> int:
                 runs = {"off": (ops, weight, 0), "amx": (ops, weight, 1)}
                 if base is not None:
                     runs["base"] = (base, base_weight, 1)
+                if args.bf16:
+                    runs["bf16"] = (ops, weight, 0)
                 times = {key: [] for key in runs}
                 outs = {}
                 for _ in range(args.rounds):
                     for key, (o, w, rule) in runs.items():
                         o.set_amx_min_rows(rule)
+                        if args.bf16:
+                            ops.set_bf16_min_rows(1 if key == "bf16" else 0)
                         outs[key] = o.linear(x, w, None)
                         start = time.perf_counter()
                         for _ in range(args.calls):
                             o.linear(x, w, None)
                         times[key].append((time.perf_counter() - start) / args.calls)
+                outs.pop("bf16", None)
                 if any(not torch.equal(outs["off"], out) for out in outs.values()):
                     print(f"{name} m={m}: the paths differ", file=sys.stderr)
                     return 2
@@ -92,11 +107,20 @@ def main() -> int:
                         f"{us['off'] / us['amx']:.2f}x | {gmacs:.0f} |")  # fmt: skip
                 if base is not None:
                     line += f" {us['base']:.1f} | {us['amx'] / us['base']:.3f} |"
+                if args.bf16:
+                    line += f" {us['bf16']:.1f} | {min(us['off'], us['amx']) / us['bf16']:.2f}x |"
                 print(line, flush=True)
     ops.set_amx_min_rows(-1)
+    ops.set_bf16_min_rows(0)
     if base is not None:
         base.set_amx_min_rows(-1)
     return 0
+
+
+def _has_bf16_tiles(ops) -> bool:
+    from engine.kernels import build
+
+    return "amx_bf16" in build.cpu_flags() and ops.path == "avx512-vnni"
 
 
 def _random_rows(torch, name: str, n: int, k: int):

@@ -13,7 +13,10 @@ where a machine's speed moves between runs of separate commands by more than the
 change. ``--base HEAD`` with a clean tree is the control: two identical builds.
 ``--amx-rows N`` sets the new build's rule for the quantized Linear's AMX tiles (from N
 rows; 0 never, -1 by format as shipped): with ``--base HEAD``, a rule against the
-shipped one in the same code.
+shipped one in the same code. ``--bf16-rows N`` sets the new build's rule for the
+quantized Linear on bf16 tiles (from N rows; -1 by format; 0 never, as shipped: not
+batch invariant, see ``--no-batch-invariance``). ``--prefill`` times the forward of
+each sequence's whole context instead (a prompt's prefill; the caches are rewritten).
 """
 
 from __future__ import annotations
@@ -56,7 +59,14 @@ def main() -> int:
                         help="as serve's (auto: a GGUF's formats as stored)")  # fmt: skip
     parser.add_argument("--amx-rows", type=int, default=None,
                         help="the new build's AMX rule for quantized Linear layers")  # fmt: skip
+    parser.add_argument("--bf16-rows", type=int, default=None,
+                        help="the new build's bf16-tile rule for quantized layers")  # fmt: skip
+    parser.add_argument("--prefill", action="store_true",
+                        help="time the prefill of each sequence's --context tokens, not a "
+                             "decode step after them")  # fmt: skip
     args = parser.parse_args()
+    if args.bf16_rows is not None and args.bf16_rows < -1:
+        parser.error(f"--bf16-rows must be -1 or more, got {args.bf16_rows}")
     if min(args.context, args.rounds, args.batch) < 1:
         parser.error("--context, --rounds and --batch must be at least 1")
     if args.amx_rows is not None and args.amx_rows < -1:
@@ -81,6 +91,8 @@ def main() -> int:
         kernels = CpuKernels(lib)
         if name == "new" and args.amx_rows is not None:
             quant_mod.QuantOps(kernels.lib).set_amx_min_rows(args.amx_rows)
+        if name == "new" and args.bf16_rows is not None:
+            quant_mod.QuantOps(kernels.lib).set_bf16_min_rows(args.bf16_rows)
         for module in (cpu_mod, layers_mod, quant_mod):
             module.cpu_kernels = lambda k=kernels: k
         loaded = load_model(
@@ -95,7 +107,8 @@ def main() -> int:
     for runner in runners.values():
         for prompt, table in zip(prompts, tables, strict=True):
             runner.forward([SeqInput(prompt[:-1], 0, table, 1)])
-    step = [SeqInput(p[-1:], args.context, t, 1) for p, t in zip(prompts, tables, strict=True)]
+    step = [SeqInput(p[:-1], 0, t, 1) if args.prefill else SeqInput(p[-1:], args.context, t, 1)
+            for p, t in zip(prompts, tables, strict=True)]  # fmt: skip
     times: dict[str, list[float]] = {name: [] for name in runners}
     for r in range(args.rounds):
         order = list(runners.items())  # each first in every other round
@@ -107,7 +120,8 @@ def main() -> int:
         if r % 20 == 19:
             print(f"round {r + 1}/{args.rounds}", file=sys.stderr, flush=True)
     base, new = (1e3 * statistics.median(times[name]) for name in ("base", "new"))
-    print(f"{args.batch} x context {args.context}: base ({args.base}) {base:.2f} ms, "
+    what = "prefill of" if args.prefill else "x context"
+    print(f"{args.batch} {what} {args.context}: base ({args.base}) {base:.2f} ms, "
           f"new {new:.2f} ms, new / base {new / base:.3f}")  # fmt: skip
     return 0
 

@@ -31,8 +31,8 @@ torch.set_num_threads(1)
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption("--soak", action="store_true", default=False,
                      help="run the soak tests (marker 'soak'; minutes, not seconds)")  # fmt: skip
-    parser.addoption("--stress-seeds", type=int, default=8,
-                     help="seeds of the randomized engine stress test (default 8)")  # fmt: skip
+    parser.addoption("--stress-seeds", type=int, default=10,
+                     help="seeds of the randomized engine stress test (default 10)")  # fmt: skip
 
 
 @pytest.fixture(scope="session")

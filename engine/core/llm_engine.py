@@ -105,6 +105,17 @@ def _prefix_cache_key(loaded, kv_cache_dtype: torch.dtype) -> str:
     return key if kv_cache_dtype is loaded.dtype else f"{key}:kv-{kv_cache_dtype}"
 
 
+def _apply_batch_invariance(batch_invariant: bool) -> None:
+    """The quantized Linear's rule for bf16 tiles, process-wide: never (every call on
+    the int8 paths, the same bits at any row count), or by format where the kernels
+    have the path (docs/architecture.md, "Quantized weights")."""
+    from engine.kernels.quant import quant_ops
+
+    ops = quant_ops()
+    if ops is not None:
+        ops.set_bf16_min_rows(0 if batch_invariant else -1)
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig, loaded=None, draft_loaded=None) -> None:
         from engine.loader import load_model, resolve_kv_cache_dtype
@@ -122,6 +133,8 @@ class LLMEngine:
         )
         self.tokenizer = self.loaded.tokenizer
         self.device = torch.device(self.loaded.device)
+        if self.device.type == "cpu":
+            _apply_batch_invariance(config.batch_invariant)
         method = config.resolved_speculative_method
         if method in ("draft", "hybrid", "eagle", "eagle-tree") and draft_loaded is None:
             draft_loaded = load_draft(

@@ -152,6 +152,16 @@ def add_engine_args(parser: argparse.ArgumentParser, *, with_seed: bool = True) 
         choices=QUANTIZATIONS,
     )
     flag(
+        "--no-batch-invariance",
+        "let a row's bits depend on how many rows share its kernel call, for speed: on CPUs "
+        "with AMX-BF16, quantized Linear layers of 32 rows or more (64 for Q8_0) on bf16 "
+        "tiles (faster prompts and crowded steps; greedy speculation then not token-"
+        "identical to plain decoding)",
+        nargs=0,
+        const=True,
+        default=False,
+    )
+    flag(
         "--structured-output-step-budget-ms",
         "the most CPU time one request's constraint (its grammar matcher) may take in one "
         "engine step; a request over it ends with an error naming the constraint (a spike "
@@ -195,6 +205,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         kv_cache_dtype=args.kv_cache_dtype,
         attn_backend=args.attn_backend,
         quantization=args.quantization,
+        batch_invariant=not args.no_batch_invariance,
         seed=getattr(args, "seed", _ENGINE_DEFAULTS["seed"]),
         structured_output_step_budget_ms=args.structured_output_step_budget_ms,
         structured_output_max_items=args.structured_output_max_items,

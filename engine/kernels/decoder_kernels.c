@@ -192,17 +192,17 @@ INLINE void team_linear_bf16(bf16 *out, const bf16 *x, int64_t x_stride, const v
 INLINE int team_prepares_f32(int32_t fmt) { return fmt_quantized(fmt); }
 INLINE int team_prepares_bf16(int32_t fmt) { return fmt_quantized(fmt) || team_widens_bf16(); }
 INLINE void team_prepare_f32(struct qrows *a, float *wide, int32_t fmt, const float *x,
-                             int64_t k, int64_t r0, int64_t r1) {
+                             int64_t k, int64_t m, int64_t r0, int64_t r1) {
     (void)wide;
     if (!fmt_quantized(fmt)) return;
     a->k = k, a->nb = k / QK;
-    q_team_quantize_f32(a, x, k, fmt, r0, r1);
+    q_team_quantize_f32(a, x, k, fmt, m, r0, r1);
 }
 INLINE void team_prepare_bf16(struct qrows *a, float *wide, int32_t fmt, const bf16 *x,
-                              int64_t k, int64_t r0, int64_t r1) {
+                              int64_t k, int64_t m, int64_t r0, int64_t r1) {
     if (fmt_quantized(fmt)) {
         a->k = k, a->nb = k / QK;
-        q_team_quantize_bf16(a, x, k, fmt, r0, r1);
+        q_team_quantize_bf16(a, x, k, fmt, m, r0, r1);
     } else if (team_widens_bf16()) {
         widen_rows_bf16(wide, x, k, k, r0, r1); /* as specserve_linear_bf16 does */
     }
@@ -280,7 +280,7 @@ INLINE void team_prepare_bf16(struct qrows *a, float *wide, int32_t fmt, const b
                         NORM_FN(normed + r0 * h, hidden + r0 * h, residual + r0 * h,           \
                                 (const T *)w->input_norm, nr, h, eps, 1);                      \
                     }                                                                          \
-                    team_prepare_##S(&a, wide, w->qkv_fmt, normed, h, r0, r1);                 \
+                    team_prepare_##S(&a, wide, w->qkv_fmt, normed, h, n, r0, r1);              \
                     team_barrier(&tm, nt);                                                     \
                     team_linear_##S(qkv, normed, h, w->qkv, w->qkv_fmt, (const T *)w->qkv_bias, \
                                     n, qkv_size, h, &a, wide, tid, nt);                        \
@@ -309,7 +309,7 @@ INLINE void team_prepare_bf16(struct qrows *a, float *wide, int32_t fmt, const b
                         team_barrier(&tm, nt);                                                 \
                     }                                                                          \
                     if (team_prepares_##S(w->o_fmt)) {                                         \
-                        team_prepare_##S(&a, wide, w->o_fmt, attn, q_size, r0, r1);            \
+                        team_prepare_##S(&a, wide, w->o_fmt, attn, q_size, n, r0, r1);         \
                         team_barrier(&tm, nt);                                                 \
                     }                                                                          \
                     team_linear_##S(hidden, attn, q_size, w->o, w->o_fmt, NULL, n, h, q_size,  \
@@ -317,13 +317,13 @@ INLINE void team_prepare_bf16(struct qrows *a, float *wide, int32_t fmt, const b
                     team_barrier(&tm, nt);                                                     \
                     NORM_FN(normed + r0 * h, hidden + r0 * h, residual + r0 * h,               \
                             (const T *)w->post_norm, nr, h, eps, 1);                           \
-                    team_prepare_##S(&a, wide, w->gate_up_fmt, normed, h, r0, r1);             \
+                    team_prepare_##S(&a, wide, w->gate_up_fmt, normed, h, n, r0, r1);          \
                     team_barrier(&tm, nt);                                                     \
                     team_linear_##S(gate_up, normed, h, w->gate_up, w->gate_up_fmt, NULL, n,   \
                                     2 * inter, h, &a, wide, tid, nt);                          \
                     team_barrier(&tm, nt);                                                     \
                     SILU_FN(act + r0 * inter, gate_up + r0 * 2 * inter, nr, inter, 1);         \
-                    team_prepare_##S(&a, wide, w->down_fmt, act, inter, r0, r1);               \
+                    team_prepare_##S(&a, wide, w->down_fmt, act, inter, n, r0, r1);            \
                     team_barrier(&tm, nt);                                                     \
                     team_linear_##S(hidden, act, inter, w->down, w->down_fmt, NULL, n, h,      \
                                     inter, &a, wide, tid, nt);                                 \

@@ -90,6 +90,14 @@ class QuantOps:
         calls = lib.specserve_quant_amx_calls
         calls.restype, calls.argtypes = _I64, []
         self._amx_calls = calls
+        # (absent from the builds of revisions before it, which bench_kernel_ab.py loads)
+        bf16_rows = getattr(lib, "specserve_quant_bf16_min_rows", None)
+        if bf16_rows is not None:
+            bf16_rows.restype, bf16_rows.argtypes = _I32, [_I32]
+            lib.specserve_quant_bf16_calls.restype = _I64
+            lib.specserve_quant_bf16_calls.argtypes = []
+        self._bf16_min_rows = bf16_rows
+        self._bf16_calls = getattr(lib, "specserve_quant_bf16_calls", None)
         # Outputs per packed tile, and which of the kernel's paths this build runs.
         self.lanes = int(lib.specserve_quant_lanes())
         self.path = lib.specserve_quant_path().decode()
@@ -110,6 +118,24 @@ class QuantOps:
         if rows < -1:
             raise ValueError(f"amx_min_rows must be >= -1, got {rows}")
         self._amx_min_rows(rows)
+
+    @property
+    def bf16_min_rows(self) -> int:
+        """The fewest rows a call needs to run on the AMX-BF16 tiles with its weights
+        dequantized to bf16 (not batch invariant: other bits than the int8 paths): -1 by
+        format, 0 never (the default, and always in a build without AMX-BF16)."""
+        return 0 if self._bf16_min_rows is None else int(self._bf16_min_rows(-2))
+
+    @property
+    def bf16_calls(self) -> int:
+        """Calls (a thread's share of one) that ran on the bf16 tiles so far."""
+        return 0 if self._bf16_calls is None else int(self._bf16_calls())
+
+    def set_bf16_min_rows(self, rows: int) -> None:
+        if rows < -1:
+            raise ValueError(f"bf16_min_rows must be >= -1, got {rows}")
+        if self._bf16_min_rows is not None:
+            self._bf16_min_rows(rows)
 
     def packed_bytes(self, fmt: int, n: int, k: int) -> int:
         """Bytes of a packed [n, k] weight of format ``fmt``."""

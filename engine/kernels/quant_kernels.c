@@ -183,6 +183,9 @@ struct qrows {
     int32_t *s;
     float *ms; /* d * (float)s: Q4_1's minimum term, once per row and block, not per tile */
     int64_t k, nb;
+    /* The AMX-BF16 path (q_bf16_takes) reads the rows as bf16 instead, in tile A's order:
+     * [m / 16][nb][16 rows][32 inputs], rows past m zero (NULL in builds without it). */
+    uint16_t *xt;
 };
 
 /* Rows are allocated in multiples of Q_ROW_PAD, the rows past m zero: the AMX path
@@ -192,6 +195,12 @@ struct qrows {
 #else
 #define Q_ROW_PAD 1
 #endif
+#if Q_ROW_PAD == 16 && defined(__AMX_BF16__)
+#define Q_HAS_XT 1
+#else
+#define Q_HAS_XT 0
+#endif
+#define Q_XT_BYTES(mp, k) (sizeof(uint16_t) * (size_t)((mp) * (k)))
 INLINE int qrows_alloc(struct qrows *a, int64_t m, int64_t k) {
     const int64_t mp = (m + Q_ROW_PAD - 1) / Q_ROW_PAD * Q_ROW_PAD;
     a->k = k, a->nb = k / QK;
@@ -199,7 +208,10 @@ INLINE int qrows_alloc(struct qrows *a, int64_t m, int64_t k) {
     a->d = malloc(sizeof(float) * (size_t)(mp * a->nb));
     a->s = malloc(sizeof(int32_t) * (size_t)(mp * a->nb));
     a->ms = malloc(sizeof(float) * (size_t)(mp * a->nb));
-    if (a->q && a->d && a->s && a->ms) {
+    a->xt = Q_HAS_XT ? aligned_alloc(64, (Q_XT_BYTES(mp, k) + 63) / 64 * 64) : NULL;
+    if (a->q && a->d && a->s && a->ms && (a->xt || !Q_HAS_XT)) {
+        if (a->xt && mp > m) /* rows past m: their sums are never stored, zero all the same */
+            memset(a->xt + (m / 16) * 16 * k, 0, Q_XT_BYTES(mp - m / 16 * 16, k));
         if (mp > m) {
             memset(a->q + m * k, 0, (size_t)((mp - m) * k));
             memset(a->d + m * a->nb, 0, sizeof(float) * (size_t)((mp - m) * a->nb));
@@ -208,10 +220,12 @@ INLINE int qrows_alloc(struct qrows *a, int64_t m, int64_t k) {
         }
         return 0;
     }
-    free(a->q), free(a->d), free(a->s), free(a->ms);
+    free(a->q), free(a->d), free(a->s), free(a->ms), free(a->xt);
     return 3;
 }
-INLINE void qrows_free(struct qrows *a) { free(a->q), free(a->d), free(a->s), free(a->ms); }
+INLINE void qrows_free(struct qrows *a) {
+    free(a->q), free(a->d), free(a->s), free(a->ms), free(a->xt);
+}
 
 /* ---- one tile of outputs for rows [r0, r0 + rows): per-path dot products ---- */
 
@@ -490,7 +504,7 @@ INLINE int q_amx_takes(int32_t fmt, int64_t m) {
 #define Q_AMX_BEGIN                                                                            \
     int64_t amx_end_ = 0;                                                                      \
     uint8_t *wq_ = NULL;                                                                       \
-    if (q_amx_takes(fmt, m) &&                                                                 \
+    if (!bf16_ && q_amx_takes(fmt, m) &&                                                       \
         (fmt == QFMT_Q8_0 || (wq_ = q_amx_scratch((size_t)(a->nb * 512))) != NULL)) {          \
         __atomic_fetch_add(&q_amx_calls, 1, __ATOMIC_RELAXED);                                 \
         const int64_t full_ = m / Q_AMX_ROWS * Q_AMX_ROWS;                                     \
@@ -514,6 +528,168 @@ INLINE int q_amx_takes(int32_t fmt, int64_t m) {
     }
 #define Q_AMX_END                                                                              \
     if (amx_end_ > 0) _tile_release();
+
+#if defined(__AMX_BF16__)
+/* Not batch invariant, and off unless asked (`--no-batch-invariance`): calls of
+ * q_bf16_min_rows rows or more dequantize the weights to bf16 (each w = d * q (+ m)
+ * in fp32, rounded once to bf16) and multiply them with the activations in bf16
+ * (a float32 model's rows rounded to bf16) on the tile unit, tdpbf16ps, one fp32 C
+ * tile per 16 rows and 16 outputs over all k. No activation quantization and no
+ * per-block scaling: the sums stay in C from the first block to the last, where the
+ * int8 paths store, convert and scale every 32-input block. A row's outputs still do
+ * not depend on the rows beside it within this path, but they are not the int8
+ * paths' bits, so a row gets other bits in a call under the rule's row count (a lone
+ * decode step) than in one over it (a crowded one, a verification): greedy
+ * speculation is then not token-identical to plain decoding. Tile B is a block of a
+ * tile's 16 outputs, dequantized (16 pairs of inputs x 16 outputs x 2 bf16; pair p is
+ * inputs 2p and 2p + 1), the same bits whenever and wherever it is made; tile A is 16
+ * rows of x as bf16, packed once per call into a->xt in place of the int8 rows. */
+#define QPATH_AMX_BF16 1
+static int32_t q_bf16_min_rows = 0; /* 0: never; -1: by format (Q4 32 rows, Q8_0 64) */
+static int64_t q_bf16_calls = 0;
+/* Sets the rule (rows >= -1) and returns it; rows < -1 only reads. */
+int32_t specserve_quant_bf16_min_rows(int32_t rows) {
+    if (rows >= -1) q_bf16_min_rows = rows;
+    return q_bf16_min_rows;
+}
+int64_t specserve_quant_bf16_calls(void) {
+    return __atomic_load_n(&q_bf16_calls, __ATOMIC_RELAXED);
+}
+INLINE int q_bf16_takes(int32_t fmt, int64_t m) {
+    const int64_t rows = q_bf16_min_rows >= 0 ? q_bf16_min_rows : fmt == QFMT_Q8_0 ? 64 : 32;
+    return rows > 0 && m >= rows && amx_ready();
+}
+
+INLINE void q_bf16_config(void) {
+    struct amx_tilecfg cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int t = 0; t < 8; t++) cfg.rows[t] = 16, cfg.colsb[t] = 64; /* C 0-3, A 4-5, B 6-7 */
+    _tile_loadconfig(&cfg);
+}
+
+/* Two fp32 vectors (16 outputs of inputs 2p and 2p + 1) as one row of tile B. */
+INLINE void q_bf16_pair(bf16 *dst, __m512 even, __m512 odd) {
+    const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10,
+                                                25, 9, 24, 8, 23, 7, 22, 6, 21, 5, 20, 4, 19,
+                                                3, 18, 2, 17, 1, 16, 0);
+    const __m512i w = (__m512i)_mm512_cvtne2ps_pbh(odd, even); /* even 0-15, odd 16-31 */
+    _mm512_store_si512(dst, _mm512_permutexvar_epi16(interleave, w));
+}
+
+/* Block blk of a packed tile (16 outputs x 32 inputs) as tile B at bt (1 KB, aligned). */
+INLINE void q_bf16_dequant(int32_t fmt, const uint8_t *blk, bf16 *bt) {
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)blk));
+    const __m256i *mh = (const __m256i *)(blk + 32);
+    const __m512 m = fmt == QFMT_Q4_1   ? _mm512_cvtph_ps(_mm256_loadu_si256(mh))
+                     : fmt == QFMT_Q4_0 ? _mm512_mul_ps(d, _mm512_set1_ps(-8.0f))
+                                        : _mm512_setzero_ps();
+    const uint8_t *qs = blk + QLANES * q_scale_bytes(fmt);
+    if (fmt == QFMT_Q8_0) { /* group g: inputs 4g..4g+3, a byte each, signed */
+        for (int g = 0; g < 8; g++) {
+            const __m512i v = _mm512_loadu_si512(qs + g * 64);
+            for (int h = 0; h < 2; h++) {
+                const __m512i e = _mm512_srai_epi32(_mm512_slli_epi32(v, 24 - 16 * h), 24);
+                const __m512i o = _mm512_srai_epi32(_mm512_slli_epi32(v, 16 - 16 * h), 24);
+                q_bf16_pair(bt + (2 * g + h) * 32, _mm512_mul_ps(_mm512_cvtepi32_ps(e), d),
+                            _mm512_mul_ps(_mm512_cvtepi32_ps(o), d));
+            }
+        }
+        return;
+    }
+    const __m512i low4 = _mm512_set1_epi32(0x0f);
+    for (int c = 0; c < 4; c++) { /* chunk c: inputs 4c..4c+3 low, 16+4c..16+4c+3 high */
+        const __m512i v = _mm512_loadu_si512(qs + c * 64);
+        for (int nib = 0; nib < 2; nib++) {
+            for (int h = 0; h < 2; h++) {
+                const int sh = 16 * h + 4 * nib;
+                const __m512i e = _mm512_and_si512(_mm512_srli_epi32(v, sh), low4);
+                const __m512i o = _mm512_and_si512(_mm512_srli_epi32(v, sh + 8), low4);
+                q_bf16_pair(bt + (8 * nib + 2 * c + h) * 32,
+                            _mm512_fmadd_ps(_mm512_cvtepi32_ps(e), d, m),
+                            _mm512_fmadd_ps(_mm512_cvtepi32_ps(o), d, m));
+            }
+        }
+    }
+}
+
+/* Each thread's scratch for a group's tiles B over all k (calls of more than 32 rows
+ * dequantize a group once for all its passes of 32 rows), kept between calls and
+ * grown as needed. */
+static _Thread_local bf16 *q_bf16_buf = NULL;
+static _Thread_local size_t q_bf16_buf_bytes = 0;
+INLINE bf16 *q_bf16_scratch(size_t bytes) {
+    if (bytes > q_bf16_buf_bytes) {
+        free(q_bf16_buf);
+        q_bf16_buf = aligned_alloc(64, (bytes + 63) / 64 * 64);
+        q_bf16_buf_bytes = q_bf16_buf == NULL ? 0 : bytes;
+    }
+    return q_bf16_buf;
+}
+
+/* Q_BF16_BEGIN(S): bf16_, whether the call takes this path, and the scratch it needs;
+ * Q_BF16_GROUP(S, g, group): group g's outputs for every row. */
+#define Q_BF16_BEGIN(S)                                                                        \
+    int bf16_ = 0;                                                                             \
+    bf16 *bt_ = NULL;                                                                          \
+    if (q_bf16_takes(fmt, m)) {                                                                \
+        bf16_ = 1;                                                                             \
+        if (m > 32) /* NULL when out of memory: each block dequantized where it is used */    \
+            bt_ = q_bf16_scratch(sizeof(bf16) * (size_t)(a->nb * QTILES * 512));               \
+        __atomic_fetch_add(&q_bf16_calls, 1, __ATOMIC_RELAXED);                                \
+        q_bf16_config();                                                                       \
+    }
+#define Q_BF16_GROUP(T, S, g, group)                                                           \
+    do {                                                                                       \
+        const int64_t nb_ = a->nb, k_ = a->k;  /* x's rows in a->xt, 16 x 32 to a tile A */   \
+        const int64_t tb_ = q_tile_block_bytes(fmt);                                           \
+        bf16 one_[QTILES * 512] __attribute__((aligned(64))); /* a block's tiles B */          \
+        for (int64_t b = 0; bt_ != NULL && b < nb_; b++) /* once for every 32 rows */         \
+            for (int j = 0; j < QTILES; j++)                                                   \
+                q_bf16_dequant(fmt, (group)[j] + b * tb_, bt_ + (b * QTILES + j) * 512);      \
+        float c_[4][256] __attribute__((aligned(64)));                                         \
+        for (int64_t r0 = 0; r0 < m; r0 += 32) {                                               \
+            const int two = r0 + 16 < m;                                                       \
+            const bf16 *x0 = a->xt + r0 * k_, *x1 = two ? x0 + 16 * k_ : x0;                    \
+            _tile_zero(0);                                                                     \
+            _tile_zero(1);                                                                     \
+            _tile_zero(2);                                                                     \
+            _tile_zero(3);                                                                     \
+            for (int64_t b = 0; b < nb_; b++) {                                                \
+                const bf16 *w_ = bt_ != NULL ? bt_ + b * QTILES * 512 : one_;                  \
+                for (int j = 0; bt_ == NULL && j < QTILES; j++) /* right before use */        \
+                    q_bf16_dequant(fmt, (group)[j] + b * tb_, one_ + j * 512);                 \
+                _tile_loadd(6, w_, 64);                                                        \
+                _tile_loadd(7, w_ + 512, 64);                                                  \
+                _tile_loadd(4, x0 + b * 512, 64);                                              \
+                _tile_dpbf16ps(0, 4, 6);                                                       \
+                _tile_dpbf16ps(1, 4, 7);                                                       \
+                if (two) {                                                                     \
+                    _tile_loadd(5, x1 + b * 512, 64);                                          \
+                    _tile_dpbf16ps(2, 5, 6);                                                   \
+                    _tile_dpbf16ps(3, 5, 7);                                                   \
+                }                                                                              \
+            }                                                                                  \
+            _tile_stored(0, c_[0], 64);                                                        \
+            _tile_stored(1, c_[1], 64);                                                        \
+            if (two) {                                                                         \
+                _tile_stored(2, c_[2], 64);                                                    \
+                _tile_stored(3, c_[3], 64);                                                    \
+            }                                                                                  \
+            for (int j = 0; j < QTILES && (g) * QTILES + j < tiles; j++) {                     \
+                const int64_t c0 = ((g) * QTILES + j) * QLANES;                                \
+                const int64_t cols = n - c0 < QLANES ? n - c0 : QLANES;                        \
+                const T *bb = bias == NULL ? NULL : bias + c0;                                 \
+                for (int64_t r = r0; r < m && r < r0 + 32; r++)                                \
+                    q_store_##S(out + r * n + c0,                                              \
+                                _mm512_load_ps(c_[(r - r0) / 16 * 2 + j] + (r - r0) % 16 * 16), \
+                                bb, cols);                                                     \
+            }                                                                                  \
+        }                                                                                      \
+    } while (0)
+#define Q_BF16_END                                                                             \
+    if (bf16_) _tile_release();
+#endif /* __AMX_BF16__ */
 #endif /* Q_ROW_PAD == 16 */
 
 #elif defined(QPATH_AVX2)
@@ -643,6 +819,14 @@ INLINE void q_acc_to_lanes(float *lanes, qacc v) { memcpy(lanes, v.v, sizeof(v.v
 
 /* ---- out = x @ W^T (+ bias) ---- */
 
+#ifndef QPATH_AMX_BF16
+#define Q_BF16_BEGIN(S) const int bf16_ = 0;
+#define Q_BF16_GROUP(T, S, g, group)
+#define Q_BF16_END
+INLINE int q_bf16_takes(int32_t fmt, int64_t m) { return (void)fmt, (void)m, 0; }
+int32_t specserve_quant_bf16_min_rows(int32_t rows) { return (void)rows, 0; } /* no AMX-BF16 */
+int64_t specserve_quant_bf16_calls(void) { return 0; }
+#endif
 #ifndef QPATH_AMX
 #define Q_AMX_BEGIN const int64_t amx_end_ = 0;
 #define Q_AMX_GROUP(T, S, g, group)
@@ -670,6 +854,35 @@ int64_t specserve_quant_amx_calls(void) { return 0; }
         }                                                                                      \
     } while (0)
 
+/* A tile's 16 outputs (+ bias) stored in one go on the AVX-512 path: the fp32 add and
+ * the rounding of the scalar stores (ST_f32, ST_bf16: bf16 rounded on the bits, ties to
+ * even), lane for lane, so the same bits. */
+#if defined(QPATH_AVX512)
+#define Q_STORE16 1
+INLINE void q_store16_f32(float *out, __m512 v, const float *bias) {
+    if (bias != NULL) v = _mm512_add_ps(v, _mm512_loadu_ps(bias));
+    _mm512_storeu_ps(out, v);
+}
+INLINE void q_store16_bf16(bf16 *out, __m512 v, const bf16 *bias) {
+    if (bias != NULL) {
+        const __m512i b = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)bias));
+        v = _mm512_add_ps(v, _mm512_castsi512_ps(_mm512_slli_epi32(b, 16)));
+    }
+    __m512i bits = _mm512_castps_si512(v);
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+    bits = _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff)));
+    _mm256_storeu_si256((__m256i *)out, _mm512_cvtepi32_epi16(_mm512_srli_epi32(bits, 16)));
+}
+#else
+#define Q_STORE16 0
+#define q_store16_f32(out, v, bias) ((void)0)
+#define q_store16_bf16(out, v, bias) ((void)0)
+#endif
+
+/* An activation as bf16 bits: a float rounded as the float Linear rounds, bf16 as is. */
+#define Q_BF16_BITS_f32(v) ((uint16_t)F32_TO_BF16(v))
+#define Q_BF16_BITS_bf16(v) ((uint16_t)(v))
+
 /* Groups of QTILES tiles of QLANES outputs in n outputs. */
 INLINE int64_t q_groups_of(int64_t n) { return (n + QLANES * QTILES - 1) / (QLANES * QTILES); }
 
@@ -683,7 +896,18 @@ INLINE int64_t q_groups_of(int64_t n) { return (n + QLANES * QTILES - 1) / (QLAN
             for (int64_t j = i * a->nb; j < (i + 1) * a->nb; j++)                              \
                 a->ms[j] = a->d[j] * (float)a->s[j];                                           \
     }                                                                                          \
+    /* row i of x as bf16 into a->xt, in tile A's order (the AMX-BF16 path) */                \
+    INLINE void q_pack_row_##S(const struct qrows *a, const T *x, int64_t x_stride, int64_t i) { \
+        uint16_t *dst = a->xt + (i / 16) * 16 * a->k + (i % 16) * QK;                           \
+        for (int64_t b = 0; b < a->nb; b++)                                                    \
+            for (int j = 0; j < QK; j++)                                                       \
+                dst[b * 16 * QK + j] = Q_BF16_BITS_##S(x[i * x_stride + b * QK + j]);          \
+    }                                                                                          \
     INLINE void q_store_##S(T *out, qacc acc, const T *bias, int64_t cols) {                    \
+        if (Q_STORE16 && cols == QLANES) { /* a whole tile's outputs: the same bits at once */ \
+            q_store16_##S(out, acc, bias);                                                     \
+            return;                                                                            \
+        }                                                                                      \
         float lanes[QLANES];                                                                   \
         q_acc_to_lanes(lanes, acc);                                                            \
         for (int64_t c = 0; c < cols; c++)                                                     \
@@ -695,6 +919,7 @@ INLINE int64_t q_groups_of(int64_t n) { return (n + QLANES * QTILES - 1) / (QLAN
                                       int64_t g0, int64_t g1) {                                \
         const int64_t tiles = (n + QLANES - 1) / QLANES;                                       \
         const int64_t tile_bytes = a->nb * q_tile_block_bytes(fmt);                            \
+        Q_BF16_BEGIN(S)                                                                        \
         Q_AMX_BEGIN                                                                            \
         for (int64_t g = g0; g < g1; g++) {                                                    \
             /* a last group short of tiles repeats its last one; its outputs are not kept */   \
@@ -703,10 +928,15 @@ INLINE int64_t q_groups_of(int64_t n) { return (n + QLANES * QTILES - 1) / (QLAN
                 const int64_t t = g * QTILES + j < tiles ? g * QTILES + j : tiles - 1;         \
                 group[j] = packed + t * tile_bytes;                                            \
             }                                                                                  \
+            if (bf16_) {                                                                       \
+                Q_BF16_GROUP(T, S, g, group);                                                  \
+                continue;                                                                      \
+            }                                                                                  \
             Q_AMX_GROUP(T, S, g, group);                                                       \
             Q_GROUP_VNNI(T, S, g, group, amx_end_);                                            \
         }                                                                                      \
         Q_AMX_END                                                                              \
+        Q_BF16_END                                                                             \
     }                                                                                          \
     /* out [m, n] (dense); x [m, k], rows x_stride apart; packed by specserve_quant_pack;    \
      * bias [n] or NULL. Returns 0, 1 for a bad fmt or k, 3 when out of memory. */           \
@@ -716,7 +946,8 @@ INLINE int64_t q_groups_of(int64_t n) { return (n + QLANES * QTILES - 1) / (QLAN
         if (m <= 0) return 0;                                                                  \
         struct qrows a;                                                                        \
         if (qrows_alloc(&a, m, k)) return 3;                                                   \
-        FOR_ROWS_OF(m, k, num_threads, QUANTIZE_ONE_##S);                                      \
+        if (q_bf16_takes(fmt, m)) FOR_ROWS_OF(m, k, num_threads, PACK_ONE_##S);                \
+        else FOR_ROWS_OF(m, k, num_threads, QUANTIZE_ONE_##S);                                 \
         const int64_t groups = q_groups_of(n);                                                 \
         /* one contiguous share of the groups a thread, as schedule(static) gives */           \
         _Pragma("omp parallel num_threads(num_threads)") {                                     \
@@ -728,6 +959,8 @@ INLINE int64_t q_groups_of(int64_t n) { return (n + QLANES * QTILES - 1) / (QLAN
         return 0;                                                                              \
     }
 
+#define PACK_ONE_f32(i) q_pack_row_f32(&a, x, x_stride, (i))
+#define PACK_ONE_bf16(i) q_pack_row_bf16(&a, x, x_stride, (i))
 #define QUANTIZE_ONE_f32(i) q_quantize_row_f32(&a, x, x_stride, fmt, (i))
 #define QUANTIZE_ONE_bf16(i) q_quantize_row_bf16(&a, x, x_stride, fmt, (i))
 
@@ -769,12 +1002,18 @@ QUANT_LINEAR(bf16, bf16, specserve_quant_linear_bf16)
  * on the same values as specserve_quant_linear(_bf16) where that does not take the AMX
  * path (q_amx_takes). */
 INLINE void q_team_quantize_f32(const struct qrows *a, const float *x, int64_t x_stride,
-                                int32_t fmt, int64_t r0, int64_t r1) {
-    for (int64_t i = r0; i < r1; i++) q_quantize_row_f32(a, x, x_stride, fmt, i);
+                                int32_t fmt, int64_t m, int64_t r0, int64_t r1) {
+    if (q_bf16_takes(fmt, m))
+        for (int64_t i = r0; i < r1; i++) q_pack_row_f32(a, x, x_stride, i);
+    else
+        for (int64_t i = r0; i < r1; i++) q_quantize_row_f32(a, x, x_stride, fmt, i);
 }
 INLINE void q_team_quantize_bf16(const struct qrows *a, const bf16 *x, int64_t x_stride,
-                                 int32_t fmt, int64_t r0, int64_t r1) {
-    for (int64_t i = r0; i < r1; i++) q_quantize_row_bf16(a, x, x_stride, fmt, i);
+                                 int32_t fmt, int64_t m, int64_t r0, int64_t r1) {
+    if (q_bf16_takes(fmt, m))
+        for (int64_t i = r0; i < r1; i++) q_pack_row_bf16(a, x, x_stride, i);
+    else
+        for (int64_t i = r0; i < r1; i++) q_quantize_row_bf16(a, x, x_stride, fmt, i);
 }
 
 /* ---- embedding rows from the packed weights (a tied Q8_0 embedding is the LM head) ----

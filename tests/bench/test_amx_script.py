@@ -1,6 +1,7 @@
 """scripts/bench_amx.py: on a CPU and build with AMX-INT8, a row per format, shape and
-row count with every column filled (and the base revision's column with --base); where
-there is no AMX path, the one line that says so; a bad option is one line naming it."""
+row count with every column filled (and the base revision's column with --base, the
+bf16 tiles' with --bf16); where there is no AMX path, the one line that says so; a bad
+option is one line naming it."""
 
 from __future__ import annotations
 
@@ -32,6 +33,21 @@ def _amx() -> bool:
 def test_a_row_for_each_format_shape_and_row_count(base):
     args = ["--rounds", "1", "--calls", "2", "--rows", "1,17", "--shapes", "64x64,32x96"]
     done = _run(*args, *(["--base", base] if base else []))
+    _check_table(done, base, bf16=False)
+
+
+def test_the_bf16_tile_column():
+    done = _run("--rounds", "1", "--calls", "2", "--rows", "1,17", "--shapes", "64x64,32x96",
+                "--bf16")  # fmt: skip
+    from engine.kernels import build
+
+    if _amx() and "amx_bf16" not in build.cpu_flags():
+        assert done.returncode == 1 and "no bf16-tile path" in done.stdout, done.stdout
+        return
+    _check_table(done, None, bf16=True)
+
+
+def _check_table(done, base, bf16: bool) -> None:
     if not _amx():
         assert done.returncode == 1, done.stderr[-2000:]
         assert done.stdout.strip() == (
@@ -45,10 +61,12 @@ def test_a_row_for_each_format_shape_and_row_count(base):
     assert got == [(f, s, m) for f in ("Q4_1", "Q8_0") for s in ("[64, 64]", "[32, 96]")
                    for m in ("1", "17")], done.stdout  # fmt: skip
     for c in cells:
-        assert len(c) == (9 if base else 7), c
+        assert len(c) == 7 + 2 * bool(base) + 2 * bf16, c
         assert float(c[3]) > 0 and float(c[4]) > 0 and c[5].endswith("x"), c
         if base:
             assert float(c[7]) > 0 and float(c[8]) > 0, c
+        if bf16:
+            assert float(c[-2]) > 0 and c[-1].endswith("x") and float(c[-1][:-1]) > 0, c
 
 
 @pytest.mark.parametrize(

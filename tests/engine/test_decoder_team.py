@@ -5,10 +5,10 @@ per kernel computes, bit for bit (logits and the KV cache it writes), whatever t
 batch (prefills of many query tiles, decodes whose attention splits by key chunk,
 verification queries, token trees), the thread count (more threads than CPUs too: the
 waiting threads then yield), the activations (float32, bf16), the Linear layers
-(quantized, on vpdpbusd or AMX tiles; float32 or bf16-stored under float32; bf16 on
-each bf16 kernel, with a qkv bias too) and the KV cache dtype; run wherever every Linear
-has a team form (the bf16 Linear on AMX tiles has none); and refuse what the
-region-per-kernel decoder refuses."""
+(quantized, on vpdpbusd or AMX tiles, or dequantized to bf16 on AMX-BF16 tiles; float32
+or bf16-stored under float32; bf16 on each bf16 kernel, with a qkv bias too) and the KV
+cache dtype; run wherever every Linear has a team form (the bf16 Linear on AMX tiles has
+none); and refuse what the region-per-kernel decoder refuses."""
 
 from __future__ import annotations
 
@@ -198,6 +198,37 @@ def test_the_team_runs_quantized_layers_on_amx_tiles(
     finally:
         ops.set_amx_min_rows(before)
     assert ops.amx_calls > tiles, "no call ran on tiles"
+
+
+@pytest.mark.parametrize("rule", [1, -1])
+@pytest.mark.parametrize("quantization", ["auto", "int8"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_team_runs_quantized_layers_on_bf16_tiles(
+    kernels, threads, rule, quantization, dtype, tiny_gguf_path
+):
+    """The not batch invariant path (``--no-batch-invariance``: quantized weights
+    dequantized to bf16 on AMX-BF16 tiles) inside the team: every call on it (rule 1),
+    or by format (-1: the steps' 40-row batch and 300-token prompt on it, the rest on
+    the int8 paths); the same bits as a region per kernel under the same rule."""
+    from engine.kernels.quant import quant_ops
+
+    ops = quant_ops()
+    ops_before = None if ops is None else ops.bf16_min_rows
+    if ops is None or kernels.amx_tiles != 2:
+        pytest.skip("no AMX tiles here (a CPU without AMX, or Linux lent no tiles)")
+    threads(2)
+    ops.set_bf16_min_rows(rule)
+    try:
+        calls = ops.bf16_calls
+        _compare(
+            kernels, lambda: _runner(tiny_gguf_path, None, dtype, quantization), team_runs=True
+        )
+    finally:
+        ops.set_bf16_min_rows(ops_before)
+    from engine.kernels import build
+
+    has_bf16_tiles = "amx_bf16" in build.cpu_flags()
+    assert (ops.bf16_calls > calls) == has_bf16_tiles, "the rule ran no call on bf16 tiles"
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

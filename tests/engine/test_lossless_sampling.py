@@ -380,6 +380,44 @@ def test_quantized_layers_on_amx_tiles_follow_the_target_distribution(
 
 
 @pytest.mark.parametrize(
+    ("proposer", "dtype", "seeded"),
+    [
+        ("hybrid", "float32", False),
+        ("random-trees", "float32", True),
+    ],
+)
+def test_quantized_layers_on_bf16_tiles_follow_the_target_distribution(
+    targets, draft_dirs, proposer, dtype, seeded, monkeypatch
+):
+    """The .gguf's quantized Linear layers dequantized to bf16 on AMX-BF16 tiles (the
+    ``--no-batch-invariance`` path) at every row count (rule 1: batch invariant again,
+    so the target is one distribution): speculation is lossless against it; a chain of
+    mixed proposers under rejection, random trees under coupling. In float32: in bf16
+    the tiny target's first logits on this path tie for second place (1.96875 twice),
+    which top-k 2 cannot split the way the enumeration does (bf16 greedy exactness on
+    the path is the stress test's seed 9)."""
+    from engine.core import llm_engine
+    from engine.kernels import build
+    from engine.kernels.quant import quant_ops
+
+    ops = quant_ops()
+    if ops is None or "amx_bf16" not in build.cpu_flags():
+        pytest.skip("no bf16 tile path for the quantized Linear here (a CPU without AMX-BF16)")
+    monkeypatch.setattr(llm_engine, "_apply_batch_invariance", lambda invariant: None)
+    before, calls = ops.bf16_min_rows, ops.bf16_calls
+    ops.set_bf16_min_rows(1)
+    try:
+        model, dirs, prompt = _case(targets, draft_dirs, proposer, "gguf")
+        exact = exact_distribution(model, prompt, dtype=getattr(torch, dtype))
+        samples = sample_sequences(model, dirs, proposer, prompt, seeded=seeded, dtype=dtype)
+    finally:
+        ops.set_bf16_min_rows(before)
+    assert ops.bf16_calls > calls, "no call ran on bf16 tiles"
+    assert set(samples) <= set(exact)
+    assert tv(samples, exact) < ENGINE_TV_BOUND
+
+
+@pytest.mark.parametrize(
     ("proposer", "target"),
     [
         ("ngram", "float"),

@@ -5,7 +5,8 @@ The reference quantizes each row's activations per 32-block as the kernel promis
 by the dequantized weights (gguf's own dequantizer) in float64: the kernel's integer
 dot products are exact, so they differ only by its fp32 accumulation. Rows are
 bit-identical however they are batched, on one thread or two; bf16 is the fp32 result
-rounded once; every misuse is a ValueError before C runs.
+rounded once; every misuse is a ValueError before C runs. The AMX-BF16 path that
+``--no-batch-invariance`` turns on has its own reference (the bf16-rounded operands).
 """
 
 from __future__ import annotations
@@ -144,6 +145,106 @@ def test_the_amx_path_gives_the_same_bits_as_vpdpbusd(ops, name, dtype, k):
     if _cpu_has_amx() and ops.path == "avx512-vnni" and rule != 0:
         assert ran > 0, "a CPU with AMX ran no call on its tiles"
     assert (ran > 0) <= _cpu_has_amx()
+
+
+def _cpu_has_amx_bf16() -> bool:
+    from engine.kernels import build
+
+    return {"amx_bf16", "amx_int8", "amx_tile"} <= build.cpu_flags()
+
+
+@pytest.fixture()
+def bf16_rule(ops):
+    """Sets the quantized Linear's bf16-tile rule for a test, then puts it back."""
+    before = ops.bf16_min_rows
+    yield ops.set_bf16_min_rows
+    ops.set_bf16_min_rows(before)
+
+
+def _bf16_tiles_here(ops) -> bool:
+    from engine.kernels.cpu import cpu_kernels
+
+    return _cpu_has_amx_bf16() and ops.path == "avx512-vnni" and cpu_kernels().amx_tiles == 2
+
+
+@pytest.mark.parametrize("name", FORMAT_NAMES)
+@pytest.mark.parametrize(("n", "k"), [(83, 96), (40, 32), (16, 224)])
+def test_the_bf16_tile_path_is_x_times_the_bf16_weights(ops, bf16_rule, name, n, k):
+    """The not batch invariant path (``--no-batch-invariance``): x rounded to bf16
+    times each weight dequantized (d * q (+ m) in fp32) and rounded to bf16, summed in
+    fp32: within fp32 rounding of that float64 product, for every row of calls of 1 to
+    131 rows (tails of 1-15 rows past the 16-row tiles, and outputs past the 32-output
+    groups); the bf16 result is its fp32 result rounded once; and it ran on the tiles
+    where the CPU has AMX-BF16 (elsewhere the rule is inert and the int8 paths run)."""
+    weight, x, rows = _case(n, k, 131, name, seed=7)
+    packed = ops.pack(FORMATS[name], rows, k)
+    bias = torch.randn(n).bfloat16().float()
+    w16 = dequantize_rows(rows, name).bfloat16().double()
+    x16 = x.bfloat16().double()
+    scale = x16.abs() @ w16.abs().T + 1
+    bf16_rule(1)
+    before = ops.bf16_calls
+    for m in (1, 15, 16, 17, 32, 33, 64, 131):
+        out = ops.linear(x[:m], packed, bias)
+        if _bf16_tiles_here(ops):
+            ref = x16[:m] @ w16.T + bias.double()
+            assert ((out.double() - ref).abs() / scale[:m]).max() < 2e-6, m
+        out16 = ops.linear(x[:m].bfloat16(), packed, bias.bfloat16())
+        assert torch.equal(out16, out.bfloat16()), m
+    ran = ops.bf16_calls - before
+    assert (ran > 0) == _bf16_tiles_here(ops), ran
+
+
+@pytest.mark.parametrize("name", FORMAT_NAMES)
+def test_bf16_tile_rows_are_bit_identical_in_any_batch_and_thread_count(ops, bf16_rule, name):
+    """Within the path (every call on it: rule 1) a row's outputs do not depend on the
+    rows beside it, its 16-row tile or the thread: batch invariant again."""
+    _, x, rows = _case(70, 160, 40, name, seed=9)
+    packed = ops.pack(FORMATS[name], rows, 160)
+    bf16_rule(1)
+    alone = torch.cat([ops.linear(x[i : i + 1], packed, None) for i in range(40)])
+    threads = torch.get_num_threads()
+    try:
+        for num_threads in (1, 2):
+            torch.set_num_threads(num_threads)
+            assert torch.equal(ops.linear(x, packed, None), alone), num_threads
+            for start, stop in ((3, 20), (17, 40), (0, 33)):
+                part = ops.linear(x[start:stop], packed, None)
+                assert torch.equal(part, alone[start:stop]), (num_threads, start, stop)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_the_bf16_tile_rule_by_format(ops, bf16_rule):
+    """-1 (what --no-batch-invariance sets): Q4 calls from 32 rows on the tiles, Q8_0
+    from 64, smaller calls on the int8 paths (their bits); 0 (the default): never."""
+    if not _bf16_tiles_here(ops):
+        pytest.skip("no AMX-BF16 here: the rule is inert (checked above)")
+    for name, first in (("Q4_1", 32), ("Q4_0", 32), ("Q8_0", 64)):
+        _, x, rows = _case(48, 64, first, name, seed=2)
+        packed = ops.pack(FORMATS[name], rows, 64)
+        bf16_rule(0)
+        int8 = {m: ops.linear(x[:m], packed, None) for m in (first - 1, first)}
+        bf16_rule(-1)
+        before = ops.bf16_calls
+        assert torch.equal(ops.linear(x[: first - 1], packed, None), int8[first - 1])
+        assert ops.bf16_calls == before, name
+        assert not torch.equal(ops.linear(x[:first], packed, None), int8[first]), name
+        assert ops.bf16_calls > before, name
+
+
+def test_a_nan_row_on_bf16_tiles_leaves_the_others_alone(ops, bf16_rule):
+    _, x, rows = _case(40, 96, 20, "Q4_1", seed=11)
+    packed = ops.pack(FORMATS["Q4_1"], rows, 96)
+    bf16_rule(1)
+    clean = ops.linear(x, packed, None)
+    x[7, 50] = float("nan")
+    x[12, 3] = float("inf")
+    out = ops.linear(x, packed, None)
+    others = [i for i in range(20) if i not in (7, 12)]
+    assert torch.equal(out[others], clean[others])
+    if _bf16_tiles_here(ops):
+        assert out[7].isnan().all() and not out[12].isfinite().any()
 
 
 @pytest.mark.parametrize("name", FORMAT_NAMES)

@@ -244,3 +244,35 @@ def test_a_read_only_cache_converts_into_the_temp_dir(
     assert "converting" not in capsys.readouterr().err  # found, not converted again
     loaded = load_model(tiny_gguf_path, device="cpu", quantization="none")
     assert loaded.quantization == "none"
+
+
+def test_no_batch_invariance_puts_crowded_calls_on_bf16_tiles(tiny_gguf_path):
+    """``batch_invariant=False`` (``--no-batch-invariance``) sets the kernels' rule (by
+    format: Q4 calls from 32 rows, Q8_0 from 64) for the process, and an engine with
+    the default sets it back to never; a crowd of requests, whose prompts share steps
+    of 32 rows and more, is served to the end with every block released, on the bf16
+    tiles where the CPU has AMX-BF16."""
+    from engine.io.sampling_params import SamplingParams
+    from engine.kernels import build
+    from engine.kernels.quant import quant_ops
+
+    ops = quant_ops()
+    if ops is None:
+        pytest.skip("no CPU kernels here")
+    calls = ops.bf16_calls
+    engine = make_engine(tiny_gguf_path, batch_invariant=False, dtype="bfloat16")
+    try:
+        prompts = {f"r{i}": [(7 * i + j) % 200 + 3 for j in range(20 + i)] for i in range(24)}
+        params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+        results = run_to_completion(
+            engine, {0: [(rid, prompt, params) for rid, prompt in prompts.items()]}
+        )
+        assert all(len(results[rid]["token_ids"]) == 6 for rid in prompts)
+        assert_all_blocks_released(engine)
+        on_tiles = "amx_bf16" in build.cpu_flags() and ops.path == "avx512-vnni"
+        assert (ops.bf16_calls > calls) == on_tiles
+        if on_tiles:
+            assert ops.bf16_min_rows == -1
+    finally:
+        make_engine(tiny_gguf_path)
+    assert ops.bf16_min_rows == 0

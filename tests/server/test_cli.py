@@ -78,6 +78,14 @@ def test_engine_flag_defaults_are_engine_config_defaults():
     assert args.given_engine_flags == ("--tokenizer", "--no-prefix-caching", "--block-size")
 
 
+def test_no_batch_invariance_reaches_the_engine_config():
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    assert EngineConfig().batch_invariant is True
+    config = engine_config_from_args(parser.parse_args(["--no-batch-invariance"]))
+    assert config.batch_invariant is False
+
+
 def test_speculation_and_constraint_flags_reach_the_engine_config():
     """Each of these flags, given a value other than its default, changes the
     EngineConfig field of its name (--spec-tree-max-nodes and --suffix-cache-mib were
