@@ -390,18 +390,24 @@ INLINE const uint8_t *q_amx_weights(int32_t fmt, const uint8_t *tile, int64_t nb
     return wq;
 }
 
-/* Each thread's scratch for Q4's split nibbles, kept between calls and grown as needed
- * (the threads are the OpenMP pool's and the decoder team's, which live on). */
-static _Thread_local uint8_t *q_amx_wq = NULL;
-static _Thread_local size_t q_amx_wq_bytes = 0;
-INLINE uint8_t *q_amx_scratch(size_t bytes) {
-    if (bytes > q_amx_wq_bytes) {
-        free(q_amx_wq);
-        q_amx_wq = aligned_alloc(64, (bytes + 63) / 64 * 64);
-        q_amx_wq_bytes = q_amx_wq == NULL ? 0 : bytes;
+/* A thread's scratch, kept between calls (the threads are the OpenMP pool's and the
+ * decoder team's, which live on): at least `bytes` of it, 64-byte aligned, grown as
+ * needed; NULL when out of memory (the callers then take a path without it). */
+struct q_scratch {
+    void *buf;
+    size_t bytes;
+};
+INLINE void *q_scratch_get(struct q_scratch *s, size_t bytes) {
+    if (bytes > s->bytes) {
+        free(s->buf);
+        s->buf = aligned_alloc(64, (bytes + 63) / 64 * 64);
+        s->bytes = s->buf == NULL ? 0 : bytes;
     }
-    return q_amx_wq;
+    return s->buf;
 }
+/* Each thread's scratch for Q4's split nibbles. */
+static _Thread_local struct q_scratch q_amx_wq = {NULL, 0};
+INLINE uint8_t *q_amx_scratch(size_t bytes) { return q_scratch_get(&q_amx_wq, bytes); }
 
 /* Block b's sums (c: 16 rows x 16 int32) scaled into the accumulators, as the
  * vpdpbusd path does. xd, xs and ms point at row r0's block b, a row nb apart. */
@@ -614,18 +620,9 @@ INLINE void q_bf16_dequant(int32_t fmt, const uint8_t *blk, bf16 *bt) {
 }
 
 /* Each thread's scratch for a group's tiles B over all k (calls of more than 32 rows
- * dequantize a group once for all its passes of 32 rows), kept between calls and
- * grown as needed. */
-static _Thread_local bf16 *q_bf16_buf = NULL;
-static _Thread_local size_t q_bf16_buf_bytes = 0;
-INLINE bf16 *q_bf16_scratch(size_t bytes) {
-    if (bytes > q_bf16_buf_bytes) {
-        free(q_bf16_buf);
-        q_bf16_buf = aligned_alloc(64, (bytes + 63) / 64 * 64);
-        q_bf16_buf_bytes = q_bf16_buf == NULL ? 0 : bytes;
-    }
-    return q_bf16_buf;
-}
+ * dequantize a group once for all its passes of 32 rows). */
+static _Thread_local struct q_scratch q_bf16_buf = {NULL, 0};
+INLINE bf16 *q_bf16_scratch(size_t bytes) { return q_scratch_get(&q_bf16_buf, bytes); }
 
 /* Q_BF16_BEGIN(S): bf16_, whether the call takes this path, and the scratch it needs;
  * Q_BF16_GROUP(S, g, group): group g's outputs for every row. */

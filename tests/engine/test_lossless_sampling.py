@@ -366,17 +366,27 @@ def test_quantized_layers_on_amx_tiles_follow_the_target_distribution(
     ops = quant_ops()
     if ops is None or ops.amx_min_rows == 0:
         pytest.skip("no AMX path for the quantized Linear here (a CPU without AMX-INT8)")
-    before, calls = ops.amx_min_rows, ops.amx_calls
-    ops.set_amx_min_rows(1)
+    rule = (lambda: ops.amx_min_rows, ops.set_amx_min_rows, lambda: ops.amx_calls)
+    exact, samples = _on_tiles(rule, targets, draft_dirs, proposer, dtype, seeded)
+    assert set(samples) <= set(exact)
+    assert tv(samples, exact) < ENGINE_TV_BOUND
+
+
+def _on_tiles(rule, targets, draft_dirs, proposer, dtype, seeded):
+    """The .gguf target's exact distribution and the engine's samples with a kernel
+    rule (its getter, setter and calls counter) at 1, every call on the tiles; then the
+    rule as it was, and a check that calls ran on them."""
+    get, set_rule, calls = rule
+    before, count = get(), calls()
+    set_rule(1)
     try:
         model, dirs, prompt = _case(targets, draft_dirs, proposer, "gguf")
         exact = exact_distribution(model, prompt, dtype=getattr(torch, dtype))
         samples = sample_sequences(model, dirs, proposer, prompt, seeded=seeded, dtype=dtype)
     finally:
-        ops.set_amx_min_rows(before)
-    assert ops.amx_calls > calls, "no call ran on tiles"
-    assert set(samples) <= set(exact)
-    assert tv(samples, exact) < ENGINE_TV_BOUND
+        set_rule(before)
+    assert calls() > count, "no call ran on the tiles"
+    return exact, samples
 
 
 @pytest.mark.parametrize(
@@ -404,15 +414,8 @@ def test_quantized_layers_on_bf16_tiles_follow_the_target_distribution(
     if ops is None or "amx_bf16" not in build.cpu_flags():
         pytest.skip("no bf16 tile path for the quantized Linear here (a CPU without AMX-BF16)")
     monkeypatch.setattr(llm_engine, "_apply_batch_invariance", lambda invariant: None)
-    before, calls = ops.bf16_min_rows, ops.bf16_calls
-    ops.set_bf16_min_rows(1)
-    try:
-        model, dirs, prompt = _case(targets, draft_dirs, proposer, "gguf")
-        exact = exact_distribution(model, prompt, dtype=getattr(torch, dtype))
-        samples = sample_sequences(model, dirs, proposer, prompt, seeded=seeded, dtype=dtype)
-    finally:
-        ops.set_bf16_min_rows(before)
-    assert ops.bf16_calls > calls, "no call ran on bf16 tiles"
+    rule = (lambda: ops.bf16_min_rows, ops.set_bf16_min_rows, lambda: ops.bf16_calls)
+    exact, samples = _on_tiles(rule, targets, draft_dirs, proposer, dtype, seeded)
     assert set(samples) <= set(exact)
     assert tv(samples, exact) < ENGINE_TV_BOUND
 
