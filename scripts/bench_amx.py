@@ -51,7 +51,7 @@ def main() -> int:
     if ops is None or ops.amx_min_rows == 0:
         print("this build of the kernels has no AMX path (a CPU without AMX-INT8)")
         return 1
-    if args.bf16 and not _has_bf16_tiles(ops):
+    if args.bf16 and not ops.bf16_tiles:
         print("this build of the kernels has no bf16-tile path (a CPU without AMX-BF16)")
         return 1
     base = None
@@ -115,12 +115,6 @@ def main() -> int:
     if base is not None:
         base.set_amx_min_rows(-1)
     return 0
-
-
-def _has_bf16_tiles(ops) -> bool:
-    from engine.kernels import build
-
-    return "amx_bf16" in build.cpu_flags() and ops.path == "avx512-vnni"
 
 
 def _random_rows(torch, name: str, n: int, k: int):

@@ -219,6 +219,8 @@ INLINE void team_prepare_bf16(struct qrows *a, float *wide, int32_t fmt, const b
         for (int64_t i = 0; i < n; i++)                                                        \
             if (slots[i] >= num_slots) return 2;                                               \
         int64_t kmax = 0, wide_k = 0;                                                          \
+        const int32_t bf16_rule = q_bf16_rule(); /* read once: the step follows one rule */   \
+        int reads = 0; /* what the quantized layers read of the rows (qrows_alloc) */          \
         for (int64_t l = 0; l < num_layers; l++) {                                             \
             const struct specserve_layer *w = &layers[l];                                      \
             const int32_t fmts[4] = {w->qkv_fmt, w->o_fmt, w->gate_up_fmt, w->down_fmt};      \
@@ -229,6 +231,7 @@ INLINE void team_prepare_bf16(struct qrows *a, float *wide, int32_t fmt, const b
                     continue;                                                                  \
                 }                                                                              \
                 if (specserve_quant_packed_bytes(fmts[i], outs[i], ins[i]) < 0) return 3;      \
+                reads |= q_bf16_at(bf16_rule, fmts[i], n) ? QROWS_BF16 : QROWS_INT8;          \
                 if (ins[i] > kmax) kmax = ins[i];                                              \
             }                                                                                  \
         }                                                                                      \
@@ -243,7 +246,7 @@ INLINE void team_prepare_bf16(struct qrows *a, float *wide, int32_t fmt, const b
         struct qrows qa;                                                                       \
         memset(&qa, 0, sizeof qa);                                                             \
         float *wide = NULL;                                                                    \
-        if (kmax > 0 && qrows_alloc(&qa, n, kmax)) { /* it frees what it took */              \
+        if (kmax > 0 && qrows_alloc(&qa, n, kmax, reads, bf16_rule)) { /* frees what it took */\
             attn_plan_free(&plan);                                                             \
             return 3;                                                                          \
         }                                                                                      \

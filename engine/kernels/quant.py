@@ -98,6 +98,12 @@ class QuantOps:
             lib.specserve_quant_bf16_calls.argtypes = []
         self._bf16_min_rows = bf16_rows
         self._bf16_calls = getattr(lib, "specserve_quant_bf16_calls", None)
+        tiles = getattr(lib, "specserve_quant_bf16_tiles", None)
+        if tiles is not None:
+            tiles.restype, tiles.argtypes = _I32, []
+        #: Whether this process runs the bf16 tile path where the rule asks for it (built
+        #: with AMX-BF16 and the tiles lent by Linux); without it the rule is inert.
+        self.bf16_tiles = tiles is not None and bool(tiles())
         # Outputs per packed tile, and which of the kernel's paths this build runs.
         self.lanes = int(lib.specserve_quant_lanes())
         self.path = lib.specserve_quant_path().decode()

@@ -184,8 +184,11 @@ struct qrows {
     float *ms; /* d * (float)s: Q4_1's minimum term, once per row and block, not per tile */
     int64_t k, nb;
     /* The AMX-BF16 path (q_bf16_takes) reads the rows as bf16 instead, in tile A's order:
-     * [m / 16][nb][16 rows][32 inputs], rows past m zero (NULL in builds without it). */
+     * [m / 16][nb][16 rows][32 inputs], rows past m zero (NULL when no call takes it). */
     uint16_t *xt;
+    /* the bf16 rule (q_bf16_min_rows) when the rows were allocated: every choice of the
+     * call (which rows it allocates, packs and reads) follows this one reading of it */
+    int32_t bf16_rule;
 };
 
 /* Rows are allocated in multiples of Q_ROW_PAD, the rows past m zero: the AMX path
@@ -201,18 +204,27 @@ struct qrows {
 #define Q_HAS_XT 0
 #endif
 #define Q_XT_BYTES(mp, k) (sizeof(uint16_t) * (size_t)((mp) * (k)))
-INLINE int qrows_alloc(struct qrows *a, int64_t m, int64_t k) {
+/* What a call reads of its rows: the int8 quantization (QROWS_INT8), the bf16 tiles
+ * (QROWS_BF16, q_bf16_at; nothing in builds without the path), or both (a team's
+ * layers of two formats); only those buffers are allocated, the others NULL. */
+#define QROWS_INT8 1
+#define QROWS_BF16 2
+INLINE int qrows_alloc(struct qrows *a, int64_t m, int64_t k, int reads, int32_t bf16_rule) {
     const int64_t mp = (m + Q_ROW_PAD - 1) / Q_ROW_PAD * Q_ROW_PAD;
-    a->k = k, a->nb = k / QK;
-    a->q = malloc((size_t)(mp * k));
-    a->d = malloc(sizeof(float) * (size_t)(mp * a->nb));
-    a->s = malloc(sizeof(int32_t) * (size_t)(mp * a->nb));
-    a->ms = malloc(sizeof(float) * (size_t)(mp * a->nb));
-    a->xt = Q_HAS_XT ? aligned_alloc(64, (Q_XT_BYTES(mp, k) + 63) / 64 * 64) : NULL;
-    if (a->q && a->d && a->s && a->ms && (a->xt || !Q_HAS_XT)) {
-        if (a->xt && mp > m) /* rows past m: their sums are never stored, zero all the same */
+    const int int8 = reads & QROWS_INT8, xt = Q_HAS_XT && (reads & QROWS_BF16);
+    memset(a, 0, sizeof *a);
+    a->k = k, a->nb = k / QK, a->bf16_rule = bf16_rule;
+    if (int8) {
+        a->q = malloc((size_t)(mp * k));
+        a->d = malloc(sizeof(float) * (size_t)(mp * a->nb));
+        a->s = malloc(sizeof(int32_t) * (size_t)(mp * a->nb));
+        a->ms = malloc(sizeof(float) * (size_t)(mp * a->nb));
+    }
+    if (xt) a->xt = aligned_alloc(64, (Q_XT_BYTES(mp, k) + 63) / 64 * 64);
+    if ((!int8 || (a->q && a->d && a->s && a->ms)) && (!xt || a->xt)) {
+        if (xt && mp > m) /* rows past m: their sums are never stored, zero all the same */
             memset(a->xt + (m / 16) * 16 * k, 0, Q_XT_BYTES(mp - m / 16 * 16, k));
-        if (mp > m) {
+        if (int8 && mp > m) {
             memset(a->q + m * k, 0, (size_t)((mp - m) * k));
             memset(a->d + m * a->nb, 0, sizeof(float) * (size_t)((mp - m) * a->nb));
             memset(a->s + m * a->nb, 0, sizeof(int32_t) * (size_t)((mp - m) * a->nb));
@@ -555,14 +567,19 @@ static int32_t q_bf16_min_rows = 0; /* 0: never; -1: by format (Q4 32 rows, Q8_0
 static int64_t q_bf16_calls = 0;
 /* Sets the rule (rows >= -1) and returns it; rows < -1 only reads. */
 int32_t specserve_quant_bf16_min_rows(int32_t rows) {
-    if (rows >= -1) q_bf16_min_rows = rows;
-    return q_bf16_min_rows;
+    if (rows >= -1) __atomic_store_n(&q_bf16_min_rows, rows, __ATOMIC_RELAXED);
+    return __atomic_load_n(&q_bf16_min_rows, __ATOMIC_RELAXED);
 }
 int64_t specserve_quant_bf16_calls(void) {
     return __atomic_load_n(&q_bf16_calls, __ATOMIC_RELAXED);
 }
-INLINE int q_bf16_takes(int32_t fmt, int64_t m) {
-    const int64_t rows = q_bf16_min_rows >= 0 ? q_bf16_min_rows : fmt == QFMT_Q8_0 ? 64 : 32;
+/* 1 when this process runs the path (its calls under the rule take it): built with it
+ * and the tiles lent by Linux; 0 otherwise. */
+int32_t specserve_quant_bf16_tiles(void) { return amx_ready() ? 1 : 0; }
+INLINE int32_t q_bf16_rule(void) { return __atomic_load_n(&q_bf16_min_rows, __ATOMIC_RELAXED); }
+/* Whether m rows of fmt take the path under rule (q_bf16_min_rows as read once). */
+INLINE int q_bf16_at(int32_t rule, int32_t fmt, int64_t m) {
+    const int64_t rows = rule >= 0 ? rule : fmt == QFMT_Q8_0 ? 64 : 32;
     return rows > 0 && m >= rows && amx_ready();
 }
 
@@ -629,7 +646,7 @@ INLINE bf16 *q_bf16_scratch(size_t bytes) { return q_scratch_get(&q_bf16_buf, by
 #define Q_BF16_BEGIN(S)                                                                        \
     int bf16_ = 0;                                                                             \
     bf16 *bt_ = NULL;                                                                          \
-    if (q_bf16_takes(fmt, m)) {                                                                \
+    if (q_bf16_takes(a, fmt, m)) {                                                             \
         bf16_ = 1;                                                                             \
         if (m > 32) /* NULL when out of memory: each block dequantized where it is used */    \
             bt_ = q_bf16_scratch(sizeof(bf16) * (size_t)(a->nb * QTILES * 512));               \
@@ -820,10 +837,19 @@ INLINE void q_acc_to_lanes(float *lanes, qacc v) { memcpy(lanes, v.v, sizeof(v.v
 #define Q_BF16_BEGIN(S) const int bf16_ = 0;
 #define Q_BF16_GROUP(T, S, g, group)
 #define Q_BF16_END
-INLINE int q_bf16_takes(int32_t fmt, int64_t m) { return (void)fmt, (void)m, 0; }
+INLINE int32_t q_bf16_rule(void) { return 0; }
+INLINE int q_bf16_at(int32_t rule, int32_t fmt, int64_t m) {
+    return (void)rule, (void)fmt, (void)m, 0;
+}
 int32_t specserve_quant_bf16_min_rows(int32_t rows) { return (void)rows, 0; } /* no AMX-BF16 */
 int64_t specserve_quant_bf16_calls(void) { return 0; }
+int32_t specserve_quant_bf16_tiles(void) { return 0; }
 #endif
+/* Whether a call on rows a (allocated for it by qrows_alloc) runs m rows of fmt on the
+ * bf16 tiles: by the rule as read when they were. */
+INLINE int q_bf16_takes(const struct qrows *a, int32_t fmt, int64_t m) {
+    return a->xt != NULL && q_bf16_at(a->bf16_rule, fmt, m);
+}
 #ifndef QPATH_AMX
 #define Q_AMX_BEGIN const int64_t amx_end_ = 0;
 #define Q_AMX_GROUP(T, S, g, group)
@@ -942,8 +968,10 @@ INLINE int64_t q_groups_of(int64_t n) { return (n + QLANES * QTILES - 1) / (QLAN
         if (specserve_quant_packed_bytes(fmt, n, k) < 0) return 1;                             \
         if (m <= 0) return 0;                                                                  \
         struct qrows a;                                                                        \
-        if (qrows_alloc(&a, m, k)) return 3;                                                   \
-        if (q_bf16_takes(fmt, m)) FOR_ROWS_OF(m, k, num_threads, PACK_ONE_##S);                \
+        const int32_t rule_ = q_bf16_rule();                                                   \
+        const int bf16_ = q_bf16_at(rule_, fmt, m);                                            \
+        if (qrows_alloc(&a, m, k, bf16_ ? QROWS_BF16 : QROWS_INT8, rule_)) return 3;           \
+        if (bf16_) FOR_ROWS_OF(m, k, num_threads, PACK_ONE_##S);                               \
         else FOR_ROWS_OF(m, k, num_threads, QUANTIZE_ONE_##S);                                 \
         const int64_t groups = q_groups_of(n);                                                 \
         /* one contiguous share of the groups a thread, as schedule(static) gives */           \
@@ -1000,14 +1028,14 @@ QUANT_LINEAR(bf16, bf16, specserve_quant_linear_bf16)
  * path (q_amx_takes). */
 INLINE void q_team_quantize_f32(const struct qrows *a, const float *x, int64_t x_stride,
                                 int32_t fmt, int64_t m, int64_t r0, int64_t r1) {
-    if (q_bf16_takes(fmt, m))
+    if (q_bf16_takes(a, fmt, m))
         for (int64_t i = r0; i < r1; i++) q_pack_row_f32(a, x, x_stride, i);
     else
         for (int64_t i = r0; i < r1; i++) q_quantize_row_f32(a, x, x_stride, fmt, i);
 }
 INLINE void q_team_quantize_bf16(const struct qrows *a, const bf16 *x, int64_t x_stride,
                                  int32_t fmt, int64_t m, int64_t r0, int64_t r1) {
-    if (q_bf16_takes(fmt, m))
+    if (q_bf16_takes(a, fmt, m))
         for (int64_t i = r0; i < r1; i++) q_pack_row_bf16(a, x, x_stride, i);
     else
         for (int64_t i = r0; i < r1; i++) q_quantize_row_bf16(a, x, x_stride, fmt, i);

@@ -392,8 +392,13 @@ def _on_tiles(rule, targets, draft_dirs, proposer, dtype, seeded):
 @pytest.mark.parametrize(
     ("proposer", "dtype", "seeded"),
     [
-        ("hybrid", "float32", False),
-        ("random-trees", "float32", True),
+        # every proposer alone, chains under rejection and trees under coupling
+        *(
+            (p, "float32", p in ("draft", "suffix", "random-trees"))
+            for p in ["none", *PROPOSERS]
+            if p != "hybrid"
+        ),
+        ("hybrid", "float32", False),  # n-gram and draft-model rows in one verification
     ],
 )
 def test_quantized_layers_on_bf16_tiles_follow_the_target_distribution(
@@ -401,17 +406,17 @@ def test_quantized_layers_on_bf16_tiles_follow_the_target_distribution(
 ):
     """The .gguf's quantized Linear layers dequantized to bf16 on AMX-BF16 tiles (the
     ``--no-batch-invariance`` path) at every row count (rule 1: batch invariant again,
-    so the target is one distribution): speculation is lossless against it; a chain of
-    mixed proposers under rejection, random trees under coupling. In float32: in bf16
+    so the target is one distribution): speculation is lossless against it; no
+    speculation, every proposer alone (chains under rejection, token trees under
+    coupling, seeded and not) and mixed in one verification. In float32: in bf16
     the tiny target's first logits on this path tie for second place (1.96875 twice),
     which top-k 2 cannot split the way the enumeration does (bf16 greedy exactness on
     the path is the stress test's seed 9)."""
     from engine.core import llm_engine
-    from engine.kernels import build
     from engine.kernels.quant import quant_ops
 
     ops = quant_ops()
-    if ops is None or "amx_bf16" not in build.cpu_flags():
+    if ops is None or not ops.bf16_tiles:
         pytest.skip("no bf16 tile path for the quantized Linear here (a CPU without AMX-BF16)")
     monkeypatch.setattr(llm_engine, "_apply_batch_invariance", lambda invariant: None)
     rule = (lambda: ops.bf16_min_rows, ops.set_bf16_min_rows, lambda: ops.bf16_calls)

@@ -161,10 +161,14 @@ def bf16_rule(ops):
     ops.set_bf16_min_rows(before)
 
 
-def _bf16_tiles_here(ops) -> bool:
+def test_the_kernels_say_whether_they_run_bf16_tiles(ops):
+    """``QuantOps.bf16_tiles``, which the tests and benchmarks of the path read, is the
+    CPU's word: on a CPU with AMX-BF16 whose kernel level has the AMX path and whose
+    tiles Linux lends, the library runs the path; elsewhere it says it does not."""
     from engine.kernels.cpu import cpu_kernels
 
-    return _cpu_has_amx_bf16() and ops.path == "avx512-vnni" and cpu_kernels().amx_tiles == 2
+    here = _cpu_has_amx_bf16() and ops.path == "avx512-vnni" and cpu_kernels().amx_tiles == 2
+    assert ops.bf16_tiles == here
 
 
 @pytest.mark.parametrize("name", FORMAT_NAMES)
@@ -186,13 +190,13 @@ def test_the_bf16_tile_path_is_x_times_the_bf16_weights(ops, bf16_rule, name, n,
     before = ops.bf16_calls
     for m in (1, 15, 16, 17, 32, 33, 64, 131):
         out = ops.linear(x[:m], packed, bias)
-        if _bf16_tiles_here(ops):
+        if ops.bf16_tiles:
             ref = x16[:m] @ w16.T + bias.double()
             assert ((out.double() - ref).abs() / scale[:m]).max() < 2e-6, m
         out16 = ops.linear(x[:m].bfloat16(), packed, bias.bfloat16())
         assert torch.equal(out16, out.bfloat16()), m
     ran = ops.bf16_calls - before
-    assert (ran > 0) == _bf16_tiles_here(ops), ran
+    assert (ran > 0) == ops.bf16_tiles, ran
 
 
 @pytest.mark.parametrize("name", FORMAT_NAMES)
@@ -218,7 +222,7 @@ def test_bf16_tile_rows_are_bit_identical_in_any_batch_and_thread_count(ops, bf1
 def test_the_bf16_tile_rule_by_format(ops, bf16_rule):
     """-1 (what --no-batch-invariance sets): Q4 calls from 32 rows on the tiles, Q8_0
     from 64, smaller calls on the int8 paths (their bits); 0 (the default): never."""
-    if not _bf16_tiles_here(ops):
+    if not ops.bf16_tiles:
         pytest.skip("no AMX-BF16 here: the rule is inert (checked above)")
     for name, first in (("Q4_1", 32), ("Q4_0", 32), ("Q8_0", 64)):
         _, x, rows = _case(48, 64, first, name, seed=2)
@@ -243,7 +247,7 @@ def test_a_nan_row_on_bf16_tiles_leaves_the_others_alone(ops, bf16_rule):
     out = ops.linear(x, packed, None)
     others = [i for i in range(20) if i not in (7, 12)]
     assert torch.equal(out[others], clean[others])
-    if _bf16_tiles_here(ops):
+    if ops.bf16_tiles:
         assert out[7].isnan().all() and not out[12].isfinite().any()
 
 
