@@ -76,7 +76,7 @@ class EngineConfig:
     # made Q8_0 blocks at load. Applies to a --draft-model too.
     quantization: str = "auto"
     # False lets a kernel give a row other bits depending on how many rows share its
-    # call, for speed: today the quantized Linear of 32 rows or more (64 for Q8_0) runs
+    # call, for speed: today the quantized Linear of 16 rows or more (32 for Q8_0) runs
     # on AMX-BF16 tiles with its weights dequantized to bf16 instead of the int8 paths
     # (on a 2-vCPU Xeon a 32-sequence decode step about 0.87x the time, a 512-token
     # prompt's prefill about 0.7x; docs/benchmarks.md). Greedy

@@ -70,6 +70,8 @@ def main() -> int:
         columns += f" AMX at {args.base} us | this / {args.base} |"
     if args.bf16:
         columns += " bf16 tiles us | bf16 vs the faster |"
+    if args.bf16 and base is not None:
+        columns += f" bf16 at {args.base} us | this / {args.base} |"
     print(columns)
     print("|---" * (columns.count("|") - 1) + "|")
     for name in ("Q4_1", "Q8_0"):
@@ -85,6 +87,8 @@ def main() -> int:
                     runs["base"] = (base, base_weight, 1)
                 if args.bf16:
                     runs["bf16"] = (ops, weight, 0)
+                if args.bf16 and base is not None:
+                    runs["base_bf16"] = (base, base_weight, 0)
                 times = {key: [] for key in runs}
                 outs = {}
                 for _ in range(args.rounds):
@@ -92,12 +96,17 @@ def main() -> int:
                         o.set_amx_min_rows(rule)
                         if args.bf16:
                             ops.set_bf16_min_rows(1 if key == "bf16" else 0)
+                        if "base_bf16" in runs:
+                            base.set_bf16_min_rows(1 if key == "base_bf16" else 0)
                         outs[key] = o.linear(x, w, None)
                         start = time.perf_counter()
                         for _ in range(args.calls):
                             o.linear(x, w, None)
                         times[key].append((time.perf_counter() - start) / args.calls)
-                outs.pop("bf16", None)
+                bf16_out, base_bf16_out = outs.pop("bf16", None), outs.pop("base_bf16", None)
+                if base_bf16_out is not None and not torch.equal(bf16_out, base_bf16_out):
+                    print(f"{name} m={m}: bf16 tiles give other bits than at {args.base}",
+                          file=sys.stderr)  # fmt: skip
                 if any(not torch.equal(outs["off"], out) for out in outs.values()):
                     print(f"{name} m={m}: the paths differ", file=sys.stderr)
                     return 2
@@ -109,6 +118,8 @@ def main() -> int:
                     line += f" {us['base']:.1f} | {us['amx'] / us['base']:.3f} |"
                 if args.bf16:
                     line += f" {us['bf16']:.1f} | {min(us['off'], us['amx']) / us['bf16']:.2f}x |"
+                if "base_bf16" in us:
+                    line += f" {us['base_bf16']:.1f} | {us['bf16'] / us['base_bf16']:.3f} |"
                 print(line, flush=True)
     ops.set_amx_min_rows(-1)
     ops.set_bf16_min_rows(0)

@@ -15,7 +15,8 @@ change. ``--base HEAD`` with a clean tree is the control: two identical builds.
 rows; 0 never, -1 by format as shipped): with ``--base HEAD``, a rule against the
 shipped one in the same code. ``--bf16-rows N`` sets the new build's rule for the
 quantized Linear on bf16 tiles (from N rows; -1 by format; 0 never, as shipped: not
-batch invariant, see ``--no-batch-invariance``). ``--prefill`` times the forward of
+batch invariant, see ``--no-batch-invariance``); ``--base-bf16-rows N`` the base
+build's (a change to the path itself, against HEAD on it). ``--prefill`` times the forward of
 each sequence's whole context instead (a prompt's prefill; the caches are rewritten).
 """
 
@@ -61,12 +62,15 @@ def main() -> int:
                         help="the new build's AMX rule for quantized Linear layers")  # fmt: skip
     parser.add_argument("--bf16-rows", type=int, default=None,
                         help="the new build's bf16-tile rule for quantized layers")  # fmt: skip
+    parser.add_argument("--base-bf16-rows", type=int, default=None,
+                        help="the base build's bf16-tile rule (where it has the path)")  # fmt: skip
     parser.add_argument("--prefill", action="store_true",
                         help="time the prefill of each sequence's --context tokens, not a "
                              "decode step after them")  # fmt: skip
     args = parser.parse_args()
-    if args.bf16_rows is not None and args.bf16_rows < -1:
-        parser.error(f"--bf16-rows must be -1 or more, got {args.bf16_rows}")
+    for flag, rows in (("--bf16-rows", args.bf16_rows), ("--base-bf16-rows", args.base_bf16_rows)):
+        if rows is not None and rows < -1:
+            parser.error(f"{flag} must be -1 or more, got {rows}")
     if min(args.context, args.rounds, args.batch) < 1:
         parser.error("--context, --rounds and --batch must be at least 1")
     if args.amx_rows is not None and args.amx_rows < -1:
@@ -91,8 +95,9 @@ def main() -> int:
         kernels = CpuKernels(lib)
         if name == "new" and args.amx_rows is not None:
             quant_mod.QuantOps(kernels.lib).set_amx_min_rows(args.amx_rows)
-        if name == "new" and args.bf16_rows is not None:
-            quant_mod.QuantOps(kernels.lib).set_bf16_min_rows(args.bf16_rows)
+        bf16_rows = args.bf16_rows if name == "new" else args.base_bf16_rows
+        if bf16_rows is not None:
+            quant_mod.QuantOps(kernels.lib).set_bf16_min_rows(bf16_rows)
         for module in (cpu_mod, layers_mod, quant_mod):
             module.cpu_kernels = lambda k=kernels: k
         loaded = load_model(

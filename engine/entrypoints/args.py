@@ -154,7 +154,7 @@ def add_engine_args(parser: argparse.ArgumentParser, *, with_seed: bool = True) 
     flag(
         "--no-batch-invariance",
         "let a row's bits depend on how many rows share its kernel call, for speed: on CPUs "
-        "with AMX-BF16, quantized Linear layers of 32 rows or more (64 for Q8_0) on bf16 "
+        "with AMX-BF16, quantized Linear layers of 16 rows or more (32 for Q8_0) on bf16 "
         "tiles (faster prompts and crowded steps; greedy speculation then not token-"
         "identical to plain decoding)",
         nargs=0,

@@ -220,11 +220,11 @@ def test_bf16_tile_rows_are_bit_identical_in_any_batch_and_thread_count(ops, bf1
 
 
 def test_the_bf16_tile_rule_by_format(ops, bf16_rule):
-    """-1 (what --no-batch-invariance sets): Q4 calls from 32 rows on the tiles, Q8_0
-    from 64, smaller calls on the int8 paths (their bits); 0 (the default): never."""
+    """-1 (what --no-batch-invariance sets): Q4 calls from 16 rows on the tiles, Q8_0
+    from 32, smaller calls on the int8 paths (their bits); 0 (the default): never."""
     if not ops.bf16_tiles:
         pytest.skip("no AMX-BF16 here: the rule is inert (checked above)")
-    for name, first in (("Q4_1", 32), ("Q4_0", 32), ("Q8_0", 64)):
+    for name, first in (("Q4_1", 16), ("Q4_0", 16), ("Q8_0", 32)):
         _, x, rows = _case(48, 64, first, name, seed=2)
         packed = ops.pack(FORMATS[name], rows, 64)
         bf16_rule(0)

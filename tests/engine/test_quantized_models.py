@@ -248,7 +248,7 @@ def test_a_read_only_cache_converts_into_the_temp_dir(
 
 def test_no_batch_invariance_puts_crowded_calls_on_bf16_tiles(tiny_gguf_path):
     """``batch_invariant=False`` (``--no-batch-invariance``) sets the kernels' rule (by
-    format: Q4 calls from 32 rows, Q8_0 from 64) for the process, and an engine with
+    format: Q4 calls from 16 rows, Q8_0 from 32) for the process, and an engine with
     the default sets it back to never; a crowd of requests, whose prompts share steps
     of 32 rows and more, is served to the end with every block released, on the bf16
     tiles where the CPU has AMX-BF16."""
