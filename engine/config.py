@@ -78,8 +78,8 @@ class EngineConfig:
     # False lets a kernel give a row other bits depending on how many rows share its
     # call, for speed: today the quantized Linear of 16 rows or more (32 for Q8_0) runs
     # on AMX-BF16 tiles with its weights dequantized to bf16 instead of the int8 paths
-    # (on a 2-vCPU Xeon a 32-sequence decode step about 0.87x the time, a 512-token
-    # prompt's prefill about 0.7x; docs/benchmarks.md). Greedy
+    # (on a 2-vCPU Xeon a 32-sequence decode step about 0.74x the time, a 512-token
+    # prompt's prefill about 0.65x; docs/benchmarks.md). Greedy
     # speculation is then no longer token-identical to plain decoding, and a request
     # alone may differ from the same request in a crowd where tokens were near-tied.
     # Process-wide (the kernels' rule); no effect on CPUs without AMX-BF16 or on CUDA.

@@ -36,15 +36,16 @@ def test_a_row_for_each_format_shape_and_row_count(base):
     _check_table(done, base, bf16=False)
 
 
-def test_the_bf16_tile_column():
+@pytest.mark.parametrize("base", [None, "HEAD"])
+def test_the_bf16_tile_column(base):
+    """--bf16 adds the path's time and its ratio to the faster int8 path; with --base,
+    the base revision's path too (and its ratio to it)."""
     done = _run("--rounds", "1", "--calls", "2", "--rows", "1,17", "--shapes", "64x64,32x96",
-                "--bf16")  # fmt: skip
-    from engine.kernels import build
-
-    if _amx() and "amx_bf16" not in build.cpu_flags():
+                "--bf16", *(["--base", base] if base else []))  # fmt: skip
+    if _amx() and not quant_ops().bf16_tiles:
         assert done.returncode == 1 and "no bf16-tile path" in done.stdout, done.stdout
         return
-    _check_table(done, None, bf16=True)
+    _check_table(done, base, bf16=True)
 
 
 def _check_table(done, base, bf16: bool) -> None:
@@ -61,12 +62,15 @@ def _check_table(done, base, bf16: bool) -> None:
     assert got == [(f, s, m) for f in ("Q4_1", "Q8_0") for s in ("[64, 64]", "[32, 96]")
                    for m in ("1", "17")], done.stdout  # fmt: skip
     for c in cells:
-        assert len(c) == 7 + 2 * bool(base) + 2 * bf16, c
+        assert len(c) == 7 + 2 * bool(base) + 2 * bf16 + 2 * (bf16 and bool(base)), c
         assert float(c[3]) > 0 and float(c[4]) > 0 and c[5].endswith("x"), c
         if base:
             assert float(c[7]) > 0 and float(c[8]) > 0, c
         if bf16:
-            assert float(c[-2]) > 0 and c[-1].endswith("x") and float(c[-1][:-1]) > 0, c
+            t, ratio = (c[-4], c[-3]) if base else (c[-2], c[-1])
+            assert float(t) > 0 and ratio.endswith("x") and float(ratio[:-1]) > 0, c
+        if bf16 and base:
+            assert float(c[-2]) > 0 and float(c[-1]) > 0, c
 
 
 @pytest.mark.parametrize(
