@@ -16,8 +16,9 @@ rows; 0 never, -1 by format as shipped): with ``--base HEAD``, a rule against th
 shipped one in the same code. ``--bf16-rows N`` sets the new build's rule for the
 quantized Linear on bf16 tiles (from N rows; -1 by format; 0 never, as shipped: not
 batch invariant, see ``--no-batch-invariance``); ``--base-bf16-rows N`` the base
-build's (a change to the path itself, against HEAD on it). ``--prefill`` times the forward of
-each sequence's whole context instead (a prompt's prefill; the caches are rewritten).
+build's (a change to the path itself, against HEAD on it). ``--prefill`` times the
+forward of each sequence's whole context instead (a prompt's prefill; the caches are
+rewritten).
 """
 
 from __future__ import annotations

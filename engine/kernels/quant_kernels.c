@@ -928,7 +928,7 @@ int64_t specserve_quant_amx_calls(void) { return 0; }
 
 /* A tile's 16 outputs (+ bias) stored in one go on the AVX-512 path: the fp32 add and
  * the rounding of the scalar stores (ST_f32, ST_bf16: bf16 rounded on the bits, ties to
- * even), lane for lane, so the same bits. */
+ * even, as the float Linear's lf_store_bf16 does), lane for lane, so the same bits. */
 #if defined(QPATH_AVX512)
 #define Q_STORE16 1
 INLINE void q_store16_f32(float *out, __m512 v, const float *bias) {
@@ -936,14 +936,8 @@ INLINE void q_store16_f32(float *out, __m512 v, const float *bias) {
     _mm512_storeu_ps(out, v);
 }
 INLINE void q_store16_bf16(bf16 *out, __m512 v, const bf16 *bias) {
-    if (bias != NULL) {
-        const __m512i b = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)bias));
-        v = _mm512_add_ps(v, _mm512_castsi512_ps(_mm512_slli_epi32(b, 16)));
-    }
-    __m512i bits = _mm512_castps_si512(v);
-    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-    bits = _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff)));
-    _mm256_storeu_si256((__m256i *)out, _mm512_cvtepi32_epi16(_mm512_srli_epi32(bits, 16)));
+    if (bias != NULL) v = _mm512_add_ps(v, lf_load_bf16(bias));
+    lf_store_bf16(out, v);
 }
 #else
 #define Q_STORE16 0
