@@ -660,8 +660,8 @@ INLINE void q_bf16_step(int32_t fmt, const struct q_bf16_src *src, bf16 *bt, int
 /* One 32-input block's products: C 0-1 += A (rows of x0) . B (w's two tiles), C 2-3 the
  * same for x1's rows where there are (two). With next, the steps of the block after
  * (src) made into next in between: the tile unit and the vector units work at once
- * (measured on the Xeon: a block's dequantization and products 142 cycles of the TSC
- * interleaved, 225-234 one after the other, 130 the products alone). */
+ * (scripts/bench_bf16_overlap.c: on the Xeon a block costs about the larger of its
+ * dequantization and its products this way, their sum one after the other). */
 #define Q_BF16_NEXT(t)                                                                         \
     if (next != NULL) q_bf16_step(fmt, src, next, (t))
 INLINE void q_bf16_block(const bf16 *w, const bf16 *x0, const bf16 *x1, int two, int32_t fmt,
