@@ -133,6 +133,15 @@ class CpuKernels:
         mask = self.lib.specserve_mask_logits
         mask.restype, mask.argtypes = _I64, [_P, _I64, _I64, _I64, _P, _I64, _P, _I32]
         self._mask_logits = mask
+        # None in a library of an older source (scripts/bench_kernel_ab.py's base build)
+        argmax = getattr(self.lib, "specserve_row_argmax_f32", None)
+        if argmax is not None:
+            argmax.restype, argmax.argtypes = None, [_P, _P, _I64, _I64, _I64, _I32]
+        self._row_argmax = argmax
+        noise = getattr(self.lib, "specserve_exponential_rows", None)
+        if noise is not None:
+            noise.restype, noise.argtypes = None, [_P, _I64, _I64, _I64, _P, _I32]
+        self._exponential_rows = noise
         # Outputs per packed weight tile of the bf16 and the fp32 Linear kernels; 0 when
         # the library was built without either bf16 kernel (vdpbf16ps needs
         # AVX512-BF16, the FMA one FMA) or without FMA for fp32, and those Linear layers
@@ -526,6 +535,51 @@ class CpuKernels:
         if status:
             raise ValueError("words do not cover the vocabulary")
         return dead.nonzero().flatten().tolist()
+
+    def row_argmax(self, x: torch.Tensor) -> torch.Tensor:
+        """The first maximal index of each row of fp32 ``x`` [rows, n] (rows may be
+        strided; n >= 1), a NaN counting as maximal: ``x.max(dim=-1).indices``'s int64
+        values, in a fraction of its time (torch's where the library predates it)."""
+        if x.dtype is not torch.float32:
+            raise ValueError(f"x must be float32, got {x.dtype}")
+        _check_float("x", x, 2, rows_strided=True)
+        rows, n = x.shape
+        if n < 1:
+            raise ValueError(f"x must have at least one column, got shape {tuple(x.shape)}")
+        if self._row_argmax is None:
+            return x.max(dim=-1).indices
+        out = torch.empty(rows, dtype=torch.int64)
+        if rows:
+            self._row_argmax(
+                out.data_ptr(), x.data_ptr(), rows, n, x.stride(0) if rows > 1 else n,
+                torch.get_num_threads(),
+            )  # fmt: skip
+        return out
+
+    @property
+    def has_exponential_rows(self) -> bool:
+        """Whether this library draws sampling noise (exponential_rows): its source's."""
+        return self._exponential_rows is not None
+
+    def exponential_rows(self, out: torch.Tensor, keys: list[int]) -> torch.Tensor:
+        """Fill fp32 ``out`` [rows, n] (rows may be strided) with Exp(1) noise, row r a
+        function of ``keys[r]`` (a 64-bit key: Python ints taken modulo 2^64) and the
+        column alone; returns ``out``."""
+        if self._exponential_rows is None:
+            raise RuntimeError(f"{self.path.name} predates exponential_rows")
+        if out.dtype is not torch.float32:
+            raise ValueError(f"out must be float32, got {out.dtype}")
+        _check_float("out", out, 2, rows_strided=True)
+        rows, n = out.shape
+        if len(keys) != rows:
+            raise ValueError(f"keys must have one key per row of out ({rows}), got {len(keys)}")
+        if rows and n:
+            key_array = (ctypes.c_uint64 * rows)(*(k & 0xFFFFFFFFFFFFFFFF for k in keys))
+            self._exponential_rows(
+                out.data_ptr(), rows, n, out.stride(0) if rows > 1 else n, key_array,
+                torch.get_num_threads(),
+            )  # fmt: skip
+        return out
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:  # [n, 2 * inter] -> [n, inter]
         dtype = _check_float("x", x, 2)

@@ -1620,6 +1620,79 @@ int64_t specserve_mask_logits(float *logits, int64_t rows, int64_t vocab, int64_
     return 0;
 }
 
+/* Greedy sampling's argmax: out[r] = the first index of row r's maximum, or of its first
+ * NaN when it has one (a NaN counts as maximal), as torch's max(dim) and argmax give;
+ * -0.0 and +0.0 are equal. One vectorised pass finds the maximum and whether the row
+ * holds a NaN (bits: -ffast-math may fold isnan() away), a second the first index
+ * equal to it, 64 values at a time. */
+INLINE int64_t row_argmax_f32(const float *x, int64_t n) {
+    float m = x[0];
+    uint32_t nan = 0;
+    for (int64_t i = 0; i < n; i++) {
+        m = x[i] > m ? x[i] : m;
+        nan |= (F32_TO_BITS(x[i]) & 0x7fffffffu) > F32_INF_BITS;
+    }
+    if (nan) {
+        for (int64_t i = 0; i < n; i++)
+            if ((F32_TO_BITS(x[i]) & 0x7fffffffu) > F32_INF_BITS) return i;
+    }
+    for (int64_t i0 = 0; i0 < n; i0 += 64) {
+        const int64_t end = n - i0 < 64 ? n : i0 + 64;
+        int hit = 0;
+        for (int64_t i = i0; i < end; i++) hit |= x[i] == m;
+        if (hit)
+            for (int64_t i = i0; i < end; i++)
+                if (x[i] == m) return i;
+    }
+    return 0; /* not reached: x[i] == m for some i */
+}
+
+/* Rows of x [rows, n] (row r at x + r * stride); n >= 1. */
+void specserve_row_argmax_f32(int64_t *out, const float *x, int64_t rows, int64_t n,
+                              int64_t stride, int32_t num_threads) {
+#define ARGMAX_ROW(r) (out[r] = row_argmax_f32(x + (r) * stride, n))
+    FOR_ROWS_OF(rows, n, num_threads, ARGMAX_ROW);
+#undef ARGMAX_ROW
+}
+
+/* Exp(1) noise for sampling's exponential race (a row's token is argmax p / E; the
+ * sampler divides and takes it), a row per 64-bit key: out[r][t] = -log(U), U = 2 - d
+ * with d in [1, 2) the double whose 52 mantissa bits are the top of z, z = SplitMix64's
+ * output t + 1 from state keys[r] (z = mix(key + (t + 1) * golden gamma)): U in
+ * [2^-52, 1] is exact, and log takes it to double precision where U is near 1 (small
+ * E, the draws that win races). E = 0 (U = 1, once in 2^52 draws) is stored as 2^-60,
+ * so a token of probability 0 scores 0, never 0 / 0. A seeded row's key is
+ * position_seed(seed, position) and its noise is a function of that key and t alone
+ * (engine/sample/sampler.py). torch's exponential_ took 37.3 ms on [32, 49,152], more
+ * than the decode step it served; this takes 2.0 (docs/benchmarks.md, "Sampling's
+ * noise and argmax"). */
+union f64_bits {
+    double d;
+    uint64_t u;
+};
+INLINE uint64_t splitmix64_mix(uint64_t z) {
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+}
+INLINE void exponential_row(float *restrict out, uint64_t key, int64_t n) {
+#pragma omp simd
+    for (int64_t t = 0; t < n; t++) {
+        const uint64_t z = splitmix64_mix(key + (uint64_t)(t + 1) * 0x9E3779B97F4A7C15ull);
+        const double d = ((union f64_bits){.u = 0x3FF0000000000000ull | (z >> 12)}).d;
+        const double e = -log(2.0 - d);
+        out[t] = (float)(e > 0x1.0p-60 ? e : 0x1.0p-60);
+    }
+}
+
+/* Rows of out [rows, n] (row r at out + r * stride), row r from keys[r]. */
+void specserve_exponential_rows(float *out, int64_t rows, int64_t n, int64_t stride,
+                                const uint64_t *keys, int32_t num_threads) {
+#define EXPONENTIAL_ROW(r) exponential_row(out + (r) * stride, keys[r], n)
+    FOR_ROWS_OF(rows, n, num_threads, EXPONENTIAL_ROW);
+#undef EXPONENTIAL_ROW
+}
+
 /* ---- bf16 linear layers: out = x @ W^T (+ bias), on AVX512-BF16 ----
  *
  * torch's oneDNN bf16 GEMM streams the weights at about half this machine's memory

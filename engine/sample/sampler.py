@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.io.sampling_params import SamplingParams
+from engine.kernels.cpu import cpu_kernels
 
 
 @dataclass(slots=True)
@@ -130,9 +131,22 @@ def processed_probs(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
 
 def row_argmax(x: torch.Tensor) -> torch.Tensor:
     """The first maximal index of each row of a 2-D tensor (NaN counts as maximal), as
-    ``x.argmax(dim=-1)``. torch's ``max(dim)`` documents the same first-index rule and
-    runs 2.4x faster on CPU ([32, 49,152] fp32: 0.41 against 0.99 ms, 2 threads), a
-    twentieth of a 32-request decode step."""
+    ``x.argmax(dim=-1)``. On the CPU, fp32 rows with a dense last dimension go to the
+    compiled kernel: [32, 49,152] in 0.19 against 0.93-1.55 ms for torch's ``max(dim)``
+    on the Xeon with AMX, 2 threads (docs/benchmarks.md, "Sampling's noise and argmax"),
+    and 5x less for the rows of a verification of many drafts. Elsewhere ``max(dim)``,
+    which documents the same first-index rule and runs 2.4x faster than ``argmax``."""
+    if (
+        x.is_cpu
+        and x.dtype is torch.float32
+        and x.dim() == 2
+        and x.shape[1] > 0
+        and x.stride(1) == 1
+        and x.stride(0) >= x.shape[1]
+    ):
+        kernels = cpu_kernels()
+        if kernels is not None:
+            return kernels.row_argmax(x)
     return x.max(dim=-1).indices
 
 
@@ -177,6 +191,34 @@ def position_seed(seed: int, position: int) -> int:
     return _splitmix64((_splitmix64(seed) + position) & _MASK64)
 
 
+def _noise_kernels(device: torch.device):
+    """The compiled kernels where they draw the noise on this device (the CPU), or None."""
+    if device.type != "cpu":
+        return None
+    kernels = cpu_kernels()
+    return kernels if kernels is not None and kernels.has_exponential_rows else None
+
+
+def random_keys(count: int, default: torch.Generator | None) -> list[int]:
+    """``count`` 64-bit noise keys from ``default`` (torch's own generator when None)."""
+    if not count:
+        return []
+    drawn = torch.randint(-(2**63), 2**63 - 1, (count,), dtype=torch.int64, generator=default)
+    return drawn.tolist()
+
+
+def unseeded_exponential(
+    num_rows: int, vocab_size: int, device: torch.device, default: torch.Generator | None
+) -> torch.Tensor:
+    """Exp(1) noise [num_rows, vocab_size] from ``default`` (rejection sampling's
+    recovered and bonus tokens)."""
+    kernels = _noise_kernels(device)
+    noise = torch.empty((num_rows, vocab_size), device=device)
+    if kernels is None:
+        return noise.exponential_(generator=default)
+    return kernels.exponential_rows(noise, random_keys(num_rows, default))
+
+
 def exponential_noise(
     batch: SamplingBatch,
     vocab_size: int,
@@ -185,7 +227,14 @@ def exponential_noise(
 ) -> torch.Tensor:
     """Exp(1) noise [n, vocab_size], one row per batch row: seeded rows from
     ``position_seed(seed, position)``, unseeded random rows from ``default``, greedy
-    rows all ones (they take the argmax)."""
+    rows all ones (they take the argmax). On the CPU the compiled kernels draw it
+    (``exponential_rows``: a row is a function of its 64-bit key, the seeded row's
+    ``position_seed``, an unseeded row's drawn from ``default``), 18x torch's
+    ``exponential_`` ([32, 49,152]: 2.0 against 37.3 ms, docs/benchmarks.md, "Sampling's
+    noise and argmax"); elsewhere torch's generators, one seeded per seeded row."""
+    kernels = _noise_kernels(device)
+    if kernels is not None:
+        return _kernel_noise(kernels, batch, vocab_size, default)
     noise = torch.ones((len(batch.seeds), vocab_size), device=device)
     unseeded = [
         i for i, (s, g) in enumerate(zip(batch.seeds, batch.is_greedy)) if s is None and not g
@@ -199,6 +248,21 @@ def exponential_noise(
         if seed is not None and not batch.is_greedy[i]:
             generator = torch.Generator(device).manual_seed(position_seed(seed, position))
             noise[i].exponential_(generator=generator)
+    return noise
+
+
+def _kernel_noise(kernels, batch: SamplingBatch, vocab_size: int, default) -> torch.Tensor:
+    drawn = [i for i, greedy in enumerate(batch.is_greedy) if not greedy]
+    unseeded = iter(random_keys(sum(batch.seeds[i] is None for i in drawn), default))
+    keys = []
+    for i in drawn:
+        seed = batch.seeds[i]
+        keys.append(next(unseeded) if seed is None else position_seed(seed, batch.positions[i]))
+    if len(drawn) == len(batch.seeds):
+        return kernels.exponential_rows(torch.empty((len(drawn), vocab_size)), keys)
+    noise = torch.ones((len(batch.seeds), vocab_size))
+    if drawn:
+        noise[drawn] = kernels.exponential_rows(torch.empty((len(drawn), vocab_size)), keys)
     return noise
 
 

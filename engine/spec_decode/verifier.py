@@ -39,6 +39,7 @@ from engine.sample.sampler import (
     processed_probs,
     row_argmax,
     uniform_noise,
+    unseeded_exponential,
 )
 from engine.spec_decode import paths
 from scheduler.output import ModelRunnerOutput, SchedulerOutput
@@ -135,7 +136,7 @@ class Verifier:
             rows = [starts[i] + j for i in coupled for j in range(counts[i])]
             chosen = batch.select(rows)
             noise = exponential_noise(chosen, probs.shape[-1], self.device, self.generator)
-            pieces.append((probs[rows] / noise).argmax(dim=-1))  # [len(rows)]
+            pieces.append(row_argmax(probs[rows] / noise))  # [len(rows)]
         if raced:
             pieces.append(self._rejection(probs, starts, raced, items, drafts, draft_probs))
         flat = torch.cat(pieces).tolist()
@@ -167,14 +168,13 @@ class Verifier:
         q = None
         if any(items[i].request_id in draft_probs for i in raced):
             q = self._draft_distributions(raced, items, drafts, draft_probs, k_max, vocab_size)
-        noise = torch.empty((len(raced), vocab_size), device=self.device)
         output, num_accepted = rejection_sample(
             target_probs,
             draft_ids,
             q,
             torch.tensor([len(drafts[i]) for i in raced], device=self.device),
             uniform_noise(len(raced), k_max, self.device, self.generator),
-            noise.exponential_(generator=self.generator),
+            unseeded_exponential(len(raced), vocab_size, self.device, self.generator),
         )
         return torch.cat([output, num_accepted.unsqueeze(1)], dim=1).flatten()
 

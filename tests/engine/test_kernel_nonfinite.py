@@ -411,3 +411,41 @@ def test_a_bad_hidden_state_gives_nonfinite_logits_where_it_reaches(
         assert (~torch.isfinite(out[rows])).all(), "a bad hidden state gave finite logits"
         assert torch.isfinite(out[~rows]).all()
         assert same_bits(out[~rows], clean_out[~rows])
+
+
+@pytest.mark.parametrize("cols", [1, 15, 64, 65, 1000, 49_152])  # lanes, 64-value chunks
+def test_row_argmax_picks_the_index_torch_picks(kernels, cols):
+    """Greedy tokens: the kernel's row argmax is torch's max(dim)'s index on every row,
+    bit patterns that fast-math could mishandle included: the first NaN of a row that
+    has one (NaN is maximal), +Inf, a row of -Inf (index 0), -0.0 against +0.0 (equal:
+    the first), and many ties; rows strided, and enough of them to run on threads."""
+    gen = torch.Generator().manual_seed(cols)
+    rows = 70  # over PARALLEL_MIN_ROWS
+    wide = torch.randint(-2, 3, (rows, cols + 9), generator=gen).float()
+    x = wide[:, 4 : 4 + cols]  # rows strided by cols + 9
+    last = cols - 1
+    x[0, last] = float("nan")
+    x[1, last // 2], x[1, last] = float("nan"), float("nan")
+    x[2, last // 3], x[2, last] = float("inf"), float("inf")
+    x[3] = float("-inf")
+    x[4] = 0.0
+    x[4, last] = -0.0
+    x[5] = -0.0
+    x[5, last] = 0.0
+    x[6] = -1.0
+    x[6, last] = 3.0  # the maximum alone at the end
+    x[7, last], x[7, 0] = float("nan"), float("inf")
+    expected = x.max(dim=-1).indices
+    assert torch.equal(kernels.row_argmax(x), expected)
+    assert torch.equal(kernels.row_argmax(x[:1]), expected[:1])
+    assert expected[3] == 0 and expected[0] == last and expected[1] == last // 2
+    assert kernels.row_argmax(x[:0]).shape == (0,)
+
+
+def test_row_argmax_refuses_what_it_cannot_read(kernels):
+    with pytest.raises(ValueError, match="float32"):
+        kernels.row_argmax(torch.zeros(2, 3, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="at least one column"):
+        kernels.row_argmax(torch.zeros(2, 0))
+    with pytest.raises(ValueError, match="contiguous"):
+        kernels.row_argmax(torch.zeros(3, 2).t())
