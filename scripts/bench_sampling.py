@@ -6,7 +6,9 @@ the torch ops they replace, each pair alternated in one process:
 - noise: the exponential race's Exp(1) noise, ``exponential_rows`` against torch's
   ``exponential_`` (what engine/sample/sampler.py drew with before);
 - argmax: greedy's ``row_argmax`` against torch's ``max(dim=-1)``;
-- race: a whole sampled row, noise, division and argmax, both ways.
+- race: a whole sampled row, noise, division and argmax, both ways;
+- inverse CDF: an unseeded row's draw as the verifier makes it now, ``sample_rows``
+  (one uniform a row), against the race on torch's noise (what it made before).
 
 Prints the median ms of each over ``--rounds`` and kernel / torch. torch runs on as
 many threads as the kernels (torch.get_num_threads()).
@@ -47,6 +49,10 @@ def main() -> int:
         "argmax": (lambda: kernels.row_argmax(logits), lambda: logits.max(dim=-1).indices),
         "race": (lambda: kernels.row_argmax(probs / kernels.exponential_rows(noise, keys)),
                  lambda: (probs / noise.exponential_(generator=gen)).max(dim=-1).indices),
+        "inverse CDF": (lambda: kernels.sample_rows(probs, torch.rand(args.rows,
+                                                                      dtype=torch.float64,
+                                                                      generator=gen)),
+                        lambda: (probs / noise.exponential_(generator=gen)).max(dim=-1).indices),
     }  # fmt: skip
     print(f"[{args.rows}, {args.vocab}] fp32, {torch.get_num_threads()} threads, "
           f"{args.rounds} rounds, medians:")  # fmt: skip
@@ -60,7 +66,7 @@ def main() -> int:
                 if r:
                     times[who].append(time.perf_counter() - start)
         k, t = (1e3 * statistics.median(times[w]) for w in ("kernel", "torch"))
-        print(f"  {name:7s} kernel {k:8.3f} ms   torch {t:8.3f} ms   kernel / torch {k / t:.3f}")
+        print(f"  {name:11s} kernel {k:8.3f} ms   torch {t:8.3f} ms   kernel / torch {k / t:.3f}")
     return 0
 
 

@@ -142,6 +142,10 @@ class CpuKernels:
         if noise is not None:
             noise.restype, noise.argtypes = None, [_P, _I64, _I64, _I64, _P, _I32]
         self._exponential_rows = noise
+        draw = getattr(self.lib, "specserve_sample_rows_f32", None)
+        if draw is not None:
+            draw.restype, draw.argtypes = None, [_P, _P, _I64, _I64, _I64, _P, _I32]
+        self._sample_rows = draw
         # Outputs per packed weight tile of the bf16 and the fp32 Linear kernels; 0 when
         # the library was built without either bf16 kernel (vdpbf16ps needs
         # AVX512-BF16, the FMA one FMA) or without FMA for fp32, and those Linear layers
@@ -553,6 +557,31 @@ class CpuKernels:
             self._row_argmax(
                 out.data_ptr(), x.data_ptr(), rows, n, x.stride(0) if rows > 1 else n,
                 torch.get_num_threads(),
+            )  # fmt: skip
+        return out
+
+    def sample_rows(self, probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor | None:
+        """One token per row of fp32 ``probs`` [rows, n] (rows may be strided; p >= 0,
+        finite) by inverse CDF at ``u`` [rows] float64 in [0, 1): the first index whose
+        running sum exceeds u times the row's sum (sums in double). None where the
+        library predates it."""
+        if self._sample_rows is None:
+            return None
+        if probs.dtype is not torch.float32:
+            raise ValueError(f"probs must be float32, got {probs.dtype}")
+        _check_float("probs", probs, 2, rows_strided=True)
+        rows, n = probs.shape
+        if n < 1:
+            raise ValueError(f"probs must have at least one column, got {tuple(probs.shape)}")
+        if u.dtype is not torch.float64 or not u.is_cpu or u.shape != (rows,):
+            raise ValueError(f"u must be a float64 CPU tensor [{rows}], got {u.dtype} "
+                             f"{tuple(u.shape)} on {u.device}")  # fmt: skip
+        u = u.contiguous()
+        out = torch.empty(rows, dtype=torch.int64)
+        if rows:
+            self._sample_rows(
+                out.data_ptr(), probs.data_ptr(), rows, n, probs.stride(0) if rows > 1 else n,
+                u.data_ptr(), torch.get_num_threads(),
             )  # fmt: skip
         return out
 

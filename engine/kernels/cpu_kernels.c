@@ -1693,6 +1693,51 @@ void specserve_exponential_rows(float *out, int64_t rows, int64_t n, int64_t str
 #undef EXPONENTIAL_ROW
 }
 
+/* Inverse-CDF sampling, for rows no draft is coupled to (rejection sampling's
+ * recovered and bonus tokens): out[r] = the first t whose running sum p_0 + .. + p_t
+ * exceeds u[r] * (the row's sum), sums in double; p >= 0 and finite, u in [0, 1). A
+ * token of probability 0 is never taken (the running sum does not grow there); should
+ * rounding leave the target at or past the last running sum, the last token of
+ * positive probability is. Blocks of SAMPLE_BLOCK values are summed vectorised, then the
+ * block that crosses the target is walked value by value: one pass over the row and
+ * part of another, where the race needs a draw, a log and a division a value. */
+#define SAMPLE_BLOCK 256
+INLINE double block_sum_f32(const float *p, int64_t n) {
+    double s = 0.0;
+#pragma omp simd reduction(+ : s)
+    for (int64_t i = 0; i < n; i++) s += (double)p[i];
+    return s;
+}
+INLINE int64_t sample_row_f32(const float *p, int64_t n, double u) {
+    double total = 0.0;
+    for (int64_t b = 0; b < n; b += SAMPLE_BLOCK)
+        total += block_sum_f32(p + b, n - b < SAMPLE_BLOCK ? n - b : SAMPLE_BLOCK);
+    const double target = u * total;
+    double run = 0.0;
+    for (int64_t b = 0; b < n; b += SAMPLE_BLOCK) {
+        const int64_t len = n - b < SAMPLE_BLOCK ? n - b : SAMPLE_BLOCK;
+        const double next = run + block_sum_f32(p + b, len);
+        if (next > target) {
+            for (int64_t i = b; i < b + len; i++) {
+                run += (double)p[i];
+                if (run > target && p[i] > 0.0f) return i;
+            }
+        }
+        run = next;
+    }
+    for (int64_t i = n - 1; i > 0; i--)
+        if (p[i] > 0.0f) return i;
+    return 0;
+}
+
+/* Rows of p [rows, n] (row r at p + r * stride), row r at u[r]. */
+void specserve_sample_rows_f32(int64_t *out, const float *p, int64_t rows, int64_t n,
+                               int64_t stride, const double *u, int32_t num_threads) {
+#define SAMPLE_ROW(r) (out[r] = sample_row_f32(p + (r) * stride, n, u[r]))
+    FOR_ROWS_OF(rows, n, num_threads, SAMPLE_ROW);
+#undef SAMPLE_ROW
+}
+
 /* ---- bf16 linear layers: out = x @ W^T (+ bias), on AVX512-BF16 ----
  *
  * torch's oneDNN bf16 GEMM streams the weights at about half this machine's memory

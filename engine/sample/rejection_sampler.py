@@ -14,6 +14,8 @@ For a request with k drafts ``d_1..d_k`` the target produced processed distribut
 
 Greedy is the special case where every ``p`` is one-hot: a draft is accepted exactly
 when it equals the target's argmax, and the recovered/bonus token is that argmax.
+Nothing is coupled to the recovered or bonus token, so the verifier draws it by inverse
+CDF (``final_u``, one uniform a row) rather than by the exponential race.
 Everything below is batched over requests; the host reads only the results.
 """
 
@@ -21,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.sample.sampler import row_argmax
+from engine.sample.sampler import row_argmax, sample_rows
 
 
 def rejection_sample(
@@ -31,8 +33,13 @@ def rejection_sample(
     num_drafts: torch.Tensor,  # [n] int64, drafts per request (<= k_max)
     uniforms: torch.Tensor,  # [n, k_max] U[0, 1)
     noise: torch.Tensor | None,  # [n, vocab_size] Exp(1); None = argmax (all greedy)
+    final_u: torch.Tensor | None = None,  # [n] float64 U[0, 1): see below
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Returns (output_token_ids [n, k_max + 1] padded with -1, num_accepted [n])."""
+    """Returns (output_token_ids [n, k_max + 1] padded with -1, num_accepted [n]). The
+    recovered or bonus token is drawn from its distribution by inverse CDF at
+    ``final_u`` when given (``sample_rows``: one uniform a row), else by the race
+    ``argmax(dist / noise)``, else (``noise`` None too) it is the argmax. Either draw is
+    an exact sample; the race is what coupling needs, and nothing is coupled here."""
     n, k_max = draft_token_ids.shape
     device = target_probs.device
     rows = torch.arange(n, device=device)
@@ -59,7 +66,9 @@ def rejection_sample(
         has_mass = residual.sum(dim=1, keepdim=True) > 0
         residual = torch.where(has_mass, residual, final_p)
         final_dist = torch.where(rejected.unsqueeze(1), residual, final_p)
-    if noise is None:
+    if final_u is not None:
+        final_token = sample_rows(final_dist, final_u)
+    elif noise is None:
         final_token = row_argmax(final_dist)
     else:
         final_token = row_argmax(final_dist / noise)

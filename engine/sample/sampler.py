@@ -207,18 +207,6 @@ def random_keys(count: int, default: torch.Generator | None) -> list[int]:
     return drawn.tolist()
 
 
-def unseeded_exponential(
-    num_rows: int, vocab_size: int, device: torch.device, default: torch.Generator | None
-) -> torch.Tensor:
-    """Exp(1) noise [num_rows, vocab_size] from ``default`` (rejection sampling's
-    recovered and bonus tokens)."""
-    kernels = _noise_kernels(device)
-    noise = torch.empty((num_rows, vocab_size), device=device)
-    if kernels is None:
-        return noise.exponential_(generator=default)
-    return kernels.exponential_rows(noise, random_keys(num_rows, default))
-
-
 def exponential_noise(
     batch: SamplingBatch,
     vocab_size: int,
@@ -264,6 +252,32 @@ def _kernel_noise(kernels, batch: SamplingBatch, vocab_size: int, default) -> to
     if drawn:
         noise[drawn] = kernels.exponential_rows(torch.empty((len(drawn), vocab_size)), keys)
     return noise
+
+
+def sample_rows(dist: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """One token per row of ``dist`` [n, V] (non-negative weights, any scale) by inverse
+    CDF at ``u`` [n] float64 in [0, 1): the first index whose running sum exceeds u
+    times the row's sum, in double precision; a token of weight 0 is never taken. For
+    rows no draft is coupled to (rejection sampling's recovered and bonus tokens): one
+    uniform a row where the race needs a draw a token. The compiled kernel on the CPU
+    ([32, 49,152]: docs/benchmarks.md, "Sampling's noise and argmax"), torch's cumsum
+    and searchsorted elsewhere (the same rule)."""
+    if dist.is_cpu and dist.dtype is torch.float32 and dist.dim() == 2 and dist.shape[1]:
+        kernels = cpu_kernels()
+        if kernels is not None and dist.stride(1) == 1 and dist.stride(0) >= dist.shape[1]:
+            drawn = kernels.sample_rows(dist, u.to(device="cpu", dtype=torch.float64))
+            if drawn is not None:
+                return drawn
+    running = dist.double().cumsum(dim=-1)  # [n, V]
+    target = (u.to(running.device, torch.float64) * running[:, -1]).unsqueeze(1)
+    index = torch.searchsorted(running, target, right=True).squeeze(1)  # first > target
+    last = dist.shape[1] - 1 - (dist.flip(-1) > 0).to(torch.int64).argmax(dim=-1)
+    return torch.minimum(index, last)
+
+
+def final_uniforms(num_rows: int, device: torch.device, default) -> torch.Tensor:
+    """U[0, 1) [num_rows] float64 from ``default``: sample_rows' draws."""
+    return torch.rand(num_rows, dtype=torch.float64, device=device, generator=default)
 
 
 def uniform_noise(

@@ -36,10 +36,10 @@ from engine.sample.sampler import (
     SamplingBatch,
     compute_logprobs,
     exponential_noise,
+    final_uniforms,
     processed_probs,
     row_argmax,
     uniform_noise,
-    unseeded_exponential,
 )
 from engine.spec_decode import paths
 from scheduler.output import ModelRunnerOutput, SchedulerOutput
@@ -174,7 +174,8 @@ class Verifier:
             q,
             torch.tensor([len(drafts[i]) for i in raced], device=self.device),
             uniform_noise(len(raced), k_max, self.device, self.generator),
-            unseeded_exponential(len(raced), vocab_size, self.device, self.generator),
+            None,
+            final_uniforms(len(raced), self.device, self.generator),
         )
         return torch.cat([output, num_accepted.unsqueeze(1)], dim=1).flatten()
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from engine.sample.rejection_sampler import rejection_sample
-from engine.sample.sampler import row_argmax
+from engine.sample.sampler import row_argmax, sample_rows
 from scheduler.spec_length import expected_tokens_per_step
 
 V = 4
@@ -93,13 +93,32 @@ def test_speculative_sampling_matches_the_target_distribution():
     assert _total_variation(samples, exact) < TV_BOUND
 
 
-def _skip_residual(target_probs, draft_ids, draft_probs, num_drafts, uniforms, noise):
-    # Bug: after a rejection, sample the recovered token from p instead of max(0, p - q).
-    out, n_acc = rejection_sample(target_probs, draft_ids, draft_probs, num_drafts, uniforms, noise)
+def _inverse_cdf_final(target_probs, draft_ids, draft_probs, num_drafts, uniforms, noise):
+    # What the verifier runs for unseeded rows: the recovered or bonus token by inverse
+    # CDF at one uniform a row (sample_rows) instead of the race with ``noise``.
+    u = torch.rand(len(draft_ids), dtype=torch.float64, generator=torch.Generator().manual_seed(5))
+    return rejection_sample(target_probs, draft_ids, draft_probs, num_drafts, uniforms, None, u)
+
+
+def test_speculative_sampling_by_inverse_cdf_matches_the_target_distribution():
+    target, draft = _tables()
+    exact = _exact(target, start=0)
+    samples = _speculative_samples(target, draft, 0, _inverse_cdf_final, seed=1)
+    assert _total_variation(samples, exact) < TV_BOUND
+
+
+def _skip_residual(
+    target_probs, draft_ids, draft_probs, num_drafts, uniforms, noise, final_u=None
+):  # fmt: skip
+    # Bug: after a rejection, sample the recovered token from p instead of max(0, p - q)
+    # (drawn as the sampler draws: by the race, or by inverse CDF at final_u).
+    out, n_acc = rejection_sample(
+        target_probs, draft_ids, draft_probs, num_drafts, uniforms, noise, final_u
+    )
     rows = torch.arange(len(out))
     rejected = n_acc < num_drafts
     p_at = target_probs[rows, n_acc]
-    resample = (p_at / noise).argmax(dim=1)
+    resample = sample_rows(p_at, final_u) if final_u is not None else (p_at / noise).argmax(1)
     out[rows[rejected], n_acc[rejected]] = resample[rejected]
     return out, n_acc
 

@@ -21,7 +21,6 @@ from engine.sample.sampler import (
     SamplingBatch,
     exponential_noise,
     position_seed,
-    unseeded_exponential,
 )
 from tests.engine.kernel_levels import kernels_at_level, runnable_levels
 
@@ -122,5 +121,58 @@ def test_a_batchs_noise_keys_seeded_rows_by_seed_and_position():
     assert torch.equal(noise, again)
     other = exponential_noise(batch, vocab, torch.device("cpu"), torch.Generator().manual_seed(2))
     assert torch.equal(other[[0, 1, 3]], noise[[0, 1, 3]]) and not torch.equal(other[2], noise[2])
-    drawn = unseeded_exponential(3, vocab, torch.device("cpu"), torch.Generator().manual_seed(1))
-    assert drawn.shape == (3, vocab) and bool((drawn > 0).all())
+
+
+def test_inverse_cdf_takes_the_first_index_past_u_and_never_a_zero(kernels):
+    """sample_rows: the kernel's token is the torch rule's (cumsum in double, first
+    index past u times the sum) on random rows, strided and on threads; a token of
+    probability 0 is never taken, at u = 0 and at the largest u below 1 too."""
+    from engine.sample.sampler import sample_rows
+
+    gen = torch.Generator().manual_seed(4)
+    rows, vocab = 70, 3001
+    wide = torch.rand(rows, vocab + 5, generator=gen)
+    probs = wide[:, 2 : 2 + vocab]
+    probs[probs < 0.5] = 0.0  # half the vocabulary at probability 0
+    probs[3] = 0.0
+    probs[3, 17] = 0.25  # one token only
+    probs[4, :100] = 0.0
+    u = torch.rand(rows, dtype=torch.float64, generator=gen)
+    u[0], u[1], u[4] = 0.0, 1.0 - 2.0**-53, 0.0
+    ours = kernels.sample_rows(probs, u)
+    running = probs.double().cumsum(dim=-1)
+    expected = torch.searchsorted(running, (u * running[:, -1]).unsqueeze(1), right=True)
+    last = vocab - 1 - (probs.flip(-1) > 0).to(torch.int64).argmax(dim=-1)
+    assert torch.equal(ours, torch.minimum(expected.squeeze(1), last))
+    assert bool((probs[torch.arange(rows), ours] > 0).all())
+    assert ours[3] == 17 and ours[1] == last[1]
+    assert ours[0] == int((probs[0] > 0).to(torch.int64).argmax())
+    assert ours[4] == 100 + int((probs[4, 100:] > 0).to(torch.int64).argmax())
+    assert torch.equal(kernels.sample_rows(probs[5:6], u[5:6]), ours[5:6])
+    # The sampler's own function: the kernel on the CPU, torch's rule where it cannot.
+    assert torch.equal(sample_rows(probs, u), ours)
+    assert torch.equal(sample_rows(probs.double(), u), ours)  # not fp32: torch's path
+
+
+def test_inverse_cdf_draws_follow_the_distribution(kernels):
+    p = torch.tensor([0.1, 0.0, 0.3, 0.6, 0.0, 1e-3], dtype=torch.float32)
+    p = p / p.sum()
+    n = 400_000
+    u = torch.rand(n, dtype=torch.float64, generator=torch.Generator().manual_seed(9))
+    drawn = kernels.sample_rows(p.expand(n, -1).contiguous(), u)
+    counts = torch.bincount(drawn, minlength=6).double()
+    expected = n * p.double()
+    assert counts[1] == 0 and counts[4] == 0
+    for t in (0, 2, 3, 5):
+        sd = (expected[t] * (1 - p[t].double())).sqrt()
+        assert abs(counts[t] - expected[t]) <= 5 * sd, (t, counts[t], expected[t])
+
+
+def test_sample_rows_refuses_what_it_cannot_read(kernels):
+    u = torch.zeros(2, dtype=torch.float64)
+    with pytest.raises(ValueError, match="float32"):
+        kernels.sample_rows(torch.ones(2, 3, dtype=torch.bfloat16), u)
+    with pytest.raises(ValueError, match="float64"):
+        kernels.sample_rows(torch.ones(2, 3), torch.zeros(2))
+    with pytest.raises(ValueError, match=r"\[2\]"):
+        kernels.sample_rows(torch.ones(2, 3), torch.zeros(3, dtype=torch.float64))
