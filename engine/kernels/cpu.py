@@ -544,20 +544,12 @@ class CpuKernels:
         """The first maximal index of each row of fp32 ``x`` [rows, n] (rows may be
         strided; n >= 1), a NaN counting as maximal: ``x.max(dim=-1).indices``'s int64
         values, in a fraction of its time (torch's where the library predates it)."""
-        if x.dtype is not torch.float32:
-            raise ValueError(f"x must be float32, got {x.dtype}")
-        _check_float("x", x, 2, rows_strided=True)
-        rows, n = x.shape
-        if n < 1:
-            raise ValueError(f"x must have at least one column, got shape {tuple(x.shape)}")
+        rows, n, stride = _fp32_rows("x", x, min_cols=1)
         if self._row_argmax is None:
             return x.max(dim=-1).indices
         out = torch.empty(rows, dtype=torch.int64)
         if rows:
-            self._row_argmax(
-                out.data_ptr(), x.data_ptr(), rows, n, x.stride(0) if rows > 1 else n,
-                torch.get_num_threads(),
-            )  # fmt: skip
+            self._row_argmax(out.data_ptr(), x.data_ptr(), rows, n, stride, torch.get_num_threads())
         return out
 
     def sample_rows(self, probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor | None:
@@ -567,12 +559,7 @@ class CpuKernels:
         library predates it."""
         if self._sample_rows is None:
             return None
-        if probs.dtype is not torch.float32:
-            raise ValueError(f"probs must be float32, got {probs.dtype}")
-        _check_float("probs", probs, 2, rows_strided=True)
-        rows, n = probs.shape
-        if n < 1:
-            raise ValueError(f"probs must have at least one column, got {tuple(probs.shape)}")
+        rows, n, stride = _fp32_rows("probs", probs, min_cols=1)
         if u.dtype is not torch.float64 or not u.is_cpu or u.shape != (rows,):
             raise ValueError(f"u must be a float64 CPU tensor [{rows}], got {u.dtype} "
                              f"{tuple(u.shape)} on {u.device}")  # fmt: skip
@@ -580,8 +567,8 @@ class CpuKernels:
         out = torch.empty(rows, dtype=torch.int64)
         if rows:
             self._sample_rows(
-                out.data_ptr(), probs.data_ptr(), rows, n, probs.stride(0) if rows > 1 else n,
-                u.data_ptr(), torch.get_num_threads(),
+                out.data_ptr(), probs.data_ptr(), rows, n, stride, u.data_ptr(),
+                torch.get_num_threads(),
             )  # fmt: skip
         return out
 
@@ -596,18 +583,14 @@ class CpuKernels:
         column alone; returns ``out``."""
         if self._exponential_rows is None:
             raise RuntimeError(f"{self.path.name} predates exponential_rows")
-        if out.dtype is not torch.float32:
-            raise ValueError(f"out must be float32, got {out.dtype}")
-        _check_float("out", out, 2, rows_strided=True)
-        rows, n = out.shape
+        rows, n, stride = _fp32_rows("out", out, min_cols=0)
         if len(keys) != rows:
             raise ValueError(f"keys must have one key per row of out ({rows}), got {len(keys)}")
         if rows and n:
             key_array = (ctypes.c_uint64 * rows)(*(k & 0xFFFFFFFFFFFFFFFF for k in keys))
             self._exponential_rows(
-                out.data_ptr(), rows, n, out.stride(0) if rows > 1 else n, key_array,
-                torch.get_num_threads(),
-            )  # fmt: skip
+                out.data_ptr(), rows, n, stride, key_array, torch.get_num_threads()
+            )
         return out
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:  # [n, 2 * inter] -> [n, inter]
@@ -620,6 +603,18 @@ class CpuKernels:
             out.data_ptr(), x.data_ptr(), x.shape[0], inter, torch.get_num_threads()
         )
         return out
+
+
+def _fp32_rows(name: str, t: torch.Tensor, min_cols: int) -> tuple[int, int, int]:
+    """Rows, columns and the row stride (for C) of a 2-D fp32 CPU tensor whose rows are
+    dense (sampling's kernels: rows may be strided); at least ``min_cols`` columns."""
+    if t.dtype is not torch.float32:
+        raise ValueError(f"{name} must be float32, got {t.dtype}")
+    _check_float(name, t, 2, rows_strided=True)
+    rows, n = t.shape
+    if n < min_cols:
+        raise ValueError(f"{name} must have at least one column, got shape {tuple(t.shape)}")
+    return rows, n, t.stride(0) if rows > 1 else n
 
 
 def _check_float(
