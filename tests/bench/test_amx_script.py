@@ -6,22 +6,15 @@ option is one line naming it."""
 from __future__ import annotations
 
 import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
 from engine.kernels.quant import quant_ops
-
-ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = ROOT / "scripts" / "bench_amx.py"
+from tests.bench.scripts import run_script
 
 
 def _run(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, str(SCRIPT), *args], cwd=ROOT, capture_output=True, text=True,
-        timeout=600,
-    )  # fmt: skip
+    return run_script("bench_amx.py", *args)
 
 
 def _amx() -> bool:

@@ -5,26 +5,16 @@ line naming the option."""
 from __future__ import annotations
 
 import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
 from engine.kernels.cpu import cpu_kernels
+from tests.bench.scripts import run_script
 from tests.tiny_models import make_tiny_model
-
-ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = ROOT / "scripts" / "bench_fused_decoder.py"
 
 
 def _run(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, str(SCRIPT), *args],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    return run_script("bench_fused_decoder.py", *args)
 
 
 @pytest.fixture(scope="module")

@@ -7,17 +7,12 @@ from __future__ import annotations
 
 import re
 import subprocess
-import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = ROOT / "scripts" / "gc_pauses.py"
+from tests.bench.scripts import run_script
 
 
 def _run(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, str(SCRIPT), *args], cwd=ROOT, capture_output=True, text=True, timeout=300
-    )
+    return run_script("gc_pauses.py", *args, timeout=300)
 
 
 def test_heap_freezes_the_engine_and_times_collections_either_side(tiny_model_dir):

@@ -5,18 +5,12 @@ from __future__ import annotations
 
 import re
 import subprocess
-import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = ROOT / "scripts" / "bench_sampling.py"
+from tests.bench.scripts import run_script
 
 
 def _run(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, str(SCRIPT), *args], cwd=ROOT, capture_output=True, text=True,
-        timeout=600,
-    )  # fmt: skip
+    return run_script("bench_sampling.py", *args)
 
 
 def test_a_line_per_operation_with_its_ratio():
