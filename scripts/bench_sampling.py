@@ -43,16 +43,19 @@ def main() -> int:
     probs = torch.softmax(logits, dim=-1)
     noise = torch.empty_like(probs)
     keys = list(range(1, args.rows + 1))
+
+    def torch_race():  # the baseline of both the race and the inverse CDF
+        return (probs / noise.exponential_(generator=gen)).max(dim=-1).indices
+
     pairs = {
         "noise": (lambda: kernels.exponential_rows(noise, keys),
                   lambda: noise.exponential_(generator=gen)),
         "argmax": (lambda: kernels.row_argmax(logits), lambda: logits.max(dim=-1).indices),
         "race": (lambda: kernels.row_argmax(probs / kernels.exponential_rows(noise, keys)),
-                 lambda: (probs / noise.exponential_(generator=gen)).max(dim=-1).indices),
-        "inverse CDF": (lambda: kernels.sample_rows(probs, torch.rand(args.rows,
-                                                                      dtype=torch.float64,
-                                                                      generator=gen)),
-                        lambda: (probs / noise.exponential_(generator=gen)).max(dim=-1).indices),
+                 torch_race),
+        "inverse CDF": (lambda: kernels.sample_rows(
+                            probs, torch.rand(args.rows, dtype=torch.float64, generator=gen)),
+                        torch_race),
     }  # fmt: skip
     print(f"[{args.rows}, {args.vocab}] fp32, {torch.get_num_threads()} threads, "
           f"{args.rounds} rounds, medians:")  # fmt: skip

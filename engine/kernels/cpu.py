@@ -133,19 +133,18 @@ class CpuKernels:
         mask = self.lib.specserve_mask_logits
         mask.restype, mask.argtypes = _I64, [_P, _I64, _I64, _I64, _P, _I64, _P, _I32]
         self._mask_logits = mask
-        # None in a library of an older source (scripts/bench_kernel_ab.py's base build)
-        argmax = getattr(self.lib, "specserve_row_argmax_f32", None)
-        if argmax is not None:
-            argmax.restype, argmax.argtypes = None, [_P, _P, _I64, _I64, _I64, _I32]
-        self._row_argmax = argmax
-        noise = getattr(self.lib, "specserve_exponential_rows", None)
-        if noise is not None:
-            noise.restype, noise.argtypes = None, [_P, _I64, _I64, _I64, _P, _I32]
-        self._exponential_rows = noise
-        draw = getattr(self.lib, "specserve_sample_rows_f32", None)
-        if draw is not None:
-            draw.restype, draw.argtypes = None, [_P, _P, _I64, _I64, _I64, _P, _I32]
-        self._sample_rows = draw
+        # Sampling's kernels; None in a library of an older source (the base build of
+        # scripts/bench_kernel_ab.py loads, and its methods say what it lacks)
+        self._sampling = {}
+        for name, argtypes in (
+            ("specserve_row_argmax_f32", [_P, _P, _I64, _I64, _I64, _I32]),
+            ("specserve_exponential_rows", [_P, _I64, _I64, _I64, _P, _I32]),
+            ("specserve_sample_rows_f32", [_P, _P, _I64, _I64, _I64, _P, _I32]),
+        ):
+            fn = getattr(self.lib, name, None)
+            if fn is not None:
+                fn.restype, fn.argtypes = None, argtypes
+            self._sampling[name] = fn
         # Outputs per packed weight tile of the bf16 and the fp32 Linear kernels; 0 when
         # the library was built without either bf16 kernel (vdpbf16ps needs
         # AVX512-BF16, the FMA one FMA) or without FMA for fp32, and those Linear layers
@@ -543,22 +542,19 @@ class CpuKernels:
     def row_argmax(self, x: torch.Tensor) -> torch.Tensor:
         """The first maximal index of each row of fp32 ``x`` [rows, n] (rows may be
         strided; n >= 1), a NaN counting as maximal: ``x.max(dim=-1).indices``'s int64
-        values, in a fraction of its time (torch's where the library predates it)."""
+        values, in a fraction of its time."""
+        argmax = self._sampling_fn("specserve_row_argmax_f32")
         rows, n, stride = _fp32_rows("x", x, min_cols=1)
-        if self._row_argmax is None:
-            return x.max(dim=-1).indices
         out = torch.empty(rows, dtype=torch.int64)
         if rows:
-            self._row_argmax(out.data_ptr(), x.data_ptr(), rows, n, stride, torch.get_num_threads())
+            argmax(out.data_ptr(), x.data_ptr(), rows, n, stride, torch.get_num_threads())
         return out
 
-    def sample_rows(self, probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor | None:
+    def sample_rows(self, probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
         """One token per row of fp32 ``probs`` [rows, n] (rows may be strided; p >= 0,
         finite) by inverse CDF at ``u`` [rows] float64 in [0, 1): the first index whose
-        running sum exceeds u times the row's sum (sums in double). None where the
-        library predates it."""
-        if self._sample_rows is None:
-            return None
+        running sum exceeds u times the row's sum (sums in double)."""
+        draw = self._sampling_fn("specserve_sample_rows_f32")
         rows, n, stride = _fp32_rows("probs", probs, min_cols=1)
         if u.dtype is not torch.float64 or not u.is_cpu or u.shape != (rows,):
             raise ValueError(f"u must be a float64 CPU tensor [{rows}], got {u.dtype} "
@@ -566,31 +562,29 @@ class CpuKernels:
         u = u.contiguous()
         out = torch.empty(rows, dtype=torch.int64)
         if rows:
-            self._sample_rows(
+            draw(
                 out.data_ptr(), probs.data_ptr(), rows, n, stride, u.data_ptr(),
                 torch.get_num_threads(),
             )  # fmt: skip
         return out
 
-    @property
-    def has_exponential_rows(self) -> bool:
-        """Whether this library draws sampling noise (exponential_rows): its source's."""
-        return self._exponential_rows is not None
+    def _sampling_fn(self, name: str):
+        fn = self._sampling[name]
+        if fn is None:
+            raise RuntimeError(f"{self.path.name} predates {name}: built from an older source")
+        return fn
 
     def exponential_rows(self, out: torch.Tensor, keys: list[int]) -> torch.Tensor:
         """Fill fp32 ``out`` [rows, n] (rows may be strided) with Exp(1) noise, row r a
         function of ``keys[r]`` (a 64-bit key: Python ints taken modulo 2^64) and the
         column alone; returns ``out``."""
-        if self._exponential_rows is None:
-            raise RuntimeError(f"{self.path.name} predates exponential_rows")
+        noise = self._sampling_fn("specserve_exponential_rows")
         rows, n, stride = _fp32_rows("out", out, min_cols=0)
         if len(keys) != rows:
             raise ValueError(f"keys must have one key per row of out ({rows}), got {len(keys)}")
         if rows and n:
             key_array = (ctypes.c_uint64 * rows)(*(k & 0xFFFFFFFFFFFFFFFF for k in keys))
-            self._exponential_rows(
-                out.data_ptr(), rows, n, stride, key_array, torch.get_num_threads()
-            )
+            noise(out.data_ptr(), rows, n, stride, key_array, torch.get_num_threads())
         return out
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:  # [n, 2 * inter] -> [n, inter]

@@ -168,6 +168,7 @@ union f32_bits {
 /* +Inf, and a quiet NaN. |x|'s bits (x & 0x7fffffff) are >= F32_INF_BITS
  * exactly when x is Inf or NaN: -ffast-math may fold isnan() and isinf() away. */
 #define F32_INF_BITS 0x7f800000u
+#define BITS_NAN(bits) (((bits) & 0x7fffffffu) > F32_INF_BITS) /* x's bits: x is a NaN */
 #define F32_NAN_BITS 0x7fc00000u
 #define BF16_ROUNDED_BITS(bits) ((bits) + 0x7fffu + (((bits) >> 16) & 1u))
 #define BF16_TO_F32(h) BITS_TO_F32((uint32_t)(h) << 16)
@@ -1514,7 +1515,7 @@ WRITE_KV(bf16, specserve_write_kv_bf16)
  * infinity). Returns 1, writing nothing, when a slot is past the cache. */
 INLINE bf16 f32_to_bf16_nan_safe(float x) {
     const uint32_t bits = F32_TO_BITS(x);
-    if ((bits & 0x7fffffffu) > F32_INF_BITS) return (bf16)((bits >> 16) | 0x0040u);
+    if (BITS_NAN(bits)) return (bf16)((bits >> 16) | 0x0040u);
     return (bf16)(BF16_ROUNDED_BITS(bits) >> 16);
 }
 int specserve_write_kv_f32_bf16kv(const float *key, int64_t key_row_stride, const float *value,
@@ -1630,11 +1631,11 @@ INLINE int64_t row_argmax_f32(const float *x, int64_t n) {
     uint32_t nan = 0;
     for (int64_t i = 0; i < n; i++) {
         m = x[i] > m ? x[i] : m;
-        nan |= (F32_TO_BITS(x[i]) & 0x7fffffffu) > F32_INF_BITS;
+        nan |= BITS_NAN(F32_TO_BITS(x[i]));
     }
     if (nan) {
         for (int64_t i = 0; i < n; i++)
-            if ((F32_TO_BITS(x[i]) & 0x7fffffffu) > F32_INF_BITS) return i;
+            if (BITS_NAN(F32_TO_BITS(x[i]))) return i;
     }
     for (int64_t i0 = 0; i0 < n; i0 += 64) {
         const int64_t end = n - i0 < 64 ? n : i0 + 64;

@@ -56,16 +56,13 @@ def rejection_sample(
     # The final token comes from position num_accepted: the residual after a
     # rejection, or the bonus distribution when every draft was accepted.
     final_p = target_probs[rows, num_accepted]  # [n, vocab_size]
-    if k_max == 0:  # no drafts (speculation off or gated): every row's is the bonus
-        final_dist = final_p
-    else:
-        rejected = num_accepted < num_drafts
-        residual = final_p - _draft_dist_at(draft_token_ids, draft_probs, num_accepted, final_p)
-        residual = residual.clamp_min_(0.0)
-        # p == q makes a rejection impossible in exact arithmetic; guard round-off.
-        has_mass = residual.sum(dim=1, keepdim=True) > 0
-        residual = torch.where(has_mass, residual, final_p)
-        final_dist = torch.where(rejected.unsqueeze(1), residual, final_p)
+    rejected = num_accepted < num_drafts
+    residual = final_p - _draft_dist_at(draft_token_ids, draft_probs, num_accepted, final_p)
+    residual = residual.clamp_min_(0.0)
+    # p == q makes a rejection impossible in exact arithmetic; guard round-off.
+    has_mass = residual.sum(dim=1, keepdim=True) > 0
+    residual = torch.where(has_mass, residual, final_p)
+    final_dist = torch.where(rejected.unsqueeze(1), residual, final_p)
     if final_u is not None:
         final_token = sample_rows(final_dist, final_u)
     elif noise is None:

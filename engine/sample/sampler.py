@@ -136,6 +136,13 @@ def row_argmax(x: torch.Tensor) -> torch.Tensor:
     on the Xeon with AMX, 2 threads (docs/benchmarks.md, "Sampling's noise and argmax"),
     and 5x less for the rows of a verification of many drafts. Elsewhere ``max(dim)``,
     which documents the same first-index rule and runs 2.4x faster than ``argmax``."""
+    kernels = _row_kernels(x)
+    return kernels.row_argmax(x) if kernels is not None else x.max(dim=-1).indices
+
+
+def _row_kernels(x: torch.Tensor):
+    """The compiled kernels where they read ``x``'s rows in place (fp32 [n, V >= 1] on
+    the CPU, each row dense, rows not overlapping), or None."""
     if (
         x.is_cpu
         and x.dtype is torch.float32
@@ -144,10 +151,8 @@ def row_argmax(x: torch.Tensor) -> torch.Tensor:
         and x.stride(1) == 1
         and x.stride(0) >= x.shape[1]
     ):
-        kernels = cpu_kernels()
-        if kernels is not None:
-            return kernels.row_argmax(x)
-    return x.max(dim=-1).indices
+        return cpu_kernels()
+    return None
 
 
 def _one_hot_argmax(logits: torch.Tensor) -> torch.Tensor:
@@ -191,14 +196,6 @@ def position_seed(seed: int, position: int) -> int:
     return _splitmix64((_splitmix64(seed) + position) & _MASK64)
 
 
-def _noise_kernels(device: torch.device):
-    """The compiled kernels where they draw the noise on this device (the CPU), or None."""
-    if device.type != "cpu":
-        return None
-    kernels = cpu_kernels()
-    return kernels if kernels is not None and kernels.has_exponential_rows else None
-
-
 def random_keys(count: int, default: torch.Generator | None) -> list[int]:
     """``count`` 64-bit noise keys from ``default`` (torch's own generator when None)."""
     if not count:
@@ -220,7 +217,7 @@ def exponential_noise(
     ``position_seed``, an unseeded row's drawn from ``default``), 18x torch's
     ``exponential_`` ([32, 49,152]: 2.0 against 37.3 ms, docs/benchmarks.md, "Sampling's
     noise and argmax"); elsewhere torch's generators, one seeded per seeded row."""
-    kernels = _noise_kernels(device)
+    kernels = cpu_kernels() if device.type == "cpu" else None
     if kernels is not None:
         return _kernel_noise(kernels, batch, vocab_size, default)
     noise = torch.ones((len(batch.seeds), vocab_size), device=device)
@@ -262,12 +259,9 @@ def sample_rows(dist: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     uniform a row where the race needs a draw a token. The compiled kernel on the CPU
     ([32, 49,152]: docs/benchmarks.md, "Sampling's noise and argmax"), torch's cumsum
     and searchsorted elsewhere (the same rule)."""
-    if dist.is_cpu and dist.dtype is torch.float32 and dist.dim() == 2 and dist.shape[1]:
-        kernels = cpu_kernels()
-        if kernels is not None and dist.stride(1) == 1 and dist.stride(0) >= dist.shape[1]:
-            drawn = kernels.sample_rows(dist, u.to(device="cpu", dtype=torch.float64))
-            if drawn is not None:
-                return drawn
+    kernels = _row_kernels(dist)
+    if kernels is not None:
+        return kernels.sample_rows(dist, u.to(device="cpu", dtype=torch.float64))
     running = dist.double().cumsum(dim=-1)  # [n, V]
     target = (u.to(running.device, torch.float64) * running[:, -1]).unsqueeze(1)
     index = torch.searchsorted(running, target, right=True).squeeze(1)  # first > target
