@@ -278,8 +278,10 @@ INLINE float dot_pairs(const float *restrict q, const bf16x2 *restrict k, int ha
  *   sums into one vector of 16 scores;
  * - P.V runs key by key over up to 4 rows at once: each value is widened once for all
  *   of them, and their accumulators stay in registers.
- * The softmax is softmax_fold's; only the order in which a dot product is summed
- * differs from the loop above. A row still depends on its own query and keys alone:
+ * The softmax is softmax_fold's in registers, with exp_lanes for expf; the order in
+ * which a dot product is summed and the exponential (within 1.23 ulp) differ from the loop
+ * above, and each head size takes one path or the other, whatever the call. A row
+ * still depends on its own query and keys alone:
  * the same result whatever the batch, the tile or the other rows
  * (tests/engine/test_cpu_kernels.py). The default model's 32-request decode step spent
  * 6.4-6.5 ms in attention before (the loop above, prefetching into L1), 4.3-5.0 ms on
@@ -328,21 +330,45 @@ INLINE __m512 row_scores(const bf16 *q, const bf16 *kb, int64_t kv_stride, int n
     return _mm512_mask_blend_ps((__mmask16)((1u << n) - 1u), _mm512_set1_ps(NEG_BIG), s);
 }
 
-/* acc[r] += sum over keys t < seen[r] of p[r][t] * value t, for `rows` (<= ROWS) rows;
- * acc in the deinterleaved layout (even elements, then odd), p rows KEYS_PER_PASS apart;
- * n = the largest seen[r]. A key past a row's seen is skipped, not weighted 0: 0 times
- * a NaN or Inf value is NaN, which a query that does not see the key (an earlier token
- * of the same prompt) must not get. */
-INLINE void rows_pv(float *acc, const float *p, int rows, const bf16 *vb, int64_t kv_stride,
-                    const int *seen, int n, int chunks, int64_t head_dim) {
+/* e^x in each lane, within 1.23 ulp of e^x from -87 to 0 (every 64th float, against
+ * exp in double): x = n ln 2 + r (|r| <= ln 2 / 2, ln 2 in two parts), e^r by Cephes'
+ * polynomial, times 2^n by vscalefps (0 below e^-110; NaN stays NaN; e^0 is 1). Inline, so the rows of a pass overlap their softmaxes, where a
+ * call to libmvec's expf per row ended each row's chain of work. */
+INLINE __m512 exp_lanes(__m512 x) {
+    x = _mm512_max_ps(_mm512_set1_ps(-110.0f), x); /* second operand: a NaN x stays */
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    const __m512 one_r = _mm512_add_ps(r, _mm512_set1_ps(1.0f));
+    const __m512 y = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, one_r);
+    return _mm512_scalef_ps(y, n);
+}
+
+/* acc[r] = acc[r] * rescale[r] + sum over keys t < seen[r] of p[r][t] * value t, for
+ * `rows` (<= ROWS) rows; acc in the deinterleaved layout (even elements, then odd), p
+ * rows KEYS_PER_PASS apart; n = the largest seen[r]. A key past a row's seen is
+ * skipped, not weighted 0: 0 times a NaN or Inf value is NaN, which a query that does
+ * not see the key (an earlier token of the same prompt) must not get. */
+INLINE void rows_pv(float *acc, const float *p, const float *rescale, int rows, const bf16 *vb,
+                    int64_t kv_stride, const int *seen, int n, int chunks, int64_t head_dim) {
     enum { ROWS = 4, MAX_CHUNKS = 4 };
     __m512 a[ROWS][2 * MAX_CHUNKS];
     const int64_t half = head_dim / 2;
-    for (int r = 0; r < rows; r++)
+    for (int r = 0; r < rows; r++) {
+        const __m512 w = _mm512_set1_ps(rescale[r]);
         for (int c = 0; c < chunks; c++) {
-            a[r][c] = _mm512_loadu_ps(acc + r * head_dim + 16 * c);
-            a[r][chunks + c] = _mm512_loadu_ps(acc + r * head_dim + half + 16 * c);
+            a[r][c] = _mm512_mul_ps(_mm512_loadu_ps(acc + r * head_dim + 16 * c), w);
+            const float *odd = acc + r * head_dim + half + 16 * c;
+            a[r][chunks + c] = _mm512_mul_ps(_mm512_loadu_ps(odd), w);
         }
+    }
     const __m512i high = _mm512_set1_epi32((int)0xffff0000u);
     for (int t = 0; t < n; t++) {
         __m512 even[MAX_CHUNKS], odd[MAX_CHUNKS];
@@ -369,12 +395,18 @@ INLINE void rows_pv(float *acc, const float *p, int rows, const bf16 *vb, int64_
 
 #define ROW_PASS_CASE(R, C)                                                                    \
     case R:                                                                                    \
-        rows_pv(acc + r0 * head_dim, probs, R, vp, kv_stride, seen, n_max, C, head_dim);       \
+        rows_pv(acc + r0 * head_dim, probs, rescale, R, vp, kv_stride, seen, n_max, C,         \
+                head_dim);                                                                     \
         break;
 
 /* Every query row of a tile (rows: query head of the KV head's group major, query
  * token minor, as in PAGED_ATTENTION) over one cache block, keys first_key ..; the
- * query of tl tokens ends at seq_len. CHUNKS (a constant at each call) = head_dim / 32. */
+ * query of tl tokens ends at seq_len. CHUNKS (a constant at each call) = head_dim / 32.
+ * A pass's rows go through each stage together (their scores, then their softmaxes,
+ * then P.V), so one row's chain of dependent steps overlaps the others'. The softmax
+ * is softmax_fold's in registers: the block's maximum, its weights e^(s - max) (exp_lanes),
+ * their sum, and the rescale of the row's sum and acc, which rows_pv applies as it
+ * loads acc. */
 INLINE void attend_rows_chunks(const bf16 *q, int64_t q_token_stride, int64_t q_start,
                                int64_t first_head, int64_t group, int64_t tl,
                                int64_t head_dim, const bf16 *kb, const bf16 *vb,
@@ -384,32 +416,49 @@ INLINE void attend_rows_chunks(const bf16 *q, int64_t q_token_stride, int64_t q_
     /* rows per P.V pass: 2 * chunks accumulators each, 16 of the 32 registers in all */
     const int per_pass = chunks == 4 ? 2 : 4;
     const int64_t rows = group * tl;
-    float probs[4 * KEYS_PER_PASS];
+    float probs[4 * KEYS_PER_PASS] __attribute__((aligned(64)));
+    float rescale[4];
     int seen[4];
     for (int64_t k0 = 0; k0 < block_size; k0 += KEYS_PER_PASS) {
         const int64_t in_block = block_size - k0 < KEYS_PER_PASS ? block_size - k0 : KEYS_PER_PASS;
         const bf16 *kp = kb + k0 * kv_stride, *vp = vb + k0 * kv_stride;
         for (int64_t r0 = 0; r0 < rows; r0 += per_pass) {
             const int rn = (int)(rows - r0 < per_pass ? rows - r0 : per_pass);
+            __m512 s[4];
             int n_max = 0;
             for (int i = 0; i < rn; i++) {
                 const int64_t r = r0 + i, hl = r / tl, j = r % tl;
-                float *p = probs + i * KEYS_PER_PASS;
                 /* keys first_key + k0 .. seq_len - tl + j are visible to query j */
                 const int64_t visible = seq_len - tl + j + 1 - (first_key + k0);
                 const int n = (int)(visible < in_block ? (visible > 0 ? visible : 0) : in_block);
                 seen[i] = n;
                 if (n == 0) continue;
                 const bf16 *qr = q + (q_start + j) * q_token_stride + (first_head + hl) * head_dim;
-                const __m512 s = in_block == KEYS_PER_PASS
-                                     ? row_scores(qr, kp, kv_stride, n, scale, chunks, 1)
-                                     : row_scores(qr, kp, kv_stride, n, scale, chunks, 0);
-                _mm512_storeu_ps(p, s);
-                softmax_fold(p, n, _mm512_reduce_max_ps(s), row_max + r, row_sum + r,
-                             acc + r * head_dim, (int)head_dim);
+                s[i] = in_block == KEYS_PER_PASS
+                           ? row_scores(qr, kp, kv_stride, n, scale, chunks, 1)
+                           : row_scores(qr, kp, kv_stride, n, scale, chunks, 0);
                 n_max = n > n_max ? n : n_max;
             }
             if (n_max == 0) continue;
+            for (int i = 0; i < rn; i++) {
+                const int n = seen[i];
+                rescale[i] = 1.0f;
+                if (n == 0) continue;
+                float *m = row_max + r0 + i, *sum = row_sum + r0 + i;
+                const float block_max = _mm512_reduce_max_ps(s[i]);
+                const float new_max = block_max > *m ? block_max : *m;
+                const __m512 p = exp_lanes(_mm512_sub_ps(s[i], _mm512_set1_ps(new_max)));
+                _mm512_store_ps(probs + i * KEYS_PER_PASS, p);
+                const float block_sum =
+                    _mm512_reduce_add_ps(_mm512_maskz_mov_ps((__mmask16)((1u << n) - 1u), p));
+                if (new_max != *m) {
+                    rescale[i] = *m == NEG_BIG ? 0.0f : expf(*m - new_max);
+                    *m = new_max;
+                    *sum = *sum * rescale[i] + block_sum;
+                } else {
+                    *sum += block_sum;
+                }
+            }
             switch (rn) {
                 ROW_PASS_CASE(1, chunks)
                 ROW_PASS_CASE(2, chunks)
@@ -553,8 +602,13 @@ INLINE void store_row_f32_bf16kv(float *restrict o, const float *restrict acc, f
  * prefetchers cannot guess the next one. Into L2 (prefetcht1), not L1: the 64 requests
  * of a bf16 block into L1 held up the loads of the block in use. The default model's
  * 32-request decode step spent 4.3-5.0 ms in attention with L2, 5.8-6.6 with L1 (bf16),
- * and 6.8-7.8 against 8.8-9.5 ms in fp32. */
+ * and 6.8-7.8 against 8.8-9.5 ms in fp32. The vdpbf16ps path asks for its blocks two
+ * ahead (PREFETCH_BLOCKS), which the faster loop of attend_rows_chunks needs: with the
+ * two together the one-call decoder's step of 32 sequences x 300 tokens of context took
+ * 0.924-0.960x the time, x 100 tokens 0.988-0.994x, against 0.973-0.978 and 0.987-0.992
+ * with the loop alone (scripts/bench_kernel_ab.py, bf16, on the Xeon with AMX). */
 #define PREFETCH_LOCALITY 2
+#define PREFETCH_BLOCKS 2 /* blocks asked for ahead of the one in use */
 #define PREFETCH_BLOCK(T, S)                                                                   \
     INLINE void prefetch_block_##S(const T *k_cache, const T *v_cache, int64_t block,          \
                                    int64_t block_size, int64_t kv_stride, int64_t offset,      \
@@ -850,16 +904,16 @@ static ONE_COPY void block_rows_bf16(BLOCK_ROWS_ARGS(bf16)) {
         }                                                                                      \
         /* bf16 rows by vdpbf16ps (attend_rows_bf16), one KV head's group */                  \
         (void)heads, (void)rq, (void)roff, (void)rn, (void)qf;                                 \
-        if (b0 < b1)                                                                           \
-            prefetch_block_##KS(k_cache, v_cache, table[b0], block_size, kv_stride,            \
+        for (int64_t b = b0; b < b1 && b < b0 + PREFETCH_BLOCKS; b++)                          \
+            prefetch_block_##KS(k_cache, v_cache, table[b], block_size, kv_stride,             \
                                kv_head * head_dim, head_dim);                                  \
         for (int64_t b = b0; b < b1; b++) {                                                    \
             const int64_t base =                                                               \
                 (int64_t)table[b] * block_size * kv_stride + kv_head * head_dim;               \
             const int64_t first_key = b * block_size;                                          \
-            if (b + 1 < num_blocks)                                                            \
-                prefetch_block_##KS(k_cache, v_cache, table[b + 1], block_size, kv_stride,     \
-                                   kv_head * head_dim, head_dim);                              \
+            if (b + PREFETCH_BLOCKS < num_blocks)                                              \
+                prefetch_block_##KS(k_cache, v_cache, table[b + PREFETCH_BLOCKS], block_size,  \
+                                   kv_stride, kv_head * head_dim, head_dim);                   \
             attend_rows_##V(q, q_token_stride, q_start, first_head, group, tl, head_dim,       \
                             k_cache + base, v_cache + base, kv_stride, block_size, seq_len,    \
                             first_key, scale, row_max, row_sum, acc);                          \
