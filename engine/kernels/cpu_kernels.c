@@ -332,8 +332,9 @@ INLINE __m512 row_scores(const bf16 *q, const bf16 *kb, int64_t kv_stride, int n
 
 /* e^x in each lane, within 1.23 ulp of e^x from -87 to 0 (every 64th float, against
  * exp in double): x = n ln 2 + r (|r| <= ln 2 / 2, ln 2 in two parts), e^r by Cephes'
- * polynomial, times 2^n by vscalefps (0 below e^-110; NaN stays NaN; e^0 is 1). Inline, so the rows of a pass overlap their softmaxes, where a
- * call to libmvec's expf per row ended each row's chain of work. */
+ * polynomial, times 2^n by vscalefps (0 below e^-110; NaN stays NaN; e^0 is 1).
+ * Inline, so the rows of a pass overlap their softmaxes, where a call to libmvec's
+ * expf per row ended each row's chain of work. */
 INLINE __m512 exp_lanes(__m512 x) {
     x = _mm512_max_ps(_mm512_set1_ps(-110.0f), x); /* second operand: a NaN x stays */
     const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
