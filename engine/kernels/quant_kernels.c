@@ -350,11 +350,12 @@ INLINE void q_acc_to_lanes(float *lanes, qacc v) { _mm512_storeu_ps(lanes, v); }
 /* The fewest rows a call needs to take the AMX path: -1 picks by format what measured
  * faster (docs/benchmarks.md): Q8_0 from 9 rows (a [1536, 576] Linear alone is 1.1-2x
  * from 5 rows, but inside the decoder 5 rows came out slower; an int8 model's forward
- * over 17 and 33 tokens 1.15x, the default model's Q8_0 head 1.2-1.4x); Q4 never
- * (alone 1.13-1.28x from 32 rows but 0.73-0.94x at 9-16; in the decoder's team at 32
- * and 64 sequences within the noise, 0.99-1.05x: its nibbles must be split into a
- * tile in memory first, and each block's scaling, the same work as on vpdpbusd,
- * bounds both paths). 0: never. */
+ * over 17 and 33 tokens 1.15x, the default model's Q8_0 head 1.2-1.4x); Q4 from 128
+ * rows, prompts (alone 1.13-1.28x from 32 rows but 0.73-0.94x at 9-16; in the
+ * decoder's team at 32 and 64 sequences within the noise, 0.99-1.05x: its nibbles
+ * must be split into a tile in memory first, and each block's scaling, the same work
+ * as on vpdpbusd, bounds both paths; a prefill of 32 chat prompts, 1,264 tokens,
+ * 0.94x the time, 201-209 against 217-218 ms). 0: never. */
 static int32_t q_amx_min_rows = -1;
 
 static int64_t q_amx_calls = 0; /* calls that ran on tiles: tests check the path ran */
@@ -505,7 +506,7 @@ INLINE void q_tile_amx_rows(qacc *acc, int32_t fmt, int rows, const uint8_t *til
 /* The rows from which QUANT_LINEAR runs fmt on tiles (0: never), and whether it takes
  * the AMX path below for m rows of fmt. */
 INLINE int64_t q_amx_rows(int32_t fmt) {
-    return q_amx_min_rows >= 0 ? q_amx_min_rows : fmt == QFMT_Q8_0 ? 9 : 0;
+    return q_amx_min_rows >= 0 ? q_amx_min_rows : fmt == QFMT_Q8_0 ? 9 : 128;
 }
 INLINE int q_amx_takes(int32_t fmt, int64_t m) {
     const int64_t rows = q_amx_rows(fmt);

@@ -147,6 +147,28 @@ def test_the_amx_path_gives_the_same_bits_as_vpdpbusd(ops, name, dtype, k):
     assert (ran > 0) <= _cpu_has_amx()
 
 
+@pytest.mark.parametrize(("name", "first"), [("Q8_0", 9), ("Q4_1", 128), ("Q4_0", 128)])
+def test_the_amx_rule_by_format(ops, name, first):
+    """-1 (as shipped): Q8_0 calls from 9 rows on the tiles, Q4 from 128 (prompts; a
+    decode step of 32 sequences gains nothing there); a call one row short stays on
+    vpdpbusd. The bits are vpdpbusd's either way."""
+    if not (_cpu_has_amx() and ops.path == "avx512-vnni" and ops.amx_min_rows != 0):
+        pytest.skip("no AMX-INT8 path in this build: the rule is inert (checked above)")
+    _, x, rows = _case(40, 64, first, name, seed=3)
+    packed = ops.pack(FORMATS[name], rows, 64)
+    rule = ops.amx_min_rows
+    try:
+        ops.set_amx_min_rows(0)
+        plain = {m: ops.linear(x[:m], packed, None) for m in (first - 1, first)}
+        ops.set_amx_min_rows(-1)
+        for m, tiles in ((first - 1, False), (first, True)):
+            before = ops.amx_calls
+            assert torch.equal(ops.linear(x[:m], packed, None), plain[m]), m
+            assert (ops.amx_calls > before) == tiles, (name, m)
+    finally:
+        ops.set_amx_min_rows(rule)
+
+
 def _cpu_has_amx_bf16() -> bool:
     from engine.kernels import build
 
