@@ -208,6 +208,24 @@ INLINE float inv_rms_bf16(float sq, int64_t hidden, float eps) {
 /* Fold the scores [0, n) of one cache block (scaled dot products; block_max their
  * maximum) into a row's streaming softmax: the scores become weights relative to the
  * new running maximum, to which the running sum and acc are rescaled. */
+/* A row's running maximum and sum after a block of weights summing to block_sum
+ * (relative to new_max, the larger of the two maxima); returns the factor acc is to be
+ * rescaled by. It is exp(0) = 1 where the maximum stays (most blocks after the first
+ * few), and exp(NEG_BIG - new_max) = 0 for a row's first keys (its sum and acc are
+ * still 0): neither is computed, the same bits without a call to expf a block (or its
+ * underflow path). */
+INLINE float fold_max_sum(float new_max, float block_sum, float *restrict row_max,
+                          float *restrict row_sum) {
+    if (new_max == *row_max) {
+        *row_sum += block_sum;
+        return 1.0f;
+    }
+    const float rescale = *row_max == NEG_BIG ? 0.0f : expf(*row_max - new_max);
+    *row_max = new_max;
+    *row_sum = *row_sum * rescale + block_sum;
+    return rescale;
+}
+
 INLINE void softmax_fold(float *restrict scores, int n, float block_max, float *restrict row_max,
                          float *restrict row_sum, float *restrict acc, int head_dim) {
     const float new_max = block_max > *row_max ? block_max : *row_max;
@@ -217,18 +235,10 @@ INLINE void softmax_fold(float *restrict scores, int n, float block_max, float *
         scores[t] = expf(scores[t] - new_max);
         sum += scores[t];
     }
-    /* The rescale is exp(0) = 1 where the maximum stays (most blocks after the first
-     * few), and exp(NEG_BIG - new_max) = 0 for a row's first keys (its sum and acc are
-     * still 0): neither is computed, the same bits without a call to expf a block (or
-     * its underflow path) and a pass over acc. */
-    if (new_max != *row_max) {
-        const float rescale = *row_max == NEG_BIG ? 0.0f : expf(*row_max - new_max);
-        *row_max = new_max;
-        *row_sum = *row_sum * rescale + sum;
+    const float rescale = fold_max_sum(new_max, sum, row_max, row_sum);
+    if (rescale != 1.0f) { /* acc * 1 is acc: no pass over it */
 #pragma omp simd
         for (int d = 0; d < head_dim; d++) acc[d] *= rescale;
-    } else {
-        *row_sum += sum;
     }
 }
 
@@ -445,20 +455,13 @@ INLINE void attend_rows_chunks(const bf16 *q, int64_t q_token_stride, int64_t q_
                 const int n = seen[i];
                 rescale[i] = 1.0f;
                 if (n == 0) continue;
-                float *m = row_max + r0 + i, *sum = row_sum + r0 + i;
                 const float block_max = _mm512_reduce_max_ps(s[i]);
-                const float new_max = block_max > *m ? block_max : *m;
+                const float new_max = block_max > row_max[r0 + i] ? block_max : row_max[r0 + i];
                 const __m512 p = exp_lanes(_mm512_sub_ps(s[i], _mm512_set1_ps(new_max)));
                 _mm512_store_ps(probs + i * KEYS_PER_PASS, p);
                 const float block_sum =
                     _mm512_reduce_add_ps(_mm512_maskz_mov_ps((__mmask16)((1u << n) - 1u), p));
-                if (new_max != *m) {
-                    rescale[i] = *m == NEG_BIG ? 0.0f : expf(*m - new_max);
-                    *m = new_max;
-                    *sum = *sum * rescale[i] + block_sum;
-                } else {
-                    *sum += block_sum;
-                }
+                rescale[i] = fold_max_sum(new_max, block_sum, row_max + r0 + i, row_sum + r0 + i);
             }
             switch (rn) {
                 ROW_PASS_CASE(1, chunks)

@@ -626,25 +626,25 @@ INLINE void q_bf16_src_at(struct q_bf16_src *s, int32_t fmt, const uint8_t *cons
     }
 }
 
-/* The quant at bits sh .. of each lane of v as d * q + m in fp32, without converting q:
- * put in the top bits of the mantissa of 1.0 (a shift and one vpternlogd), a Q4 nibble
- * is 1 + q / 16, and fma(1 + q / 16, 16 d, m - 16 d) = d * q + m; a Q8_0 byte, its sign
- * bit flipped, is 1 + (q + 128) / 256, and fma(that, 256 d, -384 d) = d * q. Each is
- * rounded once, and m - 16 d and -384 d are exact (Q4_0's m - 16 d is -24 d; Q4_1's
- * unless its fp16 m and d lie more than 13 binades apart): the bits of fma(q, d, m)
- * and d * q, with one vector op fewer than a mask or a sign extension and a conversion
- * (the dequantization bounds this path: 0.88x the time of a Q4_1 call of 32 rows). */
-INLINE __m512 q_bf16_quant4(__m512i v, int sh, __m512 ds, __m512 c) {
-    const __m512i at = sh <= 19 ? _mm512_slli_epi32(v, 19 - sh) : _mm512_srli_epi32(v, sh - 19);
-    const __m512i bits = _mm512_ternarylogic_epi32(at, _mm512_set1_epi32(0xf << 19),
-                                                   _mm512_set1_epi32(0x3f800000), 0xea);
-    return _mm512_fmadd_ps(_mm512_castsi512_ps(bits), ds, c); /* (at & mask) | 1.0 */
-}
-INLINE __m512 q_bf16_quant8(__m512i v, int sh, __m512 ds, __m512 c) {
-    const __m512i at = sh <= 15 ? _mm512_slli_epi32(v, 15 - sh) : _mm512_srli_epi32(v, sh - 15);
-    const __m512i bits = _mm512_ternarylogic_epi32(at, _mm512_set1_epi32(0xff << 15),
-                                                   _mm512_set1_epi32(0x3fc00000), 0x6a);
-    return _mm512_fmadd_ps(_mm512_castsi512_ps(bits), ds, c); /* (at & mask) ^ 1.5 */
+/* The `width`-bit quant at bits sh .. of each lane of v as d * q + m in fp32, without
+ * converting q: put in the top bits of the mantissa of 1.0 (a shift and one
+ * vpternlogd), a Q4 nibble is 1 + q / 16, and fma(1 + q / 16, 16 d, m - 16 d) = d * q +
+ * m; a Q8_0 byte, its sign bit flipped, is 1 + (q + 128) / 256, and fma(that, 256 d,
+ * -384 d) = d * q. Each is rounded once, and m - 16 d and -384 d are exact (Q4_0's
+ * m - 16 d is -24 d; Q4_1's unless its fp16 m and d lie more than 13 binades apart):
+ * the bits of fma(q, d, m) and d * q, with one vector op fewer than a mask or a sign
+ * extension and a conversion (the dequantization bounds this path: 0.88x the time of a
+ * Q4_1 call of 32 rows). */
+INLINE __m512 q_bf16_quant(__m512i v, int sh, int width, __m512 ds, __m512 c) {
+    const int top = 23 - width; /* the quant's lowest bit in the mantissa */
+    const __m512i at = sh <= top ? _mm512_slli_epi32(v, top - sh) : _mm512_srli_epi32(v, sh - top);
+    /* 1.0's bits, with a signed byte's sign bit set to flip it (the quant's bits are
+     * below the exponent, so xor is or there) */
+    const uint32_t one = 0x3f800000u | (width == 8 ? 1u << 22 : 0u);
+    const __m512i bits = _mm512_ternarylogic_epi32(
+        at, _mm512_set1_epi32((int)(((1u << width) - 1u) << top)), _mm512_set1_epi32((int)one),
+        0x6a); /* (at & mask) ^ one */
+    return _mm512_fmadd_ps(_mm512_castsi512_ps(bits), ds, c);
 }
 
 /* Step t (0 .. 4 * QTILES - 1) of making src tiles B at bt (QTILES x 512 bf16, aligned):
@@ -659,8 +659,8 @@ INLINE void q_bf16_step(int32_t fmt, const struct q_bf16_src *src, bf16 *bt, int
         _Pragma("GCC unroll 2") for (int g = 2 * q; g < 2 * q + 2; g++) {
             const __m512i v = _mm512_loadu_si512(src->qs[j] + g * 64);
             _Pragma("GCC unroll 2") for (int h = 0; h < 2; h++)
-                q_bf16_pair(dst + (2 * g + h) * 32, q_bf16_quant8(v, 16 * h, ds, c),
-                            q_bf16_quant8(v, 16 * h + 8, ds, c));
+                q_bf16_pair(dst + (2 * g + h) * 32, q_bf16_quant(v, 16 * h, 8, ds, c),
+                            q_bf16_quant(v, 16 * h + 8, 8, ds, c));
         }
         return;
     }
@@ -669,8 +669,8 @@ INLINE void q_bf16_step(int32_t fmt, const struct q_bf16_src *src, bf16 *bt, int
     _Pragma("GCC unroll 2") for (int nib = 0; nib < 2; nib++) {
         _Pragma("GCC unroll 2") for (int h = 0; h < 2; h++) {
             const int sh = 16 * h + 4 * nib;
-            q_bf16_pair(dst + (8 * nib + 2 * q + h) * 32, q_bf16_quant4(v, sh, ds, c),
-                        q_bf16_quant4(v, sh + 8, ds, c));
+            q_bf16_pair(dst + (8 * nib + 2 * q + h) * 32, q_bf16_quant(v, sh, 4, ds, c),
+                        q_bf16_quant(v, sh + 8, 4, ds, c));
         }
     }
 }
