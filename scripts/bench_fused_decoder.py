@@ -20,7 +20,8 @@ decoder's kernels on one team of threads (on, the default) or in a region each;
 (1 GiB) instead of laying them out in order, as a server's cache is after some traffic.
 A prebuilt level runs this machine's CPU with
 that level's code: the AVX2 level here shows what the AVX2 code does, on this machine's
-memory and cores.
+memory and cores. Every level is loaded first; each round then times every level, the
+one that goes first turning round by round, so levels share the hour.
 """
 
 from __future__ import annotations
@@ -109,10 +110,17 @@ def main() -> int:
         "| weights + KV GB/s (share) |"
     )
     print("|---|---|---|---|---|---|---|---|---|---|")
-    for level in levels:
-        kernels = cpu_mod.cpu_kernels() if level == "native" else CpuKernels(built[level])
+
+    def use(kernels) -> None:  # the level whose kernels the modules hand out
         for module in (cpu_mod, layers_mod, quant_mod):  # bounds imports it from cpu_mod
             module.cpu_kernels = lambda k=kernels: k
+
+    setups = {}  # level: its kernels, runners, one-call decoders and step
+    for level in levels:
+        if level in setups:
+            continue
+        kernels = cpu_mod.cpu_kernels() if level == "native" else CpuKernels(built[level])
+        use(kernels)
         loaded = load_model(
             args.model, dtype=args.dtype, device="cpu", quantization=args.quantization
         )
@@ -152,9 +160,17 @@ def main() -> int:
             file=sys.stderr,
             flush=True,
         )
-        times = {(v, one_call): [] for v in variants for one_call in (True, False)}
-        team_before = kernels.decoder_team
-        for r in range(args.rounds):
+        setups[level] = (kernels, loaded, runners, fused, step)
+    # Every level in every round, the level that goes first rotating round by round: a
+    # process's first steps after loading measured slower (a Zen 4, 2026-12-06), and
+    # the machine's speed drifts, so levels timed one after the other are not compared.
+    order = list(setups)
+    times = {(lv, v, one): [] for lv in order for v in variants for one in (True, False)}
+    for r in range(args.rounds):
+        for level in order[r % len(order) :] + order[: r % len(order)]:
+            kernels, _, runners, fused, step = setups[level]
+            use(kernels)
+            team_before = kernels.decoder_team
             for kv, team, page in variants:
                 runner = runners[kv, page]
                 runner.model.bind_kv_caches(runner.kv_caches)  # one model, each its caches
@@ -164,16 +180,21 @@ def main() -> int:
                     prepared = runner.prepare(step)
                     start = time.perf_counter()
                     runner.execute(prepared)
-                    times[(kv, team, page), one_call].append(time.perf_counter() - start)
-            if r % 10 == 9:
-                print(f"{level}: round {r + 1}/{args.rounds}", file=sys.stderr, flush=True)
-        kernels.set_decoder_team(team_before)
+                    times[level, (kv, team, page), one_call].append(time.perf_counter() - start)
+            kernels.set_decoder_team(team_before)
+        if r % 10 == 9:
+            print(f"round {r + 1}/{args.rounds}", file=sys.stderr, flush=True)
+    for level in order:
+        kernels, loaded, runners, _, _ = setups[level]
+        use(kernels)
         streamed = _streamed_bytes(loaded.model)
         bound = bounds_mod.measure()
-        first = statistics.median(times[variants[0], True])
+        first = statistics.median(times[level, variants[0], True])
         for kv, team, page in variants:
             runner = runners[kv, page]
-            one, layers = (statistics.median(times[(kv, team, page), k]) for k in (True, False))
+            one, layers = (
+                statistics.median(times[level, (kv, team, page), k]) for k in (True, False)
+            )
             arch = runner.arch  # the context's K/V: one block of one token a position
             kv_bytes = (
                 args.batch
