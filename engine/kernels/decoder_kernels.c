@@ -137,17 +137,40 @@ static int decoder_team_ok(const struct specserve_layer *layers, int64_t num_lay
     return 1;
 }
 
+/* A quantized Linear layer's groups of output tiles shared by the team: each thread
+ * first runs a fixed share of the first three quarters (no atomics), then takes the
+ * rest one group at a time from the phase's counter (team_take), so the thread whose
+ * share arrived from memory later takes fewer of them instead of the other waiting for
+ * it at the barrier after the layer. A group is one thread's whole work whichever
+ * thread runs it: the same bits as any split. Consumes one dynamic phase. */
+#define TEAM_UNITS(units, tm, tid, nt, phase, RUN)                                             \
+    do {                                                                                       \
+        const int64_t fixed_ = (nt) > 1 ? (units) * 3 / 4 : (units);                           \
+        int64_t lo_, hi_;                                                                      \
+        team_range(fixed_, tid, nt, &lo_, &hi_);                                               \
+        if (lo_ < hi_) RUN(lo_, hi_);                                                          \
+        if (fixed_ < (units)) {                                                                \
+            team_phase(tm, tid, *(phase));                                                     \
+            for (int64_t it_ = team_take(tm, *(phase)); fixed_ + it_ < (units);                \
+                 it_ = team_take(tm, *(phase)))                                                \
+                RUN(fixed_ + it_, fixed_ + it_ + 1);                                           \
+            ++*(phase);                                                                        \
+        }                                                                                      \
+    } while (0)
+
 /* Thread tid's share of a Linear layer: out [m, n_out] = x [m, k] @ W^T (+ bias); a
  * quantized one reads x's rows as quantized into a (a->k = k), a bf16 one on the FMA
  * kernel reads them widened into wide (rows k apart). */
 INLINE void team_linear_f32(float *out, const float *x, int64_t x_stride, const void *w,
                             int32_t fmt, const float *bias, int64_t m, int64_t n_out, int64_t k,
-                            const struct qrows *a, const float *wide, int tid, int nt) {
+                            const struct qrows *a, const float *wide, int tid, int nt,
+                            struct team *tm, int *phase) {
     int64_t lo, hi;
     (void)wide;
     if (fmt_quantized(fmt)) {
-        team_range(q_groups_of(n_out), tid, nt, &lo, &hi);
-        q_groups_f32(out, a, w, fmt, bias, m, n_out, lo, hi);
+#define RUN_GROUPS(g0, g1) q_groups_f32(out, a, w, fmt, bias, m, n_out, g0, g1)
+        TEAM_UNITS(q_groups_of(n_out), tm, tid, nt, phase, RUN_GROUPS);
+#undef RUN_GROUPS
         return;
     }
 #if defined(HAVE_LF_LINEAR)
@@ -161,11 +184,13 @@ INLINE void team_linear_f32(float *out, const float *x, int64_t x_stride, const 
 }
 INLINE void team_linear_bf16(bf16 *out, const bf16 *x, int64_t x_stride, const void *w,
                              int32_t fmt, const bf16 *bias, int64_t m, int64_t n_out, int64_t k,
-                             const struct qrows *a, const float *wide, int tid, int nt) {
+                             const struct qrows *a, const float *wide, int tid, int nt,
+                             struct team *tm, int *phase) {
     int64_t lo, hi;
     if (fmt_quantized(fmt)) {
-        team_range(q_groups_of(n_out), tid, nt, &lo, &hi);
-        q_groups_bf16(out, a, w, fmt, bias, m, n_out, lo, hi);
+#define RUN_GROUPS(g0, g1) q_groups_bf16(out, a, w, fmt, bias, m, n_out, g0, g1)
+        TEAM_UNITS(q_groups_of(n_out), tm, tid, nt, phase, RUN_GROUPS);
+#undef RUN_GROUPS
         return;
     }
 #if defined(HAVE_DP_LINEAR)
@@ -286,7 +311,7 @@ INLINE void team_prepare_bf16(struct qrows *a, float *wide, int32_t fmt, const b
                     team_prepare_##S(&a, wide, w->qkv_fmt, normed, h, n, r0, r1);              \
                     team_barrier(&tm, nt);                                                     \
                     team_linear_##S(qkv, normed, h, w->qkv, w->qkv_fmt, (const T *)w->qkv_bias, \
-                                    n, qkv_size, h, &a, wide, tid, nt);                        \
+                                    n, qkv_size, h, &a, wide, tid, nt, &tm, &phase);               \
                     team_barrier(&tm, nt);                                                     \
                     ROPE_FN(qkv + r0 * qkv_size, qkv_size, nr, positions + r0, cos_sin,        \
                             num_positions, num_heads + num_kv_heads, head_dim, 1);             \
@@ -316,20 +341,20 @@ INLINE void team_prepare_bf16(struct qrows *a, float *wide, int32_t fmt, const b
                         team_barrier(&tm, nt);                                                 \
                     }                                                                          \
                     team_linear_##S(hidden, attn, q_size, w->o, w->o_fmt, NULL, n, h, q_size,  \
-                                    &a, wide, tid, nt);                                        \
+                                    &a, wide, tid, nt, &tm, &phase);                               \
                     team_barrier(&tm, nt);                                                     \
                     NORM_FN(normed + r0 * h, hidden + r0 * h, residual + r0 * h,               \
                             (const T *)w->post_norm, nr, h, eps, 1);                           \
                     team_prepare_##S(&a, wide, w->gate_up_fmt, normed, h, n, r0, r1);          \
                     team_barrier(&tm, nt);                                                     \
                     team_linear_##S(gate_up, normed, h, w->gate_up, w->gate_up_fmt, NULL, n,   \
-                                    2 * inter, h, &a, wide, tid, nt);                          \
+                                    2 * inter, h, &a, wide, tid, nt, &tm, &phase);                 \
                     team_barrier(&tm, nt);                                                     \
                     SILU_FN(act + r0 * inter, gate_up + r0 * 2 * inter, nr, inter, 1);         \
                     team_prepare_##S(&a, wide, w->down_fmt, act, inter, n, r0, r1);            \
                     team_barrier(&tm, nt);                                                     \
                     team_linear_##S(hidden, act, inter, w->down, w->down_fmt, NULL, n, h,      \
-                                    inter, &a, wide, tid, nt);                                 \
+                                    inter, &a, wide, tid, nt, &tm, &phase);                        \
                     team_barrier(&tm, nt);                                                     \
                 }                                                                              \
             }                                                                                  \
