@@ -137,12 +137,20 @@ static int decoder_team_ok(const struct specserve_layer *layers, int64_t num_lay
     return 1;
 }
 
+/* Whether the team's quantized call of m rows runs on AMX tiles (int8 or bf16), by the
+ * rules as read once for the call: q_groups then configures the tiles once a call, so
+ * the team keeps one call a thread (halves). */
+INLINE int q_tiles_take(const struct qrows *a, int32_t fmt, int64_t m) {
+    return q_bf16_takes(a, fmt, m) || (fmt == QFMT_Q8_0 ? a->team_amx_q8 : a->team_amx_q4);
+}
+
 /* A quantized Linear layer's groups of output tiles shared by the team: each thread
  * first runs a fixed share of the first three quarters (no atomics), then takes the
  * rest one group at a time from the phase's counter (team_take), so the thread whose
  * share arrived from memory later takes fewer of them instead of the other waiting for
  * it at the barrier after the layer. A group is one thread's whole work whichever
- * thread runs it: the same bits as any split. Consumes one dynamic phase. */
+ * thread runs it: the same bits as any split. Consumes one dynamic phase. Calls on
+ * AMX tiles keep the halves (q_tiles_take). */
 #define TEAM_UNITS(units, tm, tid, nt, phase, RUN)                                             \
     do {                                                                                       \
         const int64_t fixed_ = (nt) > 1 ? (units) * 3 / 4 : (units);                           \
@@ -168,6 +176,11 @@ INLINE void team_linear_f32(float *out, const float *x, int64_t x_stride, const 
     int64_t lo, hi;
     (void)wide;
     if (fmt_quantized(fmt)) {
+        if (q_tiles_take(a, fmt, m)) { /* a tile configuration a call: halves, as timed */
+            team_range(q_groups_of(n_out), tid, nt, &lo, &hi);
+            q_groups_f32(out, a, w, fmt, bias, m, n_out, lo, hi);
+            return;
+        }
 #define RUN_GROUPS(g0, g1) q_groups_f32(out, a, w, fmt, bias, m, n_out, g0, g1)
         TEAM_UNITS(q_groups_of(n_out), tm, tid, nt, phase, RUN_GROUPS);
 #undef RUN_GROUPS
@@ -188,6 +201,11 @@ INLINE void team_linear_bf16(bf16 *out, const bf16 *x, int64_t x_stride, const v
                              struct team *tm, int *phase) {
     int64_t lo, hi;
     if (fmt_quantized(fmt)) {
+        if (q_tiles_take(a, fmt, m)) { /* a tile configuration a call: halves, as timed */
+            team_range(q_groups_of(n_out), tid, nt, &lo, &hi);
+            q_groups_bf16(out, a, w, fmt, bias, m, n_out, lo, hi);
+            return;
+        }
 #define RUN_GROUPS(g0, g1) q_groups_bf16(out, a, w, fmt, bias, m, n_out, g0, g1)
         TEAM_UNITS(q_groups_of(n_out), tm, tid, nt, phase, RUN_GROUPS);
 #undef RUN_GROUPS
@@ -275,6 +293,8 @@ INLINE void team_prepare_bf16(struct qrows *a, float *wide, int32_t fmt, const b
             attn_plan_free(&plan);                                                             \
             return 3;                                                                          \
         }                                                                                      \
+        qa.team_amx_q8 = (uint8_t)q_amx_takes(QFMT_Q8_0, n);                                   \
+        qa.team_amx_q4 = (uint8_t)q_amx_takes(QFMT_Q4_0, n);                                   \
         if (wide_k > 0 && (wide = malloc(sizeof(float) * (size_t)(n * wide_k))) == NULL) {    \
             qrows_free(&qa);                                                                   \
             attn_plan_free(&plan);                                                             \

@@ -189,6 +189,9 @@ struct qrows {
     /* the bf16 rule (q_bf16_min_rows) when the rows were allocated: every choice of the
      * call (which rows it allocates, packs and reads) follows this one reading of it */
     int32_t bf16_rule;
+    /* the decoder team's one reading of the AMX rule for its n rows, by format (Q8_0,
+     * Q4): whether its calls run on tiles, so every thread splits them alike */
+    uint8_t team_amx_q8, team_amx_q4;
 };
 
 /* Rows are allocated in multiples of Q_ROW_PAD, the rows past m zero: the AMX path
