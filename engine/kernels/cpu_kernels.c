@@ -205,9 +205,6 @@ INLINE float inv_rms_bf16(float sq, int64_t hidden, float eps) {
 
 /* ---- paged attention ---- */
 
-/* Fold the scores [0, n) of one cache block (scaled dot products; block_max their
- * maximum) into a row's streaming softmax: the scores become weights relative to the
- * new running maximum, to which the running sum and acc are rescaled. */
 /* A row's running maximum and sum after a block of weights summing to block_sum
  * (relative to new_max, the larger of the two maxima); returns the factor acc is to be
  * rescaled by. It is exp(0) = 1 where the maximum stays (most blocks after the first
@@ -226,6 +223,9 @@ INLINE float fold_max_sum(float new_max, float block_sum, float *restrict row_ma
     return rescale;
 }
 
+/* Fold the scores [0, n) of one cache block (scaled dot products; block_max their
+ * maximum) into a row's streaming softmax: the scores become weights relative to the
+ * new running maximum, to which the running sum and acc are rescaled. */
 INLINE void softmax_fold(float *restrict scores, int n, float block_max, float *restrict row_max,
                          float *restrict row_sum, float *restrict acc, int head_dim) {
     const float new_max = block_max > *row_max ? block_max : *row_max;

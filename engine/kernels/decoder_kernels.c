@@ -144,25 +144,27 @@ INLINE int q_tiles_take(const struct qrows *a, int32_t fmt, int64_t m) {
     return q_bf16_takes(a, fmt, m) || (fmt == QFMT_Q8_0 ? a->team_amx_q8 : a->team_amx_q4);
 }
 
-/* A quantized Linear layer's groups of output tiles shared by the team: each thread
- * first runs a fixed share of the first three quarters (no atomics), then takes the
- * rest one group at a time from the phase's counter (team_take), so the thread whose
- * share arrived from memory later takes fewer of them instead of the other waiting for
- * it at the barrier after the layer. A group is one thread's whole work whichever
- * thread runs it: the same bits as any split. Consumes one dynamic phase. Calls on
- * AMX tiles keep the halves (q_tiles_take). */
-#define TEAM_UNITS(units, tm, tid, nt, phase, RUN)                                             \
+/* Thread tid's share of a quantized Linear layer's groups of output tiles (q_groups_S
+ * on team_linear_S's arguments): each thread first runs a fixed share of the first
+ * three quarters (no atomics), then takes the rest one group at a time from the
+ * phase's counter (team_take), so the thread whose share arrived from memory later
+ * takes fewer of them instead of the other waiting for it at the barrier after the
+ * layer. A group is one thread's whole work whichever thread runs it: the same bits as
+ * any split. Calls on AMX tiles (q_tiles_take) keep the halves, all groups fixed;
+ * otherwise it consumes one dynamic phase. */
+#define TEAM_Q_GROUPS(S)                                                                       \
     do {                                                                                       \
-        const int64_t fixed_ = (nt) > 1 ? (units) * 3 / 4 : (units);                           \
+        const int64_t units_ = q_groups_of(n_out);                                             \
+        const int64_t fixed_ = nt > 1 && !q_tiles_take(a, fmt, m) ? units_ * 3 / 4 : units_;   \
         int64_t lo_, hi_;                                                                      \
         team_range(fixed_, tid, nt, &lo_, &hi_);                                               \
-        if (lo_ < hi_) RUN(lo_, hi_);                                                          \
-        if (fixed_ < (units)) {                                                                \
-            team_phase(tm, tid, *(phase));                                                     \
-            for (int64_t it_ = team_take(tm, *(phase)); fixed_ + it_ < (units);                \
-                 it_ = team_take(tm, *(phase)))                                                \
-                RUN(fixed_ + it_, fixed_ + it_ + 1);                                           \
-            ++*(phase);                                                                        \
+        q_groups_##S(out, a, w, fmt, bias, m, n_out, lo_, hi_);                                \
+        if (fixed_ < units_) {                                                                 \
+            team_phase(tm, tid, *phase);                                                       \
+            for (int64_t g_ = fixed_ + team_take(tm, *phase); g_ < units_;                     \
+                 g_ = fixed_ + team_take(tm, *phase))                                          \
+                q_groups_##S(out, a, w, fmt, bias, m, n_out, g_, g_ + 1);                      \
+            ++*phase;                                                                          \
         }                                                                                      \
     } while (0)
 
@@ -176,14 +178,7 @@ INLINE void team_linear_f32(float *out, const float *x, int64_t x_stride, const 
     int64_t lo, hi;
     (void)wide;
     if (fmt_quantized(fmt)) {
-        if (q_tiles_take(a, fmt, m)) { /* a tile configuration a call: halves, as timed */
-            team_range(q_groups_of(n_out), tid, nt, &lo, &hi);
-            q_groups_f32(out, a, w, fmt, bias, m, n_out, lo, hi);
-            return;
-        }
-#define RUN_GROUPS(g0, g1) q_groups_f32(out, a, w, fmt, bias, m, n_out, g0, g1)
-        TEAM_UNITS(q_groups_of(n_out), tm, tid, nt, phase, RUN_GROUPS);
-#undef RUN_GROUPS
+        TEAM_Q_GROUPS(f32);
         return;
     }
 #if defined(HAVE_LF_LINEAR)
@@ -201,14 +196,7 @@ INLINE void team_linear_bf16(bf16 *out, const bf16 *x, int64_t x_stride, const v
                              struct team *tm, int *phase) {
     int64_t lo, hi;
     if (fmt_quantized(fmt)) {
-        if (q_tiles_take(a, fmt, m)) { /* a tile configuration a call: halves, as timed */
-            team_range(q_groups_of(n_out), tid, nt, &lo, &hi);
-            q_groups_bf16(out, a, w, fmt, bias, m, n_out, lo, hi);
-            return;
-        }
-#define RUN_GROUPS(g0, g1) q_groups_bf16(out, a, w, fmt, bias, m, n_out, g0, g1)
-        TEAM_UNITS(q_groups_of(n_out), tm, tid, nt, phase, RUN_GROUPS);
-#undef RUN_GROUPS
+        TEAM_Q_GROUPS(bf16);
         return;
     }
 #if defined(HAVE_DP_LINEAR)
