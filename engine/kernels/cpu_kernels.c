@@ -278,6 +278,15 @@ INLINE float dot_pairs(const float *restrict q, const bf16x2 *restrict k, int ha
 }
 
 
+/* Cache blocks ahead of use are asked for into L2 (prefetcht1), not L1: see
+ * prefetch_block_<S> below. */
+#define PREFETCH_LOCALITY 2
+/* Ask for values [0, width) of token t of a block at p (tokens kv_stride apart) into L2,
+ * one request per 64-byte line. */
+#define PREFETCH_TOKEN(p, t, kv_stride, width)                                                 \
+    for (int64_t d_ = 0; d_ < (width); d_ += 64 / (int64_t)sizeof(*(p)))                      \
+    __builtin_prefetch((p) + (t) * (kv_stride) + d_, 0, PREFETCH_LOCALITY)
+
 /* ---- bf16 attention on AVX512-BF16: a KV head's query rows over 16 keys at a time ----
  *
  * For head sizes 32, 64 and 128, in place of the row-at-a-time loop above (which sums
@@ -366,9 +375,12 @@ INLINE __m512 exp_lanes(__m512 x) {
  * `rows` (<= ROWS) rows; acc in the deinterleaved layout (even elements, then odd), p
  * rows KEYS_PER_PASS apart; n = the largest seen[r]. A key past a row's seen is
  * skipped, not weighted 0: 0 times a NaN or Inf value is NaN, which a query that does
- * not see the key (an earlier token of the same prompt) must not get. */
+ * not see the key (an earlier token of the same prompt) must not get. pf_k / pf_v
+ * (NULL: none): a later block's keys and values, token t's asked for as value t is
+ * read (see attend_rows_chunks). */
 INLINE void rows_pv(float *acc, const float *p, const float *rescale, int rows, const bf16 *vb,
-                    int64_t kv_stride, const int *seen, int n, int chunks, int64_t head_dim) {
+                    int64_t kv_stride, const int *seen, int n, int chunks, int64_t head_dim,
+                    const bf16 *pf_k, const bf16 *pf_v) {
     enum { ROWS = 4, MAX_CHUNKS = 4 };
     __m512 a[ROWS][2 * MAX_CHUNKS];
     const int64_t half = head_dim / 2;
@@ -382,6 +394,10 @@ INLINE void rows_pv(float *acc, const float *p, const float *rescale, int rows, 
     }
     const __m512i high = _mm512_set1_epi32((int)0xffff0000u);
     for (int t = 0; t < n; t++) {
+        if (pf_k) {
+            PREFETCH_TOKEN(pf_k, t, kv_stride, head_dim);
+            PREFETCH_TOKEN(pf_v, t, kv_stride, head_dim);
+        }
         __m512 even[MAX_CHUNKS], odd[MAX_CHUNKS];
         for (int c = 0; c < chunks; c++) {
             const __m512i w = _mm512_loadu_si512(vb + t * kv_stride + 32 * c);
@@ -407,7 +423,7 @@ INLINE void rows_pv(float *acc, const float *p, const float *rescale, int rows, 
 #define ROW_PASS_CASE(R, C)                                                                    \
     case R:                                                                                    \
         rows_pv(acc + r0 * head_dim, probs, rescale, R, vp, kv_stride, seen, n_max, C,         \
-                head_dim);                                                                     \
+                head_dim, r0 ? NULL : pf_k, r0 ? NULL : pf_v);                                 \
         break;
 
 /* Every query row of a tile (rows: query head of the KV head's group major, query
@@ -417,13 +433,22 @@ INLINE void rows_pv(float *acc, const float *p, const float *rescale, int rows, 
  * then P.V), so one row's chain of dependent steps overlaps the others'. The softmax
  * is softmax_fold's in registers: the block's maximum, its weights e^(s - max) (exp_lanes),
  * their sum, and the rescale of the row's sum and acc, which rows_pv applies as it
- * loads acc. */
+ * loads acc.
+ * pf_k / pf_v (NULL: none): the keys and values of the block PREFETCH_BLOCKS ahead (the
+ * same KV head), asked for one token at a time in the first pass's P.V, as the fp32
+ * rows' block_rows_of_<R> does: asked for all at once as the block began (64 requests
+ * for SmolLM2), they filled the core's miss queue ahead of this block's loads. On a Zen
+ * 5, one layer's attention from memory (scripts/bench_attention_kernel.c, HUGE=1
+ * LAYERS=30, 2 threads) took 113-119 us against 138-146 at 32 sequences x 100 tokens,
+ * 285-300 against 358-386 x 300, and the one-call decoder's bf16 step of 32 x 100
+ * 0.954x the time (0.940-0.964, scripts/bench_kernel_ab.py; docs/benchmarks.md, "A Zen
+ * 5"). */
 INLINE void attend_rows_chunks(const bf16 *q, int64_t q_token_stride, int64_t q_start,
                                int64_t first_head, int64_t group, int64_t tl,
                                int64_t head_dim, const bf16 *kb, const bf16 *vb,
                                int64_t kv_stride, int64_t block_size, int64_t seq_len,
                                int64_t first_key, float scale, float *row_max, float *row_sum,
-                               float *acc, int chunks) {
+                               float *acc, const bf16 *pf_k, const bf16 *pf_v, int chunks) {
     /* rows per P.V pass: 2 * chunks accumulators each, 16 of the 32 registers in all */
     const int per_pass = chunks == 4 ? 2 : 4;
     const int64_t rows = group * tl;
@@ -482,10 +507,11 @@ INLINE void attend_rows_bf16(const bf16 *q, int64_t q_token_stride, int64_t q_st
                              int64_t first_head, int64_t group, int64_t tl, int64_t head_dim,
                              const bf16 *kb, const bf16 *vb, int64_t kv_stride,
                              int64_t block_size, int64_t seq_len, int64_t first_key,
-                             float scale, float *row_max, float *row_sum, float *acc) {
+                             float scale, float *row_max, float *row_sum, float *acc,
+                             const bf16 *pf_k, const bf16 *pf_v) {
 #define ROWS_ARGS                                                                              \
     q, q_token_stride, q_start, first_head, group, tl, head_dim, kb, vb, kv_stride,            \
-        block_size, seq_len, first_key, scale, row_max, row_sum, acc
+        block_size, seq_len, first_key, scale, row_max, row_sum, acc, pf_k, pf_v
     switch (dot_chunks_bf16(head_dim)) {
         case 1: attend_rows_chunks(ROWS_ARGS, 1); break;
         case 2: attend_rows_chunks(ROWS_ARGS, 2); break;
@@ -499,10 +525,12 @@ INLINE void attend_rows_bf16(const bf16 *q, int64_t q_token_stride, int64_t q_st
                              int64_t first_head, int64_t group, int64_t tl, int64_t head_dim,
                              const bf16 *kb, const bf16 *vb, int64_t kv_stride,
                              int64_t block_size, int64_t seq_len, int64_t first_key,
-                             float scale, float *row_max, float *row_sum, float *acc) {
+                             float scale, float *row_max, float *row_sum, float *acc,
+                             const bf16 *pf_k, const bf16 *pf_v) {
     (void)q, (void)q_token_stride, (void)q_start, (void)first_head, (void)group, (void)tl;
     (void)head_dim, (void)kb, (void)vb, (void)kv_stride, (void)block_size, (void)seq_len;
-    (void)first_key, (void)scale, (void)row_max, (void)row_sum, (void)acc;
+    (void)first_key, (void)scale, (void)row_max, (void)row_sum, (void)acc, (void)pf_k;
+    (void)pf_v;
 }
 #endif
 
@@ -512,10 +540,12 @@ INLINE void attend_rows_f32(const float *q, int64_t q_token_stride, int64_t q_st
                             int64_t first_head, int64_t group, int64_t tl, int64_t head_dim,
                             const float *kb, const float *vb, int64_t kv_stride,
                             int64_t block_size, int64_t seq_len, int64_t first_key,
-                            float scale, float *row_max, float *row_sum, float *acc) {
+                            float scale, float *row_max, float *row_sum, float *acc,
+                            const float *pf_k, const float *pf_v) {
     (void)q, (void)q_token_stride, (void)q_start, (void)first_head, (void)group, (void)tl;
     (void)head_dim, (void)kb, (void)vb, (void)kv_stride, (void)block_size, (void)seq_len;
-    (void)first_key, (void)scale, (void)row_max, (void)row_sum, (void)acc;
+    (void)first_key, (void)scale, (void)row_max, (void)row_sum, (void)acc, (void)pf_k;
+    (void)pf_v;
 }
 
 /* A query row as fp32, in the layout block_rows_<S> reads it in (fp32 rows are read in
@@ -569,10 +599,12 @@ INLINE void attend_rows_f32_bf16kv(const float *q, int64_t q_token_stride, int64
                                    int64_t head_dim, const bf16 *kb, const bf16 *vb,
                                    int64_t kv_stride, int64_t block_size, int64_t seq_len,
                                    int64_t first_key, float scale, float *row_max,
-                                   float *row_sum, float *acc) {
+                                   float *row_sum, float *acc, const bf16 *pf_k,
+                                   const bf16 *pf_v) {
     (void)q, (void)q_token_stride, (void)q_start, (void)first_head, (void)group, (void)tl;
     (void)head_dim, (void)kb, (void)vb, (void)kv_stride, (void)block_size, (void)seq_len;
-    (void)first_key, (void)scale, (void)row_max, (void)row_sum, (void)acc;
+    (void)first_key, (void)scale, (void)row_max, (void)row_sum, (void)acc, (void)pf_k;
+    (void)pf_v;
 }
 INLINE void load_query_f32_bf16kv(float *restrict dst, const float *restrict src,
                                   int64_t head_dim) {
@@ -610,8 +642,10 @@ INLINE void store_row_f32_bf16kv(float *restrict o, const float *restrict acc, f
  * ahead (PREFETCH_BLOCKS), which the faster loop of attend_rows_chunks needs: with the
  * two together the one-call decoder's step of 32 sequences x 300 tokens of context took
  * 0.924-0.960x the time, x 100 tokens 0.988-0.994x, against 0.973-0.978 and 0.987-0.992
- * with the loop alone (scripts/bench_kernel_ab.py, bf16, on the Xeon with AMX). */
-#define PREFETCH_LOCALITY 2
+ * with the loop alone (scripts/bench_kernel_ab.py, bf16, on the Xeon with AMX). That
+ * path now asks for a key chunk's first PREFETCH_BLOCKS blocks here, and for each later
+ * one token by token while the block PREFETCH_BLOCKS before it is read
+ * (attend_rows_chunks). */
 #define PREFETCH_BLOCKS 2 /* blocks asked for ahead of the one in use */
 #define PREFETCH_BLOCK(T, S)                                                                   \
     INLINE void prefetch_block_##S(const T *k_cache, const T *v_cache, int64_t block,          \
@@ -784,12 +818,6 @@ INLINE void pv_row_bf16odd(float *restrict acc, float p, const bf16 *restrict v,
     for (int d = 0; d < head_dim; d++) acc[d] += p * ld_bf16(v, d);
 }
 
-/* Ask for values [0, width) of token t of a block at p (tokens kv_stride apart) into L2,
- * one request per 64-byte line. */
-#define PREFETCH_TOKEN(p, t, kv_stride, width)                                                 \
-    for (int64_t d_ = 0; d_ < (width); d_ += 64 / (int64_t)sizeof(*(p)))                      \
-    __builtin_prefetch((p) + (t) * (kv_stride) + d_, 0, PREFETCH_LOCALITY)
-
 #define BLOCK_ROWS_OF(R, KT)                                                                   \
     INLINE void block_rows_of_##R(int64_t rows, const float *const *qv, const int64_t *off,    \
                                   const int *nv, const KT *kb, const KT *vb,                   \
@@ -915,12 +943,18 @@ static ONE_COPY void block_rows_bf16(BLOCK_ROWS_ARGS(bf16)) {
             const int64_t base =                                                               \
                 (int64_t)table[b] * block_size * kv_stride + kv_head * head_dim;               \
             const int64_t first_key = b * block_size;                                          \
-            if (b + PREFETCH_BLOCKS < num_blocks)                                              \
-                prefetch_block_##KS(k_cache, v_cache, table[b + PREFETCH_BLOCKS], block_size,  \
-                                   kv_stride, kv_head * head_dim, head_dim);                   \
+            /* the block PREFETCH_BLOCKS ahead, asked for token by token as this one's      \
+             * values are read */                                                             \
+            const int64_t ahead = b + PREFETCH_BLOCKS < num_blocks                             \
+                                      ? (int64_t)table[b + PREFETCH_BLOCKS] * block_size *     \
+                                                kv_stride +                                    \
+                                            kv_head * head_dim                                 \
+                                      : -1;                                                    \
             attend_rows_##V(q, q_token_stride, q_start, first_head, group, tl, head_dim,       \
                             k_cache + base, v_cache + base, kv_stride, block_size, seq_len,    \
-                            first_key, scale, row_max, row_sum, acc);                          \
+                            first_key, scale, row_max, row_sum, acc,                           \
+                            ahead < 0 ? NULL : k_cache + ahead,                                \
+                            ahead < 0 ? NULL : v_cache + ahead);                               \
         }                                                                                      \
     }
 FOLD_BLOCKS(float, float, f32, f32)
@@ -994,7 +1028,7 @@ FOLD_BLOCKS(float, bf16, bf16, f32_bf16kv)
                 if (chunks) {                                                                  \
                     attend_rows_##V(q, q_token_stride, token, first_head, group, 1, head_dim,  \
                                     kb, vb, stride, block_size, len, first_key, scale,         \
-                                    row_max, row_sum, acc);                                    \
+                                    row_max, row_sum, acc, NULL, NULL);                        \
                 } else { /* the plain rows' function (block_rows_<KS>) */                     \
                     for (int64_t hl = 0; hl < group; hl++) {                                   \
                         rq[hl] = is_f32 ? (const float *)q + token * q_token_stride +           \
