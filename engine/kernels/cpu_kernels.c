@@ -892,7 +892,8 @@ static ONE_COPY void block_rows_bf16(BLOCK_ROWS_ARGS(bf16)) {
  * group (kv_head's), or off the vdpbf16ps path several KV heads' groups from kv_head on
  * (an item of all KV heads, see PAGED_ATTENTION). qf: the query rows as fp32 (bf16 rows
  * off the attend_rows path). rq, roff, rn: room for each row's query, head offset and
- * visible keys (block_rows_<KS>). */
+ * visible keys (block_rows_<KS>). next_off: the first PREFETCH_BLOCKS blocks of the item
+ * this thread runs next (attn_item_start), asked for in place of blocks past the last. */
 #define FOLD_BLOCKS(T, KT, KS, V)                                                              \
     INLINE void fold_blocks_##V(                                                               \
         const T *q, int64_t q_token_stride, int64_t q_start, int64_t first_head,               \
@@ -900,7 +901,8 @@ static ONE_COPY void block_rows_bf16(BLOCK_ROWS_ARGS(bf16)) {
         const KT *v_cache, const int32_t *table, int64_t kv_head, int64_t kv_stride,           \
         int64_t block_size, int64_t seq_len, int64_t b0, int64_t b1, int64_t num_blocks,       \
         int chunks, float scale, const float *qf, float *scores, float *row_max,               \
-        float *row_sum, float *acc, const float **rq, int64_t *roff, int *rn) {                \
+        float *row_sum, float *acc, const float **rq, int64_t *roff, int *rn,                  \
+        const int64_t *next_off) {                                                             \
         /* fp32 rows over an fp32 cache: read in place, never copied */ \
         const int is_f32 = sizeof(T) == sizeof(float) && sizeof(KT) == sizeof(float);          \
         if (!chunks) {                                                                         \
@@ -925,12 +927,14 @@ static ONE_COPY void block_rows_bf16(BLOCK_ROWS_ARGS(bf16)) {
                                                                        : block_size);          \
                     }                                                                          \
                 const int64_t base = (int64_t)table[b] * block_size * kv_stride;               \
-                const int64_t next =                                                           \
-                    b + 1 < num_blocks ? (int64_t)table[b + 1] * block_size * kv_stride : -1;  \
+                const int64_t next = b + 1 < num_blocks                                        \
+                                         ? (int64_t)table[b + 1] * block_size * kv_stride +    \
+                                               first                                           \
+                                         : next_off[0];                                        \
                 block_rows_##KS(rows, rq, roff, rn, k_cache + base, v_cache + base, kv_stride,  \
                                 head_dim, scale, block_size, scores, row_max, row_sum, acc,    \
-                                next < 0 ? NULL : k_cache + next + first,                      \
-                                next < 0 ? NULL : v_cache + next + first, width);              \
+                                next < 0 ? NULL : k_cache + next,                              \
+                                next < 0 ? NULL : v_cache + next, width);                      \
             }                                                                                  \
             return;                                                                            \
         }                                                                                      \
@@ -943,13 +947,13 @@ static ONE_COPY void block_rows_bf16(BLOCK_ROWS_ARGS(bf16)) {
             const int64_t base =                                                               \
                 (int64_t)table[b] * block_size * kv_stride + kv_head * head_dim;               \
             const int64_t first_key = b * block_size;                                          \
-            /* the block PREFETCH_BLOCKS ahead, asked for token by token as this one's      \
-             * values are read */                                                             \
+            /* the block PREFETCH_BLOCKS ahead (past the last, the next item's first ones),  \
+             * asked for token by token as this one's values are read */                     \
             const int64_t ahead = b + PREFETCH_BLOCKS < num_blocks                             \
                                       ? (int64_t)table[b + PREFETCH_BLOCKS] * block_size *     \
                                                 kv_stride +                                    \
                                             kv_head * head_dim                                 \
-                                      : -1;                                                    \
+                                      : next_off[b + PREFETCH_BLOCKS - num_blocks];            \
             attend_rows_##V(q, q_token_stride, q_start, first_head, group, tl, head_dim,       \
                             k_cache + base, v_cache + base, kv_stride, block_size, seq_len,    \
                             first_key, scale, row_max, row_sum, acc,                           \
@@ -1077,7 +1081,7 @@ TREE_ROWS(float, bf16, bf16, f32_bf16kv)
         fold_blocks_##S(q, q_token_stride, q_start, first_head, group, heads, tl, head_dim,    \
                         k_cache, v_cache, table, kv_head, kv_stride, block_size, seq_len,      \
                         from_, to_, num_blocks, chunks, scale, qf, scores, row_max, row_sum,   \
-                        acc, rq, roff, rn);                                                    \
+                        acc, rq, roff, rn, next_off);                                          \
     } while (0)
 
 /* Split mode: the (max, sum, acc) of tile t's chunk c for KV head h, its group * tl rows */
@@ -1303,6 +1307,35 @@ static int attn_scratch_alloc(struct attn_scratch *s, const struct attn_args *c,
     (void)qf, (void)kv_scratch, (void)k_cache, (void)v_cache, (void)q, (void)q_token_stride,   \
         (void)scale, (void)kv_stride, (void)rq, (void)roff, (void)rn
 
+/* The cache offsets (the block's, plus its first KV head's values) of the first
+ * PREFETCH_BLOCKS blocks that item `item` reads, -1 past its last and for none (item < 0,
+ * or a token tree's tile, whose rows gather their keys). A thread takes the item it runs
+ * next before it runs the current one and asks for these as the current one's last
+ * blocks are read (fold_blocks_<V>), so an item's first blocks do not start from memory
+ * with the core idle. */
+/* Whether a call's threads take their next item ahead: not in split mode, whose few
+ * items (a lone decode's key chunks) would leave one thread with two while the other
+ * waits; the others have SPLIT_ITEMS_PER_THREAD items a thread or more. */
+#define ATTN_TAKES_AHEAD(p) (!(p)->partials)
+static void attn_item_start(const struct attn_args *c, const struct attn_plan *p, int64_t item,
+                            int64_t off[PREFETCH_BLOCKS]) {
+    for (int i = 0; i < PREFETCH_BLOCKS; i++) off[i] = -1;
+    if (item < 0) return;
+    const int64_t block_size = c->block_size, per_unit = c->num_kv_heads / p->item_heads;
+    const int64_t unit = item / per_unit, kv_head = item % per_unit * p->item_heads;
+    const int64_t *tile_sel = p->tile_sel, *tile_j0 = p->tile_j0;
+    const int32_t *seq_ids = c->seq_ids, *query_start_loc = c->query_start_loc;
+    const int32_t *seq_lens = c->seq_lens;
+    const int64_t tile = p->partials ? p->unit_tile[unit] : unit;
+    TILE_INFO(tile);
+    if (c->tree_masks && tile_has_tree(c->tree_masks + q_start, tl)) return;
+    const int64_t first = p->partials ? (unit - p->tile_unit0[tile]) * SPLIT_BLOCKS : 0;
+    const int32_t *table = c->block_tables + seq * c->block_table_stride;
+    const int64_t kv_stride = c->num_kv_heads * c->head_dim;
+    for (int64_t i = 0; i < PREFETCH_BLOCKS && first + i < num_blocks; i++)
+        off[i] = (int64_t)table[first + i] * block_size * kv_stride + kv_head * c->head_dim;
+}
+
 /* Attention of the query tokens of the selected sequences over their paged context,
  * causal with offset: sequence `seq` adds q_len tokens and holds seq_lens[seq] after
  * the step, so its query j sits at position seq_len - q_len + j and sees keys
@@ -1361,12 +1394,15 @@ static int attn_scratch_alloc(struct attn_scratch *s, const struct attn_args *c,
  * block id or a length does not fit the buffers passed, or a size is out of range
  * (nothing is read out of bounds in any case, and for 2 and 3 nothing is written).
  * attn_item_V and attn_merge_V are a call's two passes, one item at a time: the
- * one-call decoder runs them on its own team of threads. */
+ * one-call decoder runs them on its own team of threads. attn_item_V's `next` is the
+ * item the thread runs after it (-1: none; see attn_item_start). */
 #define PAGED_ATTENTION(T, KT, V, NAME)                                                        \
     static ONE_COPY void attn_item_##V(const struct attn_args *c,                              \
                                        const struct attn_plan *p, struct attn_scratch *s,      \
-                                       int64_t item) {                                         \
+                                       int64_t item, int64_t next) {                           \
         ATTN_LOCALS(T, KT);                                                                    \
+        int64_t next_off[PREFETCH_BLOCKS];                                                     \
+        attn_item_start(c, p, next, next_off);                                                 \
         /* fp32 rows over an fp32 cache: read in place, never copied */                       \
         const int is_f32 = sizeof(T) == sizeof(float) && sizeof(KT) == sizeof(float);          \
         const int chunks = dot_chunks_##V(head_dim);                                           \
@@ -1453,18 +1489,26 @@ static int attn_scratch_alloc(struct attn_scratch *s, const struct attn_args *c,
         int failed = attn_plan_make(&plan, &args, num_threads, !dot_chunks_##V(head_dim));     \
         if (failed) return failed;                                                             \
         const int need_qf = !(sizeof(T) == sizeof(float) && sizeof(KT) == sizeof(float));      \
+        int64_t taken = 0; /* items handed out, one at a time, each thread one ahead */       \
         _Pragma("omp parallel num_threads(num_threads)") {                                     \
             struct attn_scratch scratch;                                                       \
             if (attn_scratch_alloc(&scratch, &args, need_qf, sizeof(KT))) {                    \
                 _Pragma("omp atomic write") failed = 1;                                        \
             }                                                                                  \
-            _Pragma("omp for schedule(dynamic, 1)") for (int64_t item = 0;                     \
-                                                         item < plan.num_items; item++) {      \
+            int64_t item = __atomic_fetch_add(&taken, 1, __ATOMIC_RELAXED);                    \
+            while (item < plan.num_items) {                                                    \
+                const int64_t next = ATTN_TAKES_AHEAD(&plan)                                   \
+                                         ? __atomic_fetch_add(&taken, 1, __ATOMIC_RELAXED)     \
+                                         : -1;                                                 \
                 int stop;                                                                      \
                 _Pragma("omp atomic read") stop = failed;                                      \
-                if (!stop) attn_item_##V(&args, &plan, &scratch, item);                        \
+                if (!stop)                                                                     \
+                    attn_item_##V(&args, &plan, &scratch, item,                                \
+                                  next < plan.num_items ? next : -1);                          \
+                item = next >= 0 ? next : __atomic_fetch_add(&taken, 1, __ATOMIC_RELAXED);     \
             }                                                                                  \
             if (plan.partials) {                                                               \
+                _Pragma("omp barrier")                                                         \
                 _Pragma("omp for schedule(dynamic, 1)") for (                                  \
                     int64_t item = 0; item < plan.num_tiles * num_kv_heads; item++) {          \
                     int stop;                                                                  \
