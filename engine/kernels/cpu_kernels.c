@@ -1307,16 +1307,17 @@ static int attn_scratch_alloc(struct attn_scratch *s, const struct attn_args *c,
     (void)qf, (void)kv_scratch, (void)k_cache, (void)v_cache, (void)q, (void)q_token_stride,   \
         (void)scale, (void)kv_stride, (void)rq, (void)roff, (void)rn
 
+/* Whether a call's threads take their next item ahead: not in split mode, whose few
+ * items (a lone decode's key chunks) would leave one thread with two while the other
+ * waits; the others have SPLIT_ITEMS_PER_THREAD items a thread or more. */
+#define ATTN_TAKES_AHEAD(p) (!(p)->partials)
+
 /* The cache offsets (the block's, plus its first KV head's values) of the first
  * PREFETCH_BLOCKS blocks that item `item` reads, -1 past its last and for none (item < 0,
  * or a token tree's tile, whose rows gather their keys). A thread takes the item it runs
  * next before it runs the current one and asks for these as the current one's last
  * blocks are read (fold_blocks_<V>), so an item's first blocks do not start from memory
  * with the core idle. */
-/* Whether a call's threads take their next item ahead: not in split mode, whose few
- * items (a lone decode's key chunks) would leave one thread with two while the other
- * waits; the others have SPLIT_ITEMS_PER_THREAD items a thread or more. */
-#define ATTN_TAKES_AHEAD(p) (!(p)->partials)
 static void attn_item_start(const struct attn_args *c, const struct attn_plan *p, int64_t item,
                             int64_t off[PREFETCH_BLOCKS]) {
     for (int i = 0; i < PREFETCH_BLOCKS; i++) off[i] = -1;
