@@ -13,7 +13,9 @@
  * LAYERS=30 gives each call in turn its own cache, one of 30 (the model's layers), so
  * the keys and values come from memory as they do in a decode step, not from L2/L3.
  * HUGE=1 advises the caches onto 2 MB pages (MADV_HUGEPAGE) before they are first
- * touched, as the engine's KV cache is (engine/attention: allocate_kv_caches). */
+ * touched, as the engine's KV cache is (engine/attention: allocate_kv_caches).
+ * MIXED=1 gives the sequences lengths drawn from 1 .. 2 x ctx (the same draw every run),
+ * as a step of requests at different points of their answers has them. */
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -63,7 +65,8 @@ static void widen(float *dst, const bf16 *src, int64_t n) {
 static double now(void) { struct timespec t; clock_gettime(CLOCK_MONOTONIC, &t); return t.tv_sec + t.tv_nsec * 1e-9; }
 int main(int argc, char **argv) {
     int seqs = atoi(argv[1]), ctx = atoi(argv[2]), threads = atoi(argv[3]);
-    int heads = 9, kvh = 3, hd = 64, bs = 16, per = ctx / bs + 2;
+    const int mixed = getenv("MIXED") != NULL;
+    int heads = 9, kvh = 3, hd = 64, bs = 16, per = (mixed ? 2 * ctx : ctx) / bs + 2;
     int64_t nblocks = (int64_t)seqs * per + 1;
     const int layers = getenv("LAYERS") ? atoi(getenv("LAYERS")) : 1;
     const int64_t layer_size = nblocks * bs * kvh * hd, cache_size = layer_size * layers;
@@ -88,7 +91,11 @@ int main(int argc, char **argv) {
     for (int i = 0; i < seqs * per; i++) tables[i] = 1 + i;
     if (!getenv("SEQUENTIAL")) /* blocks in random order, as a busy cache has them */
         for (int i = seqs * per - 1; i > 0; i--) { int j = rand() % (i + 1); int t = tables[i]; tables[i] = tables[j]; tables[j] = t; }
-    for (int i = 0; i < seqs; i++) lens[i] = ctx, ids[i] = i;
+    double total = 0; /* keys all sequences' rows see */
+    for (int i = 0; i < seqs; i++) {
+        lens[i] = mixed ? 1 + rand() % (2 * ctx) : ctx, ids[i] = i;
+        total += lens[i];
+    }
     for (int i = 0; i <= seqs; i++) starts[i] = i;
     int iters = 2000;
     double best = 1e9;
@@ -106,7 +113,7 @@ int main(int argc, char **argv) {
         double t = (now() - t0) / iters;
         if (t < best) best = t;
     }
-    double macs = (double)seqs * heads * ctx * hd * 2;
-    printf("%s, %d seqs x %d ctx, %d layers, %d threads: %.1f us a call, %.1f G MAC/s\n", bf16kv ? "fp32 over bf16 KV" : f32 ? "fp32" : "bf16", seqs, ctx, layers, threads, best * 1e6, macs / best / 1e9);
+    double macs = total * heads * hd * 2;
+    printf("%s, %d seqs x %d ctx%s, %d layers, %d threads: %.1f us a call, %.1f G MAC/s\n", bf16kv ? "fp32 over bf16 KV" : f32 ? "fp32" : "bf16", seqs, ctx, mixed ? " (mixed: 1 .. 2 x ctx)" : "", layers, threads, best * 1e6, macs / best / 1e9);
     return 0;
 }
