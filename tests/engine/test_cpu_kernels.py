@@ -577,10 +577,11 @@ def _scattered_sequences(gen, seq_lens, q_lens, heads, kv_heads, head_dim, dtype
 def test_paged_attention_rows_do_not_depend_on_threads_or_the_batch(kernels, dtypes, head_dim):
     """Keys are folded in chunks of 8 cache blocks, merged in order; a call of few work
     items (a lone decode on 2+ threads) spreads one sequence's chunks over the threads.
-    Each sequence alone on 2, 3 and 4 threads (split across them) against all of them
-    in one call on one thread (never split): every row bit-identical, and close to the
-    reference. Contexts at and past the chunk edges, a verification query and a prompt
-    chunk."""
+    Each sequence alone on 2, 3 and 4 threads (split across them), and all of them in
+    one call on 2, 3 and 4 threads (each thread taking its next item ahead and asking
+    for its first blocks), against all of them in one call on one thread (never split):
+    every row bit-identical, and close to the reference. Contexts at and past the chunk
+    edges, a verification query and a prompt chunk."""
     dtype, kv_dtype = dtypes
     gen = torch.Generator().manual_seed(11)
     heads, kv_heads = 9, 3
@@ -597,15 +598,20 @@ def test_paged_attention_rows_do_not_depend_on_threads_or_the_batch(kernels, dty
         kernels.paged_attention(crowd, q, k_cache, v_cache, table, lens, starts,
                                 torch.arange(len(seq_lens), dtype=torch.int32), max(q_lens),
                                 scale)  # fmt: skip
+        bits = torch.int16 if dtype == torch.bfloat16 else torch.int32
         for n in (2, 3, 4):
             torch.set_num_threads(n)
+            many = torch.full_like(q, float("nan"))
+            kernels.paged_attention(many, q, k_cache, v_cache, table, lens, starts,
+                                    torch.arange(len(seq_lens), dtype=torch.int32),
+                                    max(q_lens), scale)  # fmt: skip
+            assert torch.equal(many.view(bits), crowd.view(bits)), n
             for i in range(len(seq_lens)):
                 alone = torch.full_like(q, float("nan"))
                 kernels.paged_attention(alone, q, k_cache, v_cache, table, lens, starts,
                                         torch.tensor([i], dtype=torch.int32), q_lens[i],
                                         scale)  # fmt: skip
                 rows = slice(int(starts[i]), int(starts[i + 1]))
-                bits = torch.int16 if dtype == torch.bfloat16 else torch.int32
                 assert torch.equal(alone[rows].view(bits), crowd[rows].view(bits)), (
                     n, seq_lens[i], q_lens[i],
                 )  # fmt: skip
