@@ -68,6 +68,23 @@ def assert_still_serving(server: InProcessServer) -> None:
     assert "INTERNAL" not in server.errors and "UNKNOWN" not in server.errors
 
 
+class PacedEngine:
+    """The real engine whose every step() first sleeps ``min_step_s``: a request of N
+    steps takes N * min_step_s or more however fast the CPU is, so a test can set a
+    deadline that passes mid-request without timing the machine."""
+
+    def __init__(self, inner: Any, min_step_s: float) -> None:
+        self._inner = inner
+        self._min_step_s = min_step_s
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    def step(self):
+        time.sleep(self._min_step_s)
+        return self._inner.step()
+
+
 class InProcessServer:
     """A SpecserveServer running on its own event loop in a daemon thread."""
 

@@ -11,9 +11,10 @@ import grpc
 import pytest
 
 from engine.client import AsyncSpecserveClient, SpecserveClient, build_request, retry_after_s
+from engine.core.llm_engine import LLMEngine
 from engine.loader import cpu_has_native_bf16
 from engine.rpc import generation_pb2 as pb
-from tests.server.helpers import InProcessServer, wait_no_blocks_in_use, wait_until
+from tests.server.helpers import InProcessServer, PacedEngine, wait_no_blocks_in_use, wait_until
 
 
 def test_generate_streams_deltas_that_add_up_to_complete(client: SpecserveClient):
@@ -117,7 +118,21 @@ def test_cancel_mid_stream_frees_blocks(client: SpecserveClient):
     wait_no_blocks_in_use(client)
 
 
-def test_deadline_expiry_frees_blocks(client: SpecserveClient):
+@pytest.fixture(scope="module")
+def paced_client(engine_config):
+    """A server whose steps take 10 ms or more: 490 tokens without speculation take 4.9 s
+    or more, so a 0.2 s deadline passes mid-request on any CPU (the tiny model alone
+    decoded 490 tokens inside 0.2 s on a Zen 5)."""
+    factory = lambda config: PacedEngine(LLMEngine(config), 0.01)  # noqa: E731
+    with (
+        InProcessServer(engine_config, engine_factory=factory) as srv,
+        SpecserveClient(srv.target) as client,
+    ):
+        yield client
+
+
+def test_deadline_expiry_frees_blocks(paced_client: SpecserveClient):
+    client = paced_client
     stream = client.generate(
         "Hello world", max_tokens=490, ignore_eos=True, num_speculative_tokens=0, timeout=0.2
     )
@@ -127,7 +142,8 @@ def test_deadline_expiry_frees_blocks(client: SpecserveClient):
     wait_no_blocks_in_use(client)
 
 
-def test_unary_deadline_frees_blocks(client: SpecserveClient):
+def test_unary_deadline_frees_blocks(paced_client: SpecserveClient):
+    client = paced_client
     with pytest.raises(grpc.RpcError) as info:
         client.generate_complete(
             "Hello", max_tokens=490, ignore_eos=True, num_speculative_tokens=0, timeout=0.2
