@@ -95,6 +95,7 @@ def test_64_concurrent_streams_complete_while_health_serving(process, engine_con
 
     async def run() -> tuple[list[list[int]], list[str]]:
         async with AsyncSpecserveClient(process.target) as client:
+            await client.wait_serving(120)  # whichever test of the module runs first
             health: list[str] = []
 
             async def one(prompt: str) -> list[int]:
@@ -120,6 +121,7 @@ def test_64_concurrent_streams_complete_while_health_serving(process, engine_con
 
 def test_cancel_and_deadline_leave_no_blocks(process: ServerProcess):
     with SpecserveClient(process.target) as client:
+        client.wait_serving(120)  # whichever test of the module runs first
         stream = client.generate("Hello world", max_tokens=400, ignore_eos=True)
         for _ in stream:
             stream.cancel()
