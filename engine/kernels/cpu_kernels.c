@@ -103,8 +103,10 @@ INLINE void team_barrier(struct team *tm, int nt) {
 INLINE void team_phase(struct team *tm, int tid, int phase) {
     if (tid == 0) __atomic_store_n(&tm->next[(phase + 1) & 1], 0, __ATOMIC_RELAXED);
 }
+/* the counter of dynamic phase `phase` (team_take's, for a loop that takes its own) */
+INLINE int64_t *team_counter(struct team *tm, int phase) { return &tm->next[phase & 1]; }
 INLINE int64_t team_take(struct team *tm, int phase) {
-    return __atomic_fetch_add(&tm->next[phase & 1], 1, __ATOMIC_RELAXED);
+    return __atomic_fetch_add(team_counter(tm, phase), 1, __ATOMIC_RELAXED);
 }
 
 /* Thread tid's share [*lo, *hi) of n items split evenly in order, as schedule(static). */
@@ -1454,6 +1456,21 @@ static void attn_item_start(const struct attn_args *c, const struct attn_plan *p
         }                                                                                      \
         STORE_ROWS(V);                                                                         \
     }                                                                                          \
+    /* a thread's share of the first pass: items as it takes them from *counter, each the \
+     * one taken ahead of it where ATTN_TAKES_AHEAD (attn_item_start); *failed set (NULL: \
+     * never), taken but not run */                                                       \
+    static ONE_COPY void attn_items_##V(const struct attn_args *c, const struct attn_plan *p, \
+                                        struct attn_scratch *s, int64_t *counter,              \
+                                        const int *failed) {                                   \
+        int64_t item = __atomic_fetch_add(counter, 1, __ATOMIC_RELAXED);                       \
+        while (item < p->num_items) {                                                          \
+            const int64_t next =                                                               \
+                ATTN_TAKES_AHEAD(p) ? __atomic_fetch_add(counter, 1, __ATOMIC_RELAXED) : -1;   \
+            if (!failed || !__atomic_load_n(failed, __ATOMIC_RELAXED))                         \
+                attn_item_##V(c, p, s, item, next < p->num_items ? next : -1);                 \
+            item = next >= 0 ? next : __atomic_fetch_add(counter, 1, __ATOMIC_RELAXED);        \
+        }                                                                                      \
+    }                                                                                          \
     /* split mode's second pass, item tile * num_kv_heads + kv_head: a tile's chunks merged \
      * in key order, as the first pass does unsplit */                                        \
     static ONE_COPY void attn_merge_##V(const struct attn_args *c,                             \
@@ -1496,18 +1513,7 @@ static void attn_item_start(const struct attn_args *c, const struct attn_plan *p
             if (attn_scratch_alloc(&scratch, &args, need_qf, sizeof(KT))) {                    \
                 _Pragma("omp atomic write") failed = 1;                                        \
             }                                                                                  \
-            int64_t item = __atomic_fetch_add(&taken, 1, __ATOMIC_RELAXED);                    \
-            while (item < plan.num_items) {                                                    \
-                const int64_t next = ATTN_TAKES_AHEAD(&plan)                                   \
-                                         ? __atomic_fetch_add(&taken, 1, __ATOMIC_RELAXED)     \
-                                         : -1;                                                 \
-                int stop;                                                                      \
-                _Pragma("omp atomic read") stop = failed;                                      \
-                if (!stop)                                                                     \
-                    attn_item_##V(&args, &plan, &scratch, item,                                \
-                                  next < plan.num_items ? next : -1);                          \
-                item = next >= 0 ? next : __atomic_fetch_add(&taken, 1, __ATOMIC_RELAXED);     \
-            }                                                                                  \
+            attn_items_##V(&args, &plan, &scratch, &taken, &failed);                           \
             if (plan.partials) {                                                               \
                 _Pragma("omp barrier")                                                         \
                 _Pragma("omp for schedule(dynamic, 1)") for (                                  \

@@ -331,14 +331,7 @@ INLINE void team_prepare_bf16(struct qrows *a, float *wide, int32_t fmt, const b
                     team_barrier(&tm, nt);                                                     \
                     la.k_cache = w->k_cache, la.v_cache = w->v_cache;                          \
                     team_phase(&tm, tid, phase);                                               \
-                    /* each thread takes the item it runs next before the current one's   \
-                     * (attn_item_start) */                                                   \
-                    for (int64_t it = team_take(&tm, phase), nx; it < plan.num_items;          \
-                         it = nx >= 0 ? nx : team_take(&tm, phase)) {                          \
-                        nx = ATTN_TAKES_AHEAD(&plan) ? team_take(&tm, phase) : -1;             \
-                        attn_item_##V(&la, &plan, &scratch, it,                                \
-                                      nx < plan.num_items ? nx : -1);                          \
-                    }                                                                          \
+                    attn_items_##V(&la, &plan, &scratch, team_counter(&tm, phase), NULL);      \
                     phase++;                                                                   \
                     team_barrier(&tm, nt);                                                     \
                     if (plan.partials) {                                                       \
