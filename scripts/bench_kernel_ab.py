@@ -3,7 +3,8 @@ process: a kernel change measured against the revision before it.
 
     .venv/bin/python scripts/bench_kernel_ab.py --base HEAD~1 --context 300 --rounds 100
 
-``--base``: a git revision whose engine/kernels/*.c are built (for this CPU, privately);
+``--base``: a git revision whose engine/kernels/*.c are built (for this CPU, privately;
+``--level`` a prebuilt level this CPU runs, e.g. ``x86-64-v3`` for the AVX2 code);
 the other build is the working tree's. Each loads the default model as served (or
 ``--model``) with its own kernels and fills the caches of ``--batch`` sequences of
 ``--context`` tokens; then one decode step of each (the one-call decoder at batch 1)
@@ -65,6 +66,8 @@ def main() -> int:
                         help="the new build's bf16-tile rule for quantized layers")  # fmt: skip
     parser.add_argument("--base-bf16-rows", type=int, default=None,
                         help="the base build's bf16-tile rule (where it has the path)")  # fmt: skip
+    parser.add_argument("--level", default="native",
+                        help="build both for this kernel level (default: this CPU)")  # fmt: skip
     parser.add_argument("--prefill", action="store_true",
                         help="time the prefill of each sequence's --context tokens, not a "
                              "decode step after them")  # fmt: skip
@@ -85,9 +88,17 @@ def main() -> int:
     from engine.loader import load_model
     from engine.models import layers as layers_mod
 
-    print(f"building the kernels at {args.base} and the working tree's ...", file=sys.stderr)
-    libs = {"base": build.build_source(base_source(args.base)),
-            "new": build.build_source(build.read_source())}  # fmt: skip
+    levels = ["native"] + [
+        name for name, _ in build.PREBUILT_LEVELS.get(build.platform.machine(), [])
+    ]
+    if args.level not in levels:
+        parser.error(f"--level must be one of {', '.join(levels)}, got {args.level!r}")
+    if args.level != "native" and not build.level_flags(args.level) <= build.cpu_flags():
+        parser.error(f"this CPU cannot run {args.level} code")
+    print(f"building the kernels at {args.base} and the working tree's ({args.level}) ...",
+          file=sys.stderr)  # fmt: skip
+    libs = {"base": build.build_source(base_source(args.base), args.level),
+            "new": build.build_source(build.read_source(), args.level)}  # fmt: skip
     block = 16
     per = (args.context + block) // block + 1  # cache blocks a sequence
     tables = [list(range(1 + i * per, 1 + (i + 1) * per)) for i in range(args.batch)]

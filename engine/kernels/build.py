@@ -443,14 +443,15 @@ def _cpu_flags(cpuinfo: str | None = None) -> str:
     return ""
 
 
-def build_source(source: bytes) -> Path:
+def build_source(source: bytes, level: str = "native") -> Path:
     """``source`` (a translation unit in ``read_source``'s form, e.g. the kernels of
-    another revision) built for this CPU, for this process alone: benchmarks that
-    compare two builds side by side load it with ``CpuKernels``."""
+    another revision) built for this CPU, or for a ``PREBUILT_LEVELS`` level it runs,
+    for this process alone: benchmarks that compare two builds side by side load it
+    with ``CpuKernels``."""
     cc = _compiler()
     if cc is None:
         raise KernelBuildError("no C compiler found (set $CC or install gcc)")
-    return _build_private(cc, source, library_name(cc, source))
+    return _build_private(cc, source, library_name(cc, source), march=level)
 
 
 def _compiler() -> str | None:

@@ -152,6 +152,7 @@ INLINE int q_tiles_take(const struct qrows *a, int32_t fmt, int64_t m) {
  * layer. A group is one thread's whole work whichever thread runs it: the same bits as
  * any split. Calls on AMX tiles (q_tiles_take) keep the halves, all groups fixed;
  * otherwise it consumes one dynamic phase. */
+#define TEAM_Q_TAKES 64 /* a take of the dynamic quarter: at least 1/64 of the groups */
 #define TEAM_Q_GROUPS(S)                                                                       \
     do {                                                                                       \
         const int64_t units_ = q_groups_of(n_out);                                             \
@@ -160,10 +161,12 @@ INLINE int q_tiles_take(const struct qrows *a, int32_t fmt, int64_t m) {
         team_range(fixed_, tid, nt, &lo_, &hi_);                                               \
         q_groups_##S(out, a, w, fmt, bias, m, n_out, lo_, hi_);                                \
         if (fixed_ < units_) {                                                                 \
+            const int64_t c_ = units_ / TEAM_Q_TAKES > 1 ? units_ / TEAM_Q_TAKES : 1;          \
             team_phase(tm, tid, *phase);                                                       \
-            for (int64_t g_ = fixed_ + team_take(tm, *phase); g_ < units_;                     \
-                 g_ = fixed_ + team_take(tm, *phase))                                          \
-                q_groups_##S(out, a, w, fmt, bias, m, n_out, g_, g_ + 1);                      \
+            for (int64_t g_ = fixed_ + c_ * team_take(tm, *phase); g_ < units_;                \
+                 g_ = fixed_ + c_ * team_take(tm, *phase))                                     \
+                q_groups_##S(out, a, w, fmt, bias, m, n_out, g_,                               \
+                             g_ + c_ < units_ ? g_ + c_ : units_);                              \
             ++*phase;                                                                          \
         }                                                                                      \
     } while (0)

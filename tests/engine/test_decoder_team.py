@@ -288,3 +288,21 @@ def test_the_environment_turns_it_off(monkeypatch):
             monkeypatch.delenv("SPECSERVE_DECODER_TEAM")
             cpu_mod.cpu_kernels.cache_clear()
             cpu_mod.cpu_kernels().set_decoder_team(True)
+
+
+@pytest.mark.parametrize("num_threads", [2, 3])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_wide_layers_split_alike_whatever_the_thread_count(
+    kernels, threads, num_threads, dtype, tiny_gguf_factory
+):
+    """Linear layers wide enough that the team hands out their last quarter of output
+    tiles several groups a take (TEAM_Q_TAKES: gate_up's 4,160 outputs and the head's
+    4,130, the last take short): the bits of a region per kernel, and of one thread."""
+    path = tiny_gguf_factory(intermediate_size=2080, vocab_size=4130)
+    threads(num_threads)
+    _compare(kernels, lambda: _runner(path, None, dtype), team_runs=True)
+    team = _run(_runner(path, None, dtype), kernels, True)
+    threads(1)
+    alone = _run(_runner(path, None, dtype), kernels, True)
+    for ours, theirs in zip(team[0] + team[1], alone[0] + alone[1], strict=True):
+        assert torch.equal(ours, theirs)

@@ -151,3 +151,11 @@ def test_bf16_model_in_one_call_at_every_level_with_fma(at_level, tiny_model_dir
         return
     plain.model.model.fused = None
     check_one_call_matches_layers(fused, plain, monkeypatch)
+
+
+def test_wide_layers_in_one_call_at_every_level(at_level, tiny_gguf_factory, monkeypatch):
+    """Linear layers wide enough that the team hands out their last quarter of output
+    tiles several groups a take at every level (gate_up's 4,160 outputs, the head's
+    4,130): the one call is the layer-by-layer forward bit for bit."""
+    fused, plain = _runners(tiny_gguf_factory(intermediate_size=2080, vocab_size=4130))
+    check_one_call_matches_layers(fused, plain, monkeypatch)
