@@ -146,13 +146,15 @@ INLINE int q_tiles_take(const struct qrows *a, int32_t fmt, int64_t m) {
 
 /* Thread tid's share of a quantized Linear layer's groups of output tiles (q_groups_S
  * on team_linear_S's arguments): each thread first runs a fixed share of the first
- * three quarters (no atomics), then takes the rest one group at a time from the
- * phase's counter (team_take), so the thread whose share arrived from memory later
- * takes fewer of them instead of the other waiting for it at the barrier after the
- * layer. A group is one thread's whole work whichever thread runs it: the same bits as
- * any split. Calls on AMX tiles (q_tiles_take) keep the halves, all groups fixed;
+ * three quarters (no atomics), then takes the rest from the phase's counter
+ * (team_take), 1/TEAM_Q_TAKES of the groups (at least one) a take, so the thread
+ * whose share arrived from memory later takes fewer of them instead of the other
+ * waiting for it at the barrier after the layer. A take of one group each was worse
+ * where groups are small (the AVX2 level's 8 outputs: 4,860 takes a step of the
+ * default model; the two threads' streams interleaved tile by tile). A group is one
+ * thread's whole work whichever thread runs it: the same bits as any split. Calls on AMX tiles (q_tiles_take) keep the halves, all groups fixed;
  * otherwise it consumes one dynamic phase. */
-#define TEAM_Q_TAKES 64 /* a take of the dynamic quarter: at least 1/64 of the groups */
+#define TEAM_Q_TAKES 16 /* a take of the dynamic quarter: at least 1/16 of the groups */
 #define TEAM_Q_GROUPS(S)                                                                       \
     do {                                                                                       \
         const int64_t units_ = q_groups_of(n_out);                                             \
