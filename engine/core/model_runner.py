@@ -96,10 +96,12 @@ class ModelRunner:
     def execute(self, prepared: PreparedBatch) -> torch.Tensor:
         input_ids, positions, metadata, logit_rows = prepared
         with set_attention_metadata(metadata):
+            if self.logits_fn is None:  # the one-call decoder may run the head too
+                return self.model.logits(input_ids, positions, logit_rows)
             hidden = self.model(input_ids, positions)  # [num_tokens, hidden_size]
         if logit_rows is not None:
             hidden = hidden[logit_rows]
-        return (self.logits_fn or self.model.compute_logits)(hidden)
+        return self.logits_fn(hidden)
 
     def prepare(self, seqs: list[SeqInput]) -> PreparedBatch:
         """Host-side batch building: the packed tensors and the attention metadata."""

@@ -43,19 +43,31 @@ class _Layer(ctypes.Structure):  # struct specserve_layer
     _fields_ = [(name, _P) for name in _LAYER_FIELDS] + [(name, _I32) for name in _FORMAT_FIELDS]
 
 
+class _Head(ctypes.Structure):  # struct specserve_head
+    _fields_ = [
+        ("norm", _P), ("weight", _P), ("fmt", _I32), ("vocab", _I64), ("rows", _P),
+        ("num_rows", _I64), ("normed", _P), ("logits", _P),
+    ]  # fmt: skip
+
+
 _ARGTYPES = [_P, _I64, _P, _P, _P, _P, _P, _P, _P, _I64]  # layers .. act, n
 _ARGTYPES += [_I64, _I64, _I64, _I64, _I64, _F32]  # hidden .. inter, eps
 _ARGTYPES += [_P, _P, _I64, _P, _I64, _I64]  # positions .. block_size
 _ARGTYPES += [_P, _I64, _I64, _P, _P, _I64, _P, _I64, _I64, _F32, _I32]  # attention
-_ARGTYPES += [_I32, _P]  # continue_residual, tree_masks
+_ARGTYPES += [_I32, _P, ctypes.POINTER(_Head)]  # continue_residual, tree_masks, head
 
 
 class FusedDecoderLayers:
     """The layers of one model, their packed weights and bound KV caches as the C loop
     reads them. Holds references to every tensor it points at; rebuilt when the caches
-    are bound again."""
+    are bound again. Given the model's LM head (quantized, or packed for the Linear
+    kernel of the model's dtype), ``logits`` runs the final norm and the head in the
+    same call: at batch 1 their Python, and the second OpenMP region, cost a tenth of a
+    decode step (a Zen 4, 2026-12-07)."""
 
-    def __init__(self, kernels: CpuKernels, model, kv_caches: list[torch.Tensor]) -> None:
+    def __init__(
+        self, kernels: CpuKernels, model, kv_caches: list[torch.Tensor], lm_head=None
+    ) -> None:
         config = model.config
         self.dtype = model.norm.weight.dtype
         if self.dtype not in (torch.float32, torch.bfloat16):
@@ -106,6 +118,16 @@ class FusedDecoderLayers:
         fn = getattr(kernels.lib, name)
         fn.restype, fn.argtypes = ctypes.c_int, _ARGTYPES
         self._fn = fn
+        # (final norm, head weight, its format, vocab) where the call runs the head
+        self._head: tuple[int, int, int, int] | None = None
+        if lm_head is not None and getattr(lm_head, "bias", None) is None:
+            weight, fmt = self._weight(lm_head)
+            self._head = (self._ptr(model.norm.weight), weight, fmt, lm_head.out_features)
+
+    @property
+    def has_head(self) -> bool:
+        """Whether ``logits`` can run the final norm and the LM head in the call."""
+        return self._head is not None
 
     def _weight(self, linear) -> tuple[int, int]:
         """(pointer, format) of a Linear's packed weight: FLOAT_PACKED for the Linear
@@ -147,6 +169,41 @@ class FusedDecoderLayers:
         each of those layers [n, hidden_size] (an EAGLE draft's features): the layers
         run in segments between them, continuing the residual, so the result is what
         one call computes."""
+        hidden, residual, _ = self._run(
+            hidden, positions, cos_sin, metadata, seq_ids, max_query_len, capture_layers,
+            captured, None,
+        )  # fmt: skip
+        return hidden, residual
+
+    def logits(
+        self,
+        hidden: torch.Tensor,
+        positions: torch.Tensor,
+        cos_sin: torch.Tensor,
+        metadata,
+        seq_ids: torch.Tensor,
+        max_query_len: int,
+        logit_rows: torch.Tensor | None,  # [rows] int64 increasing, or None: every row
+        capture_layers: tuple[int, ...] = (),
+        captured: list[torch.Tensor] | None = None,
+    ) -> torch.Tensor:  # [rows, vocab] in the model's dtype
+        """What ``__call__`` computes, then the model's final norm of ``logit_rows`` and
+        its LM head, in the same call (``has_head``): the bits of the model's norm and
+        head run on ``__call__``'s output."""
+        if self._head is None:
+            raise ValueError("this one-call decoder was built without the LM head")
+        if logit_rows is not None:
+            _check_index("logit_rows", logit_rows, logit_rows.numel())
+        return self._run(
+            hidden, positions, cos_sin, metadata, seq_ids, max_query_len, capture_layers,
+            captured, hidden.shape[0] if logit_rows is None else logit_rows,
+        )[2]  # fmt: skip
+
+    def _run(
+        self, hidden, positions, cos_sin, metadata, seq_ids, max_query_len, capture_layers,
+        captured, head_rows: torch.Tensor | int | None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:  # fmt: skip
+        """head_rows: None (no head), the number of rows (all), or their indices."""
         n = hidden.shape[0]
         if hidden.dtype is not self.dtype or not hidden.is_contiguous():
             raise ValueError(f"hidden must be dense {self.dtype}")
@@ -174,6 +231,17 @@ class FusedDecoderLayers:
         bounds = [layer for layer in capture_layers if 0 < layer < self.num_layers]
         if 0 in capture_layers and captured is not None:
             captured.append(hidden.clone())
+        head, logits = None, None
+        if head_rows is not None:
+            norm, weight, fmt, vocab = self._head
+            rows = head_rows if isinstance(head_rows, int) else head_rows.shape[0]
+            logits = hidden.new_empty(rows, vocab)
+            head_normed = hidden.new_empty(rows, self.hidden_size)
+            head = _Head(
+                norm, weight, fmt, vocab,
+                None if isinstance(head_rows, int) else head_rows.data_ptr(), rows,
+                head_normed.data_ptr(), logits.data_ptr(),
+            )  # fmt: skip
         start = 0
         for end in [*bounds, self.num_layers]:
             if end <= start:
@@ -181,15 +249,16 @@ class FusedDecoderLayers:
             self._run_layers(
                 start, end, hidden, residual, normed, qkv, attn, gate_up, act, positions,
                 cos_sin, metadata, seq_ids, num_seqs, max(max_query_len * group, 1),
+                head if end == self.num_layers else None,
             )  # fmt: skip
             if end < self.num_layers and captured is not None:
                 captured.append(hidden + residual)
             start = end
-        return hidden, residual
+        return hidden, residual, logits
 
     def _run_layers(
         self, start, end, hidden, residual, normed, qkv, attn, gate_up, act, positions,
-        cos_sin, metadata, seq_ids, num_seqs, max_rows,
+        cos_sin, metadata, seq_ids, num_seqs, max_rows, head,
     ) -> None:  # fmt: skip
         n = hidden.shape[0]
         tables = metadata.block_tables
@@ -205,6 +274,7 @@ class FusedDecoderLayers:
             seq_ids.data_ptr(), seq_ids.shape[0], max_rows, self.scale,
             torch.get_num_threads(), int(start > 0),
             None if metadata.tree_masks is None else metadata.tree_masks.data_ptr(),
+            None if head is None else ctypes.byref(head),
         )  # fmt: skip
         if status:
             raise _error(status, cos_sin.shape[0], self.num_cache_blocks * self.block_size)
@@ -217,6 +287,8 @@ def _error(status: int, num_positions: int, num_slots: int) -> Exception:
         return ValueError(f"a slot in slot_mapping is past the cache's {num_slots} slots")
     if status == 3:
         return MemoryError("a quantized Linear could not allocate its scratch buffers")
+    if status == 4:
+        return ValueError("logit_rows must be increasing rows of the step, each once")
     if status == 11:
         return MemoryError("paged attention could not allocate its scratch buffers")
     if status == 12:

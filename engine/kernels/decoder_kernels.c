@@ -28,6 +28,23 @@ struct specserve_layer {
     int32_t qkv_fmt, o_fmt, gate_up_fmt, down_fmt;
 };
 
+/* The final norm and the LM head, run by the same call after the last layer (NULL: the
+ * caller runs them): for each of `num_rows` rows of hidden (`rows`, strictly
+ * increasing, or NULL: rows 0 .. num_rows - 1), normed = RMSNorm(hidden + residual) *
+ * norm, as the model's final norm computes it row by row (the row's residual updated in
+ * place, the others left as they are), then logits = normed @ weight^T: the same
+ * kernels on the same values as the model's Python norm and head, so the same bits. */
+struct specserve_head {
+    const void *norm;   /* [hidden], the model's dtype */
+    const void *weight; /* packed [vocab, hidden], in format fmt (as a layer's Linear) */
+    int32_t fmt;
+    int64_t vocab;
+    const int64_t *rows;
+    int64_t num_rows;
+    void *normed; /* scratch [num_rows, hidden], the model's dtype */
+    void *logits; /* out [num_rows, vocab], the model's dtype */
+};
+
 /* A float Linear's weight formats (engine/kernels/decoder.py); a quantized Linear's is
  * its GGML type id (2, 3, 8). */
 #define FMT_FLOAT_PACKED 0 /* packed for the Linear kernel of the model's dtype */
@@ -62,13 +79,14 @@ INLINE int decoder_linear_f32(float *out, const float *x, int64_t x_stride, cons
         const int32_t *block_tables, int64_t block_table_stride, int64_t table_width,          \
         const int32_t *seq_lens, const int32_t *query_start_loc, int64_t num_seqs,             \
         const int32_t *seq_ids, int64_t num_selected, int64_t max_rows, float scale,           \
-        int32_t num_threads, int32_t continue_residual, const int64_t *tree_masks
+        int32_t num_threads, int32_t continue_residual, const int64_t *tree_masks,           \
+        const struct specserve_head *head
 #define DECODER_ARGS                                                                           \
     layers, num_layers, hidden, residual, normed, qkv, attn, gate_up, act, n, hidden_size,     \
         num_heads, num_kv_heads, head_dim, inter, eps, positions, cos_sin, num_positions,      \
         slots, num_cache_blocks, block_size, block_tables, block_table_stride, table_width,    \
         seq_lens, query_start_loc, num_seqs, seq_ids, num_selected, max_rows, scale,           \
-        num_threads, continue_residual, tree_masks
+        num_threads, continue_residual, tree_masks, head
 
 /* ---- the decoder on one team of threads ----
  *
@@ -125,7 +143,8 @@ INLINE int team_widens_bf16(void) {
 }
 
 static int decoder_team_ok(const struct specserve_layer *layers, int64_t num_layers, int64_t n,
-                           int32_t num_threads, int float_ok) {
+                           const struct specserve_head *head, int32_t num_threads,
+                           int float_ok) {
     if (!decoder_team_on || num_threads < 2 || n < 1) return 0;
     for (int64_t l = 0; l < num_layers; l++) {
         const int32_t fmts[4] = {layers[l].qkv_fmt, layers[l].o_fmt, layers[l].gate_up_fmt,
@@ -134,7 +153,19 @@ static int decoder_team_ok(const struct specserve_layer *layers, int64_t num_lay
             if (!fmt_quantized(fmts[i]) && !float_ok) return 0;
         }
     }
-    return 1;
+    return head == NULL || fmt_quantized(head->fmt) || float_ok;
+}
+
+/* 0, or 4 when the head's rows are not strictly increasing rows of the call's n (or
+ * its sizes are out of range). */
+static int head_check(const struct specserve_head *head, int64_t n) {
+    if (head == NULL) return 0;
+    if (head->num_rows < 0 || head->num_rows > n || head->vocab < 1) return 4;
+    if (head->rows != NULL)
+        for (int64_t j = 0; j < head->num_rows; j++)
+            if (head->rows[j] < (j > 0 ? head->rows[j - 1] + 1 : 0) || head->rows[j] >= n)
+                return 4;
+    return 0;
 }
 
 /* Whether the team's quantized call of m rows runs on AMX tiles (int8 or bf16), by the
@@ -152,8 +183,9 @@ INLINE int q_tiles_take(const struct qrows *a, int32_t fmt, int64_t m) {
  * waiting for it at the barrier after the layer. A take of one group each was worse
  * where groups are small (the AVX2 level's 8 outputs: 4,860 takes a step of the
  * default model; the two threads' streams interleaved tile by tile). A group is one
- * thread's whole work whichever thread runs it: the same bits as any split. Calls on AMX tiles (q_tiles_take) keep the halves, all groups fixed;
- * otherwise it consumes one dynamic phase. */
+ * thread's whole work whichever thread runs it: the same bits as any split. Calls on
+ * AMX tiles (q_tiles_take) keep the halves, all groups fixed; otherwise it consumes
+ * one dynamic phase. */
 #define TEAM_Q_TAKES 16 /* a take of the dynamic quarter: at least 1/16 of the groups */
 #define TEAM_Q_GROUPS(S)                                                                       \
     do {                                                                                       \
@@ -271,6 +303,14 @@ INLINE void team_prepare_bf16(struct qrows *a, float *wide, int32_t fmt, const b
                 if (ins[i] > kmax) kmax = ins[i];                                              \
             }                                                                                  \
         }                                                                                      \
+        const int64_t hr = head != NULL ? head->num_rows : 0; /* rows the head runs */       \
+        if (hr > 0 && !fmt_quantized(head->fmt)) {                                             \
+            if (team_prepares_##S(head->fmt) && h > wide_k) wide_k = h;                        \
+        } else if (hr > 0) {                                                                   \
+            if (specserve_quant_packed_bytes(head->fmt, head->vocab, h) < 0) return 3;         \
+            reads |= q_bf16_at(bf16_rule, head->fmt, hr) ? QROWS_BF16 : QROWS_INT8;            \
+            if (h > kmax) kmax = h;                                                            \
+        }                                                                                      \
         const struct attn_args args = {                                                        \
             attn, q_size, qkv, qkv_size, NULL, NULL, block_tables, block_table_stride,         \
             table_width, seq_lens, query_start_loc, num_seqs, n, seq_ids, num_selected,        \
@@ -368,6 +408,20 @@ INLINE void team_prepare_bf16(struct qrows *a, float *wide, int32_t fmt, const b
                                     inter, &a, wide, tid, nt, &tm, &phase);                        \
                     team_barrier(&tm, nt);                                                     \
                 }                                                                              \
+                if (hr > 0) { /* the final norm of the head's rows, then the head */           \
+                    T *hn = (T *)head->normed;                                                 \
+                    int64_t j0, j1;                                                            \
+                    team_range(hr, tid, nt, &j0, &j1);                                         \
+                    for (int64_t j = j0; j < j1; j++) {                                        \
+                        const int64_t i = head->rows != NULL ? head->rows[j] : j;              \
+                        NORM_FN(hn + j * h, hidden + i * h, residual + i * h,                  \
+                                (const T *)head->norm, 1, h, eps, 1);                          \
+                    }                                                                          \
+                    team_prepare_##S(&a, wide, head->fmt, hn, h, hr, j0, j1);                  \
+                    team_barrier(&tm, nt);                                                     \
+                    team_linear_##S((T *)head->logits, hn, h, head->weight, head->fmt, NULL,   \
+                                    hr, head->vocab, h, &a, wide, tid, nt, &tm, &phase);       \
+                }                                                                              \
             }                                                                                  \
             attn_scratch_free(&scratch);                                                       \
         }                                                                                      \
@@ -384,21 +438,26 @@ DECODER_TEAM(float, f32, bf16, f32_bf16kv, decoder_team_f32_bf16kv, specserve_rm
 DECODER_TEAM(bf16, bf16, bf16, bf16, decoder_team_bf16, specserve_rms_norm_bf16,
              specserve_rope_bf16, specserve_write_kv_bf16, specserve_silu_and_mul_bf16)
 #define DECODER_DISPATCH(S, TEAM)                                                              \
-    if (decoder_team_ok(layers, num_layers, n, num_threads, team_float_ok_##S()))              \
+    if (decoder_team_ok(layers, num_layers, n, head, num_threads, team_float_ok_##S()))        \
         return TEAM(DECODER_ARGS);
 
 /* hidden [n, hidden_size]: the embeddings in, the last layer's MLP output out;
  * residual [n, hidden_size]: the residual stream before that output, out (the final
  * norm adds them). Scratch: normed [n, hidden_size], qkv [n, q + 2 kv], attn [n, q],
  * gate_up [n, 2 inter], act [n, inter]. The attention arguments are paged attention's
- * (tree_masks too). Returns 0; 1 when a position is outside the rotary table, 2 when a
- * slot is past the cache, 3 when a quantized Linear runs out of memory, 10 + paged
- * attention's status otherwise (the layers before the failing call have run). With
+ * (tree_masks too); head, where not NULL, the final norm and LM head run after the
+ * last layer (struct specserve_head). Returns 0; 1 when a position is outside the
+ * rotary table, 2 when a slot is past the cache, 3 when a quantized Linear runs out of
+ * memory, 4 when the head's rows are out of order or range (checked before anything
+ * runs), 10 + paged attention's status otherwise (the layers before the failing call
+ * have run). With
  * continue_residual, hidden and residual come in as a previous call left them (the
  * layers before these ones): a model run in several calls computes exactly what one
  * call does. */
 #define DECODER_LAYERS(T, S, KT, NAME, NORM_FN, ROPE_FN, KV_FN, ATTN_FN, SILU_FN, DISPATCH)        \
     int NAME(DECODER_PARAMS(T)) {                                                                  \
+        const int head_status = head_check(head, n);                                               \
+        if (head_status) return head_status;                                                       \
         DISPATCH                                                                                   \
         const int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;            \
         const int64_t qkv_size = q_size + 2 * kv_size;                                             \
@@ -443,6 +502,23 @@ DECODER_TEAM(bf16, bf16, bf16, bf16, decoder_team_bf16, specserve_rms_norm_bf16,
             status = decoder_linear_##S(hidden, act, inter, w->down, w->down_fmt, NULL, n,         \
                                         hidden_size, inter, num_threads);                          \
             if (status) return 3;                                                                   \
+        }                                                                                          \
+        if (head != NULL && head->num_rows > 0) {                                                  \
+            T *hn = (T *)head->normed;                                                             \
+            if (head->rows == NULL) {                                                              \
+                NORM_FN(hn, hidden, residual, (const T *)head->norm, head->num_rows, hidden_size,  \
+                        eps, num_threads);                                                         \
+            } else {                                                                               \
+                for (int64_t j = 0; j < head->num_rows; j++) {                                     \
+                    const int64_t i = head->rows[j];                                               \
+                    NORM_FN(hn + j * hidden_size, hidden + i * hidden_size,                        \
+                            residual + i * hidden_size, (const T *)head->norm, 1, hidden_size,     \
+                            eps, 1);                                                               \
+                }                                                                                  \
+            }                                                                                      \
+            if (decoder_linear_##S((T *)head->logits, hn, hidden_size, head->weight, head->fmt,    \
+                                   NULL, head->num_rows, head->vocab, hidden_size, num_threads))   \
+                return 3;                                                                          \
         }                                                                                          \
         return 0;                                                                                  \
     }

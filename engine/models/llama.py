@@ -106,10 +106,28 @@ class LlamaModel(nn.Module):
         self.captured: torch.Tensor | None = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.run(input_ids, positions)[0]
+
+    def run(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        head: bool = False,
+        logit_rows: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, bool]:
+        """(out, is_logits): the final norm's output [num_tokens, hidden_size]; or, with
+        ``head`` where the one-call decoder runs this step and holds the LM head, the
+        head's output for ``logit_rows`` (every row when None) [rows, vocab] in the
+        model's dtype, computed in the same call."""
         hidden_states = self.embed_tokens(input_ids)  # [num_tokens, hidden_size]
         rope = self.rotary.for_positions(positions, hidden_states.dtype)  # shared by all layers
         captured: list[torch.Tensor] | None = [] if self.capture_layers else None
-        fused = self._run_fused(hidden_states, rope, captured)
+        rows = logit_rows if head and self.fused is not None and self.fused.has_head else False
+        fused = self._run_fused(hidden_states, rope, captured, rows)
+        if isinstance(fused, torch.Tensor):
+            if captured is not None:
+                self.captured = torch.cat(captured, dim=-1)
+            return fused, True
         if fused is not None:
             out = self.norm(*fused)[0]
         else:
@@ -125,16 +143,19 @@ class LlamaModel(nn.Module):
             out = self.norm(hidden_states, residual)[0]
         if captured is not None:
             self.captured = torch.cat(captured, dim=-1)
-        return out
+        return out, False
 
     def _run_fused(
         self,
         hidden_states: torch.Tensor,
         rope: RopeBatch,
         captured: list[torch.Tensor] | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        logit_rows: torch.Tensor | None | bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor] | torch.Tensor | None:
         """Every layer in one kernel call (engine/kernels/decoder.py), when this step's
-        attention runs on the kernel for every query and rotary on the kernel too."""
+        attention runs on the kernel for every query and rotary on the kernel too: the
+        last layer's (MLP output, residual), or, unless ``logit_rows`` is False, the LM
+        head's logits of those rows (None: all) after the final norm, in the same call."""
         if self.fused is None or rope.cos is not None or hidden_states.shape[0] == 0:
             return None
         metadata = get_attention_metadata()
@@ -142,9 +163,15 @@ class LlamaModel(nn.Module):
         if plan is None:
             return None
         seq_ids, max_query_len = plan
+        capture = self.capture_layers if captured is not None else ()
+        if logit_rows is not False:
+            return self.fused.logits(
+                hidden_states, rope.positions, rope.table, metadata, seq_ids, max_query_len,
+                logit_rows, capture, captured,
+            )  # fmt: skip
         return self.fused(
             hidden_states, rope.positions, rope.table, metadata, seq_ids, max_query_len,
-            self.capture_layers if captured is not None else (), captured,
+            capture, captured,
         )  # fmt: skip
 
 
@@ -176,6 +203,21 @@ class LlamaForCausalLM(nn.Module):
         """[n, hidden_size] -> [n, vocab_size] float32."""
         return self.lm_head(hidden_states).float()
 
+    def logits(
+        self,
+        input_ids: torch.Tensor,  # [num_tokens] int64
+        positions: torch.Tensor,  # [num_tokens] int64
+        logit_rows: torch.Tensor | None,  # [rows] int64 increasing; None: every row
+    ) -> torch.Tensor:  # [rows, vocab_size] float32
+        """``compute_logits(forward(...)[logit_rows])``; where the one-call decoder runs
+        the step, its call runs the final norm and the head too (the same bits)."""
+        out, is_logits = self.model.run(input_ids, positions, True, logit_rows)
+        if is_logits:
+            return out.float()
+        if logit_rows is not None:
+            out = out[logit_rows]
+        return self.compute_logits(out)
+
     @torch.no_grad()
     def embedding_rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows ``ids`` of the input embedding [len(ids), hidden] in the model's dtype,
@@ -202,7 +244,12 @@ class LlamaForCausalLM(nn.Module):
             raise ValueError(f"got {len(kv_caches)} KV caches for {len(self.model.layers)} layers")
         for layer, cache in zip(self.model.layers, kv_caches, strict=True):
             layer.self_attn.kv_cache = cache
-        self.model.fused = fused_decoder_for(self.model, kv_caches)
+        # the head joins the call only where compute_logits is this class's (a trained
+        # draft's scatters a reduced head's logits)
+        own_head = type(self).compute_logits is LlamaForCausalLM.compute_logits
+        self.model.fused = fused_decoder_for(
+            self.model, kv_caches, self.lm_head if own_head else None
+        )
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -213,11 +260,12 @@ class LlamaForCausalLM(nn.Module):
 
 
 def fused_decoder_for(
-    model: LlamaModel, kv_caches: list[torch.Tensor]
+    model: LlamaModel, kv_caches: list[torch.Tensor], lm_head: nn.Module | None = None
 ) -> FusedDecoderLayers | None:
     """The one-call decoder for ``model`` when every piece of its layers runs on the
     kernels (engine/kernels/decoder.py: quantized Linear layers, or float ones on the
-    Linear kernel of the model's dtype), else None: the layer-by-layer forward."""
+    Linear kernel of the model's dtype), else None: the layer-by-layer forward. With
+    ``lm_head`` on the kernels too (and no bias), the call can run it."""
     from engine.attention.cpu_backend import CpuAttentionBackend
 
     weight = model.norm.weight
@@ -234,8 +282,10 @@ def fused_decoder_for(
             return None
         if not isinstance(attn.attn_backend, CpuAttentionBackend):
             return None
+    if lm_head is not None and (not _on_the_kernels(lm_head) or lm_head.bias is not None):
+        lm_head = None
     try:
-        return FusedDecoderLayers(kernels, model, kv_caches)
+        return FusedDecoderLayers(kernels, model, kv_caches, lm_head)
     except ValueError:  # a tensor not dense in the model's dtype: layer by layer copes
         return None
 

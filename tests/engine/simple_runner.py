@@ -69,12 +69,9 @@ class SimplePagedRunner:
         )
         input_ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
         pos = torch.tensor(positions, dtype=torch.long, device=self.device)
-        with set_attention_metadata(metadata):
-            hidden = self.model(input_ids, pos)  # [num_tokens, hidden_size]
-        if not all_logits:
-            last = metadata.query_start_loc[1:].long() - 1
-            hidden = hidden.index_select(0, last)
-        return self.model.compute_logits(hidden)
+        rows = None if all_logits else metadata.query_start_loc[1:].long() - 1
+        with set_attention_metadata(metadata):  # the one-call decoder may run the head too
+            return self.model.logits(input_ids, pos, rows)
 
     def _grow(self, seq_id: int, num_tokens: int) -> None:
         table = self.block_tables[seq_id]

@@ -54,8 +54,10 @@ def test_fused_decoder_is_the_layer_by_layer_forward_bit_for_bit(
 
 def check_one_call_matches_layers(fused, plain, monkeypatch) -> None:
     """Mixed steps (prompts, decodes beside prefill chunks, a verification-sized query,
-    a chunk after a cached prefix) through ``fused`` (one call, no Python layer runs)
-    and ``plain`` (layer by layer): the same logits bit for bit."""
+    a chunk after a cached prefix) through ``fused`` (one call, no Python layer runs,
+    nor the final norm and LM head where the call holds them) and ``plain`` (layer by
+    layer, the head in Python): the same logits bit for bit, of every row and of each
+    chunk's last."""
     rng = random.Random(0)
     vocab = fused.model.config.vocab_size
     for runner in (fused, plain):
@@ -75,13 +77,27 @@ def check_one_call_matches_layers(fused, plain, monkeypatch) -> None:
         return real(self, *args, **kwargs)
 
     monkeypatch.setattr(LlamaDecoderLayer, "forward", counted)
-    for chunks in steps:
+    # the head: quantized, or packed for the Linear kernel, in the call
+    assert fused.model.model.fused.has_head
+    head_calls = {"n": 0}
+    head_type = type(fused.model.lm_head)
+    real_head = head_type.forward
+
+    def counted_head(self, *args, **kwargs):  # the Linear layers share the head's class
+        head_calls["n"] += self is fused.model.lm_head or self is plain.model.lm_head
+        return real_head(self, *args, **kwargs)
+
+    monkeypatch.setattr(head_type, "forward", counted_head)
+    for i, chunks in enumerate(steps):
         chunks = [(seq, [rng.randrange(vocab) for _ in range(n)]) for seq, n in chunks]
-        before = calls["n"]
-        ours = fused.step(chunks, all_logits=True)
-        assert calls["n"] == before  # no Python layer ran: the fused call did it all
-        theirs = plain.step(chunks, all_logits=True)
-        assert calls["n"] > before
+        every_row = i % 2 == 0  # else the last row of each chunk: rows picked in the call
+        before = calls["n"], head_calls["n"]
+        ours = fused.step(chunks, all_logits=every_row)
+        assert (calls["n"], head_calls["n"]) == before  # the fused call did it all
+        theirs = plain.step(chunks, all_logits=every_row)
+        assert calls["n"] > before[0] and head_calls["n"] == before[1] + 1
+        assert ours.shape[0] == (sum(len(c) for _, c in chunks) if every_row else len(chunks))
+        assert ours.dtype is torch.float32
         assert torch.equal(ours, theirs)
 
 
@@ -126,3 +142,36 @@ def test_a_slot_past_the_cache_is_one_clear_error(tiny_model_dir):
             torch.tensor([0], dtype=torch.int32),
             2,
         )
+
+
+def test_the_head_in_the_call_takes_only_increasing_rows_of_the_step(tiny_model_dir):
+    """``FusedDecoderLayers.logits``: the rows whose logits the call computes must be
+    increasing rows of the step, each once (the final norm updates a row's residual in
+    place): anything else is one clear error before any layer runs, and the rows it
+    takes give compute_logits' bits on the forward's output."""
+    from engine.attention import build_attention_metadata
+
+    runner = SimplePagedRunner(load_model(tiny_model_dir, dtype="bfloat16").model, num_blocks=8)
+    model = runner.model
+    metadata = build_attention_metadata([3], [3], [[1]], runner.block_size)
+    hidden = model.model.embed_tokens(torch.tensor([3, 4, 5]))
+    rope = model.model.rotary.for_positions(torch.tensor([0, 1, 2]), torch.bfloat16)
+    seq_ids = torch.tensor([0], dtype=torch.int32)
+
+    def logits(rows):
+        return model.model.fused.logits(
+            hidden.clone(), rope.positions, rope.table, metadata, seq_ids, 3, rows
+        )
+
+    for rows in ([1, 1], [2, 0], [0, 3], [-1]):
+        with pytest.raises(ValueError, match="logit_rows must be increasing rows of the step"):
+            logits(torch.tensor(rows))
+    with pytest.raises(ValueError, match="logit_rows"):
+        logits(torch.tensor([0, 1], dtype=torch.int32))
+    out, residual = model.model.fused(hidden.clone(), rope.positions, rope.table, metadata,
+                                      seq_ids, 3)  # fmt: skip
+    normed = model.model.norm(out, residual)[0]
+    for rows in ([0, 2], [1], []):
+        expected = model.lm_head(normed[torch.tensor(rows, dtype=torch.long)])
+        assert torch.equal(logits(torch.tensor(rows, dtype=torch.long)), expected)
+    assert torch.equal(logits(None), model.lm_head(normed))
