@@ -7,7 +7,8 @@ flushed the caches that Python's objects live in. ``specserve_decoder_layers_bf1
 ``specserve_decoder_layers`` in float32, ``specserve_decoder_layers_f32_bf16kv`` for a
 float32 model over a bf16 KV cache) makes the same calls in the same order on the
 same buffers, so the hidden states are bit-identical to the Python forward (tested),
-and Python is left with the embedding, the final norm and the LM head.
+and Python is left with the embedding; where the LM head is on the kernels too,
+``FusedDecoderLayers.logits`` runs the final norm and the head in the same call.
 
 Used by ``LlamaModel.forward`` when every piece of a layer runs on these kernels: a CPU
 model whose every Linear is quantized (the quantized Linear kernel: any x86-64 level,
