@@ -121,7 +121,7 @@ class FusedDecoderLayers:
         self._fn = fn
         # (final norm, head weight, its format, vocab) where the call runs the head
         self._head: tuple[int, int, int, int] | None = None
-        if lm_head is not None and getattr(lm_head, "bias", None) is None:
+        if lm_head is not None:  # fused_decoder_for passes one on the kernels, no bias
             weight, fmt = self._weight(lm_head)
             self._head = (self._ptr(model.norm.weight), weight, fmt, lm_head.out_features)
 

@@ -276,6 +276,22 @@ INLINE void team_prepare_bf16(struct qrows *a, float *wide, int32_t fmt, const b
     }
 }
 
+/* What the team's buffers must hold for a Linear of format fmt, [n_out, k], run on m rows
+ * (prepares: team_prepares_S(fmt)): *wide_k the widest input a float one widens, *kmax
+ * the widest a quantized one reads, *reads what the quantized ones read of the rows
+ * (qrows_alloc). 3 when a quantized format does not fit [n_out, k], else 0. */
+INLINE int team_needs(int32_t fmt, int prepares, int64_t n_out, int64_t k, int64_t m,
+                      int32_t bf16_rule, int64_t *wide_k, int64_t *kmax, int *reads) {
+    if (!fmt_quantized(fmt)) {
+        if (prepares && k > *wide_k) *wide_k = k;
+        return 0;
+    }
+    if (specserve_quant_packed_bytes(fmt, n_out, k) < 0) return 3;
+    *reads |= q_bf16_at(bf16_rule, fmt, m) ? QROWS_BF16 : QROWS_INT8;
+    if (k > *kmax) *kmax = k;
+    return 0;
+}
+
 /* T: the activations' type (S its suffix), KT the KV cache's; V the attention's. */
 #define DECODER_TEAM(T, S, KT, V, NAME, NORM_FN, ROPE_FN, KV_FN, SILU_FN)                      \
     static int NAME(DECODER_PARAMS(T)) {                                                       \
@@ -293,24 +309,15 @@ INLINE void team_prepare_bf16(struct qrows *a, float *wide, int32_t fmt, const b
             const struct specserve_layer *w = &layers[l];                                      \
             const int32_t fmts[4] = {w->qkv_fmt, w->o_fmt, w->gate_up_fmt, w->down_fmt};      \
             const int64_t outs[4] = {qkv_size, h, 2 * inter, h}, ins[4] = {h, q_size, h, inter}; \
-            for (int i = 0; i < 4; i++) {                                                      \
-                if (!fmt_quantized(fmts[i])) {                                                 \
-                    if (team_prepares_##S(fmts[i]) && ins[i] > wide_k) wide_k = ins[i];        \
-                    continue;                                                                  \
-                }                                                                              \
-                if (specserve_quant_packed_bytes(fmts[i], outs[i], ins[i]) < 0) return 3;      \
-                reads |= q_bf16_at(bf16_rule, fmts[i], n) ? QROWS_BF16 : QROWS_INT8;          \
-                if (ins[i] > kmax) kmax = ins[i];                                              \
-            }                                                                                  \
+            for (int i = 0; i < 4; i++)                                                        \
+                if (team_needs(fmts[i], team_prepares_##S(fmts[i]), outs[i], ins[i], n,        \
+                               bf16_rule, &wide_k, &kmax, &reads))                             \
+                    return 3;                                                                  \
         }                                                                                      \
         const int64_t hr = head != NULL ? head->num_rows : 0; /* rows the head runs */       \
-        if (hr > 0 && !fmt_quantized(head->fmt)) {                                             \
-            if (team_prepares_##S(head->fmt) && h > wide_k) wide_k = h;                        \
-        } else if (hr > 0) {                                                                   \
-            if (specserve_quant_packed_bytes(head->fmt, head->vocab, h) < 0) return 3;         \
-            reads |= q_bf16_at(bf16_rule, head->fmt, hr) ? QROWS_BF16 : QROWS_INT8;            \
-            if (h > kmax) kmax = h;                                                            \
-        }                                                                                      \
+        if (hr > 0 && team_needs(head->fmt, team_prepares_##S(head->fmt), head->vocab, h, hr,  \
+                                 bf16_rule, &wide_k, &kmax, &reads))                           \
+            return 3;                                                                          \
         const struct attn_args args = {                                                        \
             attn, q_size, qkv, qkv_size, NULL, NULL, block_tables, block_table_stride,         \
             table_width, seq_lens, query_start_loc, num_seqs, n, seq_ids, num_selected,        \

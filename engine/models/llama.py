@@ -122,8 +122,8 @@ class LlamaModel(nn.Module):
         hidden_states = self.embed_tokens(input_ids)  # [num_tokens, hidden_size]
         rope = self.rotary.for_positions(positions, hidden_states.dtype)  # shared by all layers
         captured: list[torch.Tensor] | None = [] if self.capture_layers else None
-        rows = logit_rows if head and self.fused is not None and self.fused.has_head else False
-        fused = self._run_fused(hidden_states, rope, captured, rows)
+        head = head and self.fused is not None and self.fused.has_head
+        fused = self._run_fused(hidden_states, rope, captured, head, logit_rows)
         if isinstance(fused, torch.Tensor):
             if captured is not None:
                 self.captured = torch.cat(captured, dim=-1)
@@ -150,12 +150,13 @@ class LlamaModel(nn.Module):
         hidden_states: torch.Tensor,
         rope: RopeBatch,
         captured: list[torch.Tensor] | None = None,
-        logit_rows: torch.Tensor | None | bool = False,
+        head: bool = False,
+        logit_rows: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor] | torch.Tensor | None:
         """Every layer in one kernel call (engine/kernels/decoder.py), when this step's
         attention runs on the kernel for every query and rotary on the kernel too: the
-        last layer's (MLP output, residual), or, unless ``logit_rows`` is False, the LM
-        head's logits of those rows (None: all) after the final norm, in the same call."""
+        last layer's (MLP output, residual), or, with ``head``, the LM head's logits of
+        ``logit_rows`` (None: all) after the final norm, in the same call."""
         if self.fused is None or rope.cos is not None or hidden_states.shape[0] == 0:
             return None
         metadata = get_attention_metadata()
@@ -164,7 +165,7 @@ class LlamaModel(nn.Module):
             return None
         seq_ids, max_query_len = plan
         capture = self.capture_layers if captured is not None else ()
-        if logit_rows is not False:
+        if head:
             return self.fused.logits(
                 hidden_states, rope.positions, rope.table, metadata, seq_ids, max_query_len,
                 logit_rows, capture, captured,
