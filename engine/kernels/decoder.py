@@ -63,7 +63,7 @@ class FusedDecoderLayers:
     reads them. Holds references to every tensor it points at; rebuilt when the caches
     are bound again. Given the model's LM head (quantized, or packed for the Linear
     kernel of the model's dtype), ``logits`` runs the final norm and the head in the
-    same call: at batch 1 their Python, and the second OpenMP region, cost about 5% of a
+    same call: at batch 1 their Python, and the second OpenMP region, cost 2-5% of a
     decode step (a Zen 4, 2026-12-07)."""
 
     def __init__(
