@@ -20,6 +20,7 @@ from engine.io.outputs import RequestMetrics, RequestOutput
 from engine.io.sampling_params import SamplingParams
 from engine.observability.stats import EngineStats, StepRecord, StepTimings
 from engine.sample.grammar import Grammar, GrammarCompiler, GrammarLimits
+from engine.sample.sampler import nonfinite_rows
 from engine.spec_decode import paths
 from engine.spec_decode.proposers import build_proposer
 from engine.spec_decode.trained_draft import load_draft
@@ -49,20 +50,20 @@ class _RequestState:
 
 
 def _quarantine_nonfinite(logits: torch.Tensor, states: list, drafts: list) -> dict:
-    """The requests with verified rows that hold a NaN or +Inf logit (a row's sum is
-    then NaN or +Inf; -Inf alone is a token of probability 0, not an error), by id:
-    (state, output tokens before the step, the bad rows, 0 = the first verified row).
-    Their bad rows are zeroed so the sampler runs on numbers; whether what it drew from
-    them is kept is decided after the step (``_end_model_failures``). Unchecked, a NaN
-    row turns into a plausible token: argmax and the samplers take NaN for a value.
-    While every logit is finite (or -Inf) this is one sum over the logits and one
-    number read back: 7 us in a 5 ms decode step of the default model at 4 requests."""
-    total = float(logits.sum(dtype=torch.float32))
-    if total == total and total != float("inf"):
+    """The requests with verified rows that hold a NaN or +Inf logit (-Inf alone is a
+    token of probability 0, not an error), by id: (state, output tokens before the step,
+    the bad rows, 0 = the first verified row). Their bad rows are zeroed so the sampler
+    runs on numbers; whether what it drew from them is kept is decided after the step
+    (``_end_model_failures``). Unchecked, a NaN row turns into a plausible token: argmax
+    and the samplers take NaN for a value. On the CPU one pass of the compiled kernels
+    over the logits (sampler.nonfinite_rows)."""
+    bad_rows = nonfinite_rows(logits)
+    if not bad_rows:
         return {}
     with torch.inference_mode():  # the logits are inference tensors: zeroed in place
-        sums = logits.sum(-1, dtype=torch.float32)
-        flags = (torch.isnan(sums) | (sums == float("inf"))).tolist()
+        flags = [False] * logits.shape[0]
+        for r in bad_rows:
+            flags[r] = True
         broken, row = {}, 0
         for state, request_drafts in zip(states, drafts, strict=True):
             end = row + 1 + len(request_drafts)

@@ -136,14 +136,15 @@ class CpuKernels:
         # Sampling's kernels; None in a library of an older source (the base build of
         # scripts/bench_kernel_ab.py loads, and its methods say what it lacks)
         self._sampling = {}
-        for name, argtypes in (
-            ("specserve_row_argmax_f32", [_P, _P, _I64, _I64, _I64, _I32]),
-            ("specserve_exponential_rows", [_P, _I64, _I64, _I64, _P, _I32]),
-            ("specserve_sample_rows_f32", [_P, _P, _I64, _I64, _I64, _P, _I32]),
+        for name, argtypes, restype in (
+            ("specserve_row_argmax_f32", [_P, _P, _I64, _I64, _I64, _I32], None),
+            ("specserve_exponential_rows", [_P, _I64, _I64, _I64, _P, _I32], None),
+            ("specserve_sample_rows_f32", [_P, _P, _I64, _I64, _I64, _P, _I32], None),
+            ("specserve_rows_nonfinite_f32", [_P, _P, _I64, _I64, _I64, _I32], _I64),
         ):
             fn = getattr(self.lib, name, None)
             if fn is not None:
-                fn.restype, fn.argtypes = None, argtypes
+                fn.restype, fn.argtypes = restype, argtypes
             self._sampling[name] = fn
         # Outputs per packed weight tile of the bf16 and the fp32 Linear kernels; 0 when
         # the library was built without either bf16 kernel (vdpbf16ps needs
@@ -549,6 +550,18 @@ class CpuKernels:
         if rows:
             argmax(out.data_ptr(), x.data_ptr(), rows, n, stride, torch.get_num_threads())
         return out
+
+    def nonfinite_rows(self, x: torch.Tensor) -> list[int]:
+        """The rows of fp32 ``x`` [rows, n] (rows may be strided) that hold a NaN or
+        +Inf, in order: [] when every value is finite or -Inf."""
+        check = self._sampling_fn("specserve_rows_nonfinite_f32")
+        rows, n, stride = _fp32_rows("x", x, min_cols=0)
+        if not rows or not n:
+            return []
+        flags = torch.empty(rows, dtype=torch.int32)
+        if not check(flags.data_ptr(), x.data_ptr(), rows, n, stride, torch.get_num_threads()):
+            return []
+        return [r for r, bad in enumerate(flags.tolist()) if bad]
 
     def sample_rows(self, probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
         """One token per row of fp32 ``probs`` [rows, n] (rows may be strided; p >= 0,

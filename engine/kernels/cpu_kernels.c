@@ -1799,6 +1799,32 @@ void specserve_row_argmax_f32(int64_t *out, const float *x, int64_t rows, int64_
 #undef ARGMAX_ROW
 }
 
+/* The check before sampling (engine/core/llm_engine.py): flags[r] = 1 where row r of x
+ * [rows, n] (row r at x + r * stride) holds a NaN or +Inf, else 0; returns how many
+ * rows do. -Inf is a token of probability 0, not an error. Bits, not comparisons
+ * (-ffast-math may fold isnan() away): a NaN's magnitude bits are above +Inf's. One
+ * pass over rows the head has just written, still in cache: a sum over them in torch,
+ * its threads asleep after the model's call, took about 70 us of a batch-1 step. */
+INLINE int32_t row_nonfinite_f32(const float *x, int64_t n) {
+    uint32_t bad = 0;
+#pragma omp simd reduction(| : bad)
+    for (int64_t i = 0; i < n; i++) {
+        const uint32_t u = F32_TO_BITS(x[i]);
+        bad |= ((u & 0x7FFFFFFFu) > 0x7F800000u) | (u == 0x7F800000u);
+    }
+    return bad != 0;
+}
+
+int64_t specserve_rows_nonfinite_f32(int32_t *flags, const float *x, int64_t rows, int64_t n,
+                                     int64_t stride, int32_t num_threads) {
+#define NONFINITE_ROW(r) (flags[r] = row_nonfinite_f32(x + (r) * stride, n))
+    FOR_ROWS_OF(rows, n, num_threads, NONFINITE_ROW);
+#undef NONFINITE_ROW
+    int64_t count = 0;
+    for (int64_t r = 0; r < rows; r++) count += flags[r];
+    return count;
+}
+
 /* Exp(1) noise for sampling's exponential race (a row's token is argmax p / E; the
  * sampler divides and takes it), a row per 64-bit key: out[r][t] = -log(U), U = 2 - d
  * with d in [1, 2) the double whose 52 mantissa bits are the top of z, z = SplitMix64's

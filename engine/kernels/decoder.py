@@ -47,7 +47,7 @@ class _Layer(ctypes.Structure):  # struct specserve_layer
 class _Head(ctypes.Structure):  # struct specserve_head
     _fields_ = [
         ("norm", _P), ("weight", _P), ("fmt", _I32), ("vocab", _I64), ("rows", _P),
-        ("num_rows", _I64), ("normed", _P), ("logits", _P),
+        ("num_rows", _I64), ("normed", _P), ("logits", _P), ("logits_f32", _P),
     ]  # fmt: skip
 
 
@@ -187,10 +187,11 @@ class FusedDecoderLayers:
         logit_rows: torch.Tensor | None,  # [rows] int64 increasing, or None: every row
         capture_layers: tuple[int, ...] = (),
         captured: list[torch.Tensor] | None = None,
-    ) -> torch.Tensor:  # [rows, vocab] in the model's dtype
+    ) -> torch.Tensor:  # [rows, vocab] float32
         """What ``__call__`` computes, then the model's final norm of ``logit_rows`` and
         its LM head, in the same call (``has_head``): the bits of the model's norm and
-        head run on ``__call__``'s output."""
+        head run on ``__call__``'s output, widened to float32 (in the call, for a bf16
+        model: exact, as ``.float()``)."""
         if self._head is None:
             raise ValueError("this one-call decoder was built without the LM head")
         if logit_rows is not None:
@@ -236,12 +237,15 @@ class FusedDecoderLayers:
         if head_rows is not None:
             norm, weight, fmt, vocab = self._head
             rows = head_rows if isinstance(head_rows, int) else head_rows.shape[0]
-            logits = hidden.new_empty(rows, vocab)
+            logits = torch.empty(rows, vocab, dtype=torch.float32)
             head_normed = hidden.new_empty(rows, self.hidden_size)
+            # a bf16 model's head writes bf16 (scratch) and the call widens it into logits
+            out = hidden.new_empty(rows, vocab) if self.dtype is torch.bfloat16 else logits
             head = _Head(
                 norm, weight, fmt, vocab,
                 None if isinstance(head_rows, int) else head_rows.data_ptr(), rows,
-                head_normed.data_ptr(), logits.data_ptr(),
+                head_normed.data_ptr(), out.data_ptr(),
+                logits.data_ptr() if self.dtype is torch.bfloat16 else None,
             )  # fmt: skip
         start = 0
         for end in [*bounds, self.num_layers]:

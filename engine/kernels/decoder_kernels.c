@@ -43,7 +43,18 @@ struct specserve_head {
     int64_t num_rows;
     void *normed; /* scratch [num_rows, hidden], the model's dtype */
     void *logits; /* out [num_rows, vocab], the model's dtype */
+    /* NULL, or (a bf16 model) out [num_rows, vocab]: the logits widened to fp32, what
+     * the sampler reads, written while they are in cache (logits is then scratch) */
+    float *logits_f32;
 };
+
+/* Elements lo .. hi - 1 of the head's bf16 logits widened into logits_f32 (exact). */
+static void head_widen(const struct specserve_head *head, int64_t lo, int64_t hi) {
+    const bf16 *src = (const bf16 *)head->logits;
+    float *dst = head->logits_f32;
+#pragma omp simd
+    for (int64_t i = lo; i < hi; i++) dst[i] = ld_bf16(src, i);
+}
 
 /* A float Linear's weight formats (engine/kernels/decoder.py); a quantized Linear's is
  * its GGML type id (2, 3, 8). */
@@ -158,9 +169,10 @@ static int decoder_team_ok(const struct specserve_layer *layers, int64_t num_lay
 
 /* 0, or 4 when the head's rows are not strictly increasing rows of the call's n (or
  * its sizes are out of range). */
-static int head_check(const struct specserve_head *head, int64_t n) {
+static int head_check(const struct specserve_head *head, int64_t n, int bf16_model) {
     if (head == NULL) return 0;
     if (head->num_rows < 0 || head->num_rows > n || head->vocab < 1) return 4;
+    if (head->logits_f32 != NULL && !bf16_model) return 4;
     if (head->rows != NULL)
         for (int64_t j = 0; j < head->num_rows; j++)
             if (head->rows[j] < (j > 0 ? head->rows[j - 1] + 1 : 0) || head->rows[j] >= n)
@@ -428,6 +440,11 @@ INLINE int team_needs(int32_t fmt, int prepares, int64_t n_out, int64_t k, int64
                     team_barrier(&tm, nt);                                                     \
                     team_linear_##S((T *)head->logits, hn, h, head->weight, head->fmt, NULL,   \
                                     hr, head->vocab, h, &a, wide, tid, nt, &tm, &phase);       \
+                    if (head->logits_f32 != NULL) {                                            \
+                        team_barrier(&tm, nt);                                                 \
+                        team_range(hr * head->vocab, tid, nt, &j0, &j1);                       \
+                        head_widen(head, j0, j1);                                              \
+                    }                                                                          \
                 }                                                                              \
             }                                                                                  \
             attn_scratch_free(&scratch);                                                       \
@@ -455,15 +472,15 @@ DECODER_TEAM(bf16, bf16, bf16, bf16, decoder_team_bf16, specserve_rms_norm_bf16,
  * (tree_masks too); head, where not NULL, the final norm and LM head run after the
  * last layer (struct specserve_head). Returns 0; 1 when a position is outside the
  * rotary table, 2 when a slot is past the cache, 3 when a quantized Linear runs out of
- * memory, 4 when the head's rows are out of order or range (checked before anything
- * runs), 10 + paged attention's status otherwise (the layers before the failing call
- * have run). With
+ * memory, 4 when the head's rows are out of order or range, or it asks a float32 model
+ * for logits_f32 (checked before anything runs), 10 + paged attention's status
+ * otherwise (the layers before the failing call have run). With
  * continue_residual, hidden and residual come in as a previous call left them (the
  * layers before these ones): a model run in several calls computes exactly what one
  * call does. */
 #define DECODER_LAYERS(T, S, KT, NAME, NORM_FN, ROPE_FN, KV_FN, ATTN_FN, SILU_FN, DISPATCH)        \
     int NAME(DECODER_PARAMS(T)) {                                                                  \
-        const int head_status = head_check(head, n);                                               \
+        const int head_status = head_check(head, n, sizeof(T) == 2);                               \
         if (head_status) return head_status;                                                       \
         DISPATCH                                                                                   \
         const int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;            \
@@ -526,6 +543,7 @@ DECODER_TEAM(bf16, bf16, bf16, bf16, decoder_team_bf16, specserve_rms_norm_bf16,
             if (decoder_linear_##S((T *)head->logits, hn, hidden_size, head->weight, head->fmt,    \
                                    NULL, head->num_rows, head->vocab, hidden_size, num_threads))   \
                 return 3;                                                                          \
+            if (head->logits_f32 != NULL) head_widen(head, 0, head->num_rows * head->vocab);       \
         }                                                                                          \
         return 0;                                                                                  \
     }

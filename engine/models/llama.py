@@ -117,8 +117,8 @@ class LlamaModel(nn.Module):
     ) -> tuple[torch.Tensor, bool]:
         """(out, is_logits): the final norm's output [num_tokens, hidden_size]; or, with
         ``head`` where the one-call decoder runs this step and holds the LM head, the
-        head's output for ``logit_rows`` (every row when None) [rows, vocab] in the
-        model's dtype, computed in the same call."""
+        head's output for ``logit_rows`` (every row when None) [rows, vocab], computed
+        in the same call and widened there to float32."""
         hidden_states = self.embed_tokens(input_ids)  # [num_tokens, hidden_size]
         rope = self.rotary.for_positions(positions, hidden_states.dtype)  # shared by all layers
         captured: list[torch.Tensor] | None = [] if self.capture_layers else None
@@ -214,7 +214,7 @@ class LlamaForCausalLM(nn.Module):
         the step, its call runs the final norm and the head too (the same bits)."""
         out, is_logits = self.model.run(input_ids, positions, True, logit_rows)
         if is_logits:
-            return out.float()
+            return out
         if logit_rows is not None:
             out = out[logit_rows]
         return self.compute_logits(out)

@@ -140,6 +140,21 @@ def row_argmax(x: torch.Tensor) -> torch.Tensor:
     return kernels.row_argmax(x) if kernels is not None else x.max(dim=-1).indices
 
 
+def nonfinite_rows(x: torch.Tensor) -> list[int]:
+    """The rows of 2-D logits ``x`` that hold a NaN or +Inf, in order ([] while every
+    value is finite or -Inf). On the CPU, fp32 rows go to the compiled kernel (one pass);
+    elsewhere one sum over ``x`` (finite or -Inf only where no value is NaN or +Inf) and
+    one number read back, and the rows only when it is not."""
+    kernels = _row_kernels(x)
+    if kernels is not None:
+        return kernels.nonfinite_rows(x)
+    total = float(x.sum(dtype=torch.float32))
+    if total == total and total != float("inf"):
+        return []
+    bad = (torch.isnan(x) | torch.isposinf(x)).any(dim=-1)
+    return torch.nonzero(bad).flatten().tolist()
+
+
 def _row_kernels(x: torch.Tensor):
     """The compiled kernels where they read ``x``'s rows in place (fp32 [n, V >= 1] on
     the CPU, each row dense, rows not overlapping), or None."""

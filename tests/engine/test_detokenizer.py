@@ -1,8 +1,11 @@
 from __future__ import annotations
 
+import random
+from functools import partial
+
 import pytest
 
-from engine.io.detokenizer import IncrementalDetokenizer
+from engine.io.detokenizer import IncrementalDetokenizer, fast_decode
 from tests.tiny_models import make_tokenizer
 
 
@@ -86,3 +89,44 @@ def test_include_stop_holds_nothing_back_and_keeps_the_stop_string(tokenizer):
     late = IncrementalDetokenizer(tokenizer, [], ["ab"], include_stop=True)
     deltas, hit = _push_all(late, tokenizer, "xab ab", num_unchecked=3)
     assert hit == "ab" and "".join(deltas) == "xab ab"
+
+
+def _decodes_alike(tokenizer, decode, vocab_size: int) -> None:
+    rng = random.Random(0)
+    for n in (0, 1, 2, 7, 40):
+        for _ in range(30):
+            ids = [rng.randrange(vocab_size) for _ in range(n)]
+            assert decode(ids) == tokenizer.decode(ids, skip_special_tokens=True), ids
+
+
+def test_fast_decode_is_the_wrappers_decode(tokenizer):
+    """The detokenizer's decode skips transformers' wrapper only where the wrapper adds
+    nothing: the same text for any ids (special tokens, bytes of a character split over
+    tokens), and the wrapper itself where the tokenizer cleans up spaces or a class
+    overrides decode."""
+    decode = fast_decode(tokenizer)
+    assert isinstance(decode, partial) and decode.func == tokenizer.backend_tokenizer.decode
+    _decodes_alike(tokenizer, decode, len(tokenizer))
+
+    class Shouting(type(tokenizer)):
+        def decode(self, token_ids, skip_special_tokens=False, **kwargs):
+            return super().decode(token_ids, skip_special_tokens, **kwargs).upper()
+
+    cleaned = make_tokenizer()
+    cleaned.clean_up_tokenization_spaces = True
+    shouting = make_tokenizer()
+    shouting.__class__ = Shouting
+    for other in (cleaned, shouting):
+        decode = fast_decode(other)
+        assert decode.func != other.backend_tokenizer.decode
+        _decodes_alike(other, decode, len(other))
+
+
+@pytest.mark.slow
+def test_fast_decode_is_the_default_models_decode():
+    from engine.loader import load_model
+
+    tokenizer = load_model(None, dtype="float32", device="cpu").tokenizer
+    decode = fast_decode(tokenizer)
+    assert isinstance(decode, partial) and decode.func == tokenizer.backend_tokenizer.decode
+    _decodes_alike(tokenizer, decode, len(tokenizer))

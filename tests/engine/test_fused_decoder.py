@@ -172,6 +172,8 @@ def test_the_head_in_the_call_takes_only_increasing_rows_of_the_step(tiny_model_
                                       seq_ids, 3)  # fmt: skip
     normed = model.model.norm(out, residual)[0]
     for rows in ([0, 2], [1], []):
-        expected = model.lm_head(normed[torch.tensor(rows, dtype=torch.long)])
-        assert torch.equal(logits(torch.tensor(rows, dtype=torch.long)), expected)
-    assert torch.equal(logits(None), model.lm_head(normed))
+        expected = model.lm_head(normed[torch.tensor(rows, dtype=torch.long)]).float()
+        got = logits(torch.tensor(rows, dtype=torch.long))
+        assert got.dtype is torch.float32 and torch.equal(got, expected)
+    # widened in the call: the bf16 head's bits as float32
+    assert torch.equal(logits(None), model.lm_head(normed).float())

@@ -449,3 +449,33 @@ def test_row_argmax_refuses_what_it_cannot_read(kernels):
         kernels.row_argmax(torch.zeros(2, 0))
     with pytest.raises(ValueError, match="contiguous"):
         kernels.row_argmax(torch.zeros(3, 2).t())
+
+
+@pytest.mark.parametrize("cols", [1, 15, 64, 65, 1000, 49_152])
+def test_nonfinite_rows_finds_each_nan_and_plus_inf_row(kernels, cols):
+    """The check before sampling: exactly the rows with a NaN (either sign, any payload)
+    or +Inf, wherever in the row; not -Inf, -0.0, the largest finite values or a row
+    whose sum overflows. The same rows as the torch path (the fallback off the CPU);
+    rows strided, and enough of them to run on threads."""
+    from engine.sample.sampler import nonfinite_rows
+
+    gen = torch.Generator().manual_seed(cols)
+    rows = 70  # over PARALLEL_MIN_ROWS
+    wide = torch.randn(rows, cols + 9, generator=gen)
+    x = wide[:, 4 : 4 + cols]  # rows strided by cols + 9
+    last = cols - 1
+    bits = x.view(torch.int32)
+    x[0, last] = float("nan")
+    x[1, last // 2] = float("inf")
+    x[2] = float("-inf")  # probability 0 everywhere: not an error here
+    bits[3, last // 3] = -0x400000  # a NaN with the sign bit set (0xFFC00000)
+    bits[4, 0] = 0x7F800001  # a signalling NaN's bits
+    x[5] = torch.finfo(torch.float32).max  # finite: its sum overflows to +Inf
+    x[6, last] = -0.0
+    x[7, last], x[7, 0] = float("-inf"), float("inf")
+    expected = [0, 1, 3, 4, 7]
+    assert kernels.nonfinite_rows(x) == expected
+    assert nonfinite_rows(x) == expected  # the CPU path
+    assert nonfinite_rows(x.to(torch.float64)) == expected  # the torch path
+    assert kernels.nonfinite_rows(x[8:]) == []
+    assert kernels.nonfinite_rows(x[:0]) == [] and kernels.nonfinite_rows(x[:, :0]) == []
