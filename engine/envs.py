@@ -74,6 +74,14 @@ def kv_hugepages() -> bool:
     return os.environ.get("SPECSERVE_KV_HUGEPAGES", "1") != "0"
 
 
+def weight_hugepages() -> bool:
+    """``SPECSERVE_WEIGHT_HUGEPAGES=0`` leaves a CPU model's weights where loading put
+    them, on 4 KB pages, instead of moving the large ones into one allocation advised
+    onto 2 MB pages (engine/models/weights.py, ``weights_on_huge_pages``: a decode step
+    streams every weight, a TLB miss every 4 KB otherwise)."""
+    return os.environ.get("SPECSERVE_WEIGHT_HUGEPAGES", "1") != "0"
+
+
 def decoder_team() -> bool:
     """``SPECSERVE_DECODER_TEAM=0`` runs the one-call decoder with an OpenMP
     region per kernel instead of all its kernels on one team of threads meeting at a

@@ -36,6 +36,7 @@ from engine.models.gguf_convert import ensure_converted
 from engine.models.gguf_weights import read_gguf_tensors
 from engine.models.quant import int8_weights
 from engine.models.registry import get_model_class
+from engine.models.weights import weights_on_huge_pages
 
 logger = logging.getLogger(__name__)
 
@@ -345,6 +346,8 @@ def _load_hf_dir(
         if quantization == "int8":
             weights = int8_weights(weights, arch.tie_word_embeddings)
     model.load_weights(weights)
+    if device.type == "cpu" and envs.weight_hugepages():
+        weights_on_huge_pages(model)
     tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir or hf_dir))
     eos = _eos_token_ids(arch, hf_dir, tokenizer)
     return LoadedModel(
