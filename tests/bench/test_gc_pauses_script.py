@@ -20,7 +20,9 @@ def test_heap_freezes_the_engine_and_times_collections_either_side(tiny_model_di
     assert done.returncode == 0, done.stderr[-2000:]
     tracked = int(re.search(r"^objects tracked: (\d+)$", done.stdout, re.M).group(1))
     frozen = int(re.search(r"^frozen: (\d+) objects$", done.stdout, re.M).group(1))
-    assert 1000 < frozen <= tracked
+    # the script counts before it times collections: the few objects it makes between
+    # (its list of timings) can be frozen too, where the collections found no garbage
+    assert 1000 < frozen <= tracked + 50
     for label in ("full collection ms", "full collection ms, frozen"):
         times = re.search(rf"^{label}: (.+)$", done.stdout, re.M).group(1).split(", ")
         assert len(times) == 3 and all(float(t) >= 0 for t in times)
