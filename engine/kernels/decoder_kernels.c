@@ -190,15 +190,24 @@ INLINE int q_tiles_take(const struct qrows *a, int32_t fmt, int64_t m) {
 /* Thread tid's share of a quantized Linear layer's groups of output tiles (q_groups_S
  * on team_linear_S's arguments): each thread first runs a fixed share of the first
  * three quarters (no atomics), then takes the rest from the phase's counter
- * (team_take), 1/TEAM_Q_TAKES of the groups (at least one) a take, so the thread
- * whose share arrived from memory later takes fewer of them instead of the other
- * waiting for it at the barrier after the layer. A take of one group each was worse
- * where groups are small (the AVX2 level's 8 outputs: 4,860 takes a step of the
- * default model; the two threads' streams interleaved tile by tile). A group is one
- * thread's whole work whichever thread runs it: the same bits as any split. Calls on
- * AMX tiles (q_tiles_take) keep the halves, all groups fixed; otherwise it consumes
- * one dynamic phase. */
-#define TEAM_Q_TAKES 16 /* a take of the dynamic quarter: at least 1/16 of the groups */
+ * (team_take), so the thread whose share arrived from memory later takes fewer of them
+ * instead of the other waiting for it at the barrier after the layer. Take t is a
+ * guided chunk: the groups from q - q (1 - 1/nt)^t on of the quarter's q, half of what
+ * is left at each take with two threads, down to one group, so the takes are few
+ * (about log2 q a layer) and the last of them small. One group a take was worse where
+ * groups are small (the AVX2 level's 8 outputs: 4,860 takes a step of the default
+ * model; the two threads' streams interleaved tile by tile); takes of a sixteenth of
+ * the groups each left the thread done first waiting out the other's last one (these
+ * took the AVX2 build's decode step to 0.99x at 1 sequence and 0.98x at 32 on a Zen 4,
+ * the native build's to 1.00x). A
+ * group is one thread's whole work whichever thread runs it: the same bits as any
+ * split. Calls on AMX tiles (q_tiles_take) keep the halves, all groups fixed;
+ * otherwise it consumes one dynamic phase. */
+INLINE int64_t team_q_start(int64_t fixed, int64_t q, int64_t t, int nt) {
+    if (t >= 64) return fixed + q;
+    const double left = (double)q * pow(1.0 - 1.0 / nt, (double)t);
+    return fixed + q - (int64_t)left;
+}
 #define TEAM_Q_GROUPS(S)                                                                       \
     do {                                                                                       \
         const int64_t units_ = q_groups_of(n_out);                                             \
@@ -207,12 +216,12 @@ INLINE int q_tiles_take(const struct qrows *a, int32_t fmt, int64_t m) {
         team_range(fixed_, tid, nt, &lo_, &hi_);                                               \
         q_groups_##S(out, a, w, fmt, bias, m, n_out, lo_, hi_);                                \
         if (fixed_ < units_) {                                                                 \
-            const int64_t c_ = units_ / TEAM_Q_TAKES > 1 ? units_ / TEAM_Q_TAKES : 1;          \
+            const int64_t q_ = units_ - fixed_;                                                \
             team_phase(tm, tid, *phase);                                                       \
-            for (int64_t g_ = fixed_ + c_ * team_take(tm, *phase); g_ < units_;                \
-                 g_ = fixed_ + c_ * team_take(tm, *phase))                                     \
+            for (int64_t t_ = team_take(tm, *phase), g_;                                       \
+                 (g_ = team_q_start(fixed_, q_, t_, nt)) < units_; t_ = team_take(tm, *phase))  \
                 q_groups_##S(out, a, w, fmt, bias, m, n_out, g_,                               \
-                             g_ + c_ < units_ ? g_ + c_ : units_);                              \
+                             team_q_start(fixed_, q_, t_ + 1, nt));                            \
             ++*phase;                                                                          \
         }                                                                                      \
     } while (0)
