@@ -296,8 +296,9 @@ def test_wide_layers_split_alike_whatever_the_thread_count(
     kernels, threads, num_threads, dtype, tiny_gguf_factory
 ):
     """Linear layers wide enough that the team hands out their last quarter of output
-    tiles several groups a take (TEAM_Q_TAKES: gate_up's 4,160 outputs and the head's
-    4,130, the last take short): the bits of a region per kernel, and of one thread."""
+    tiles in guided takes of several groups (gate_up's 4,160 outputs and the head's
+    4,130, the takes shrinking to one group): the bits of a region per kernel, and of
+    one thread."""
     path = tiny_gguf_factory(intermediate_size=2080, vocab_size=4130)
     threads(num_threads)
     _compare(kernels, lambda: _runner(path, None, dtype), team_runs=True)
