@@ -11,7 +11,7 @@ from torch import nn
 
 from engine import envs
 from engine.kernels.cpu import CpuKernels, kernels_for
-from engine.kernels.quant import quant_ops
+from engine.kernels.quant import QuantWeight, quant_ops
 from engine.models.gguf_weights import QuantizedTensor
 from engine.models.quant import install_quantized
 
@@ -261,9 +261,13 @@ def weights_on_huge_pages(model: nn.Module) -> int:
         view = arena[offset : offset + sizes[ptr]].view(old.dtype).view(old.shape).copy_(old)
         offset += -(-sizes[ptr] // 4096) * 4096
         del old  # each tensor moved and let go before the next: no second copy of the model
+        replaced: dict[int, QuantWeight] = {}  # a QuantWeight two modules hold stays one
         for module, name in held_by:
             if name == "weight_q":
-                module.weight_q = dataclasses.replace(module.weight_q, data=view)
+                weight = module.weight_q
+                if id(weight) not in replaced:
+                    replaced[id(weight)] = dataclasses.replace(weight, data=view)
+                module.weight_q = replaced[id(weight)]
             elif name == "packed_weight":
                 module.packed_weight = view
             else:

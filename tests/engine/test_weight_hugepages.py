@@ -100,6 +100,5 @@ def test_large_weights_move_onto_advised_pages_and_compute_the_same(
         inside = start <= t.data_ptr() and t.data_ptr() + t.numel() * t.element_size() <= end
         assert inside == (name in large), name
     assert not start <= moved.model.norm.weight.data_ptr() < end
-    if kind == "tied":  # the quantized head reads the embedding's tensor, moved once
-        head, embedding = moved.lm_head.weight_q.data, moved.model.embed_tokens.weight_q.data
-        assert head.data_ptr() == embedding.data_ptr()
+    if kind == "tied":  # the quantized head is still the embedding's weight, moved once
+        assert moved.lm_head.weight_q is moved.model.embed_tokens.weight_q
