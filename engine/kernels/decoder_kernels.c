@@ -199,10 +199,9 @@ INLINE int q_tiles_take(const struct qrows *a, int32_t fmt, int64_t m) {
  * model; the two threads' streams interleaved tile by tile); takes of a sixteenth of
  * the groups each left the thread done first waiting out the other's last one (these
  * took the AVX2 build's decode step to 0.99x at 1 sequence and 0.98x at 32 on a Zen 4,
- * the native build's to 1.00x). A
- * group is one thread's whole work whichever thread runs it: the same bits as any
- * split. Calls on AMX tiles (q_tiles_take) keep the halves, all groups fixed;
- * otherwise it consumes one dynamic phase. */
+ * the native build's to 1.00x). A group is one thread's whole work whichever thread
+ * runs it: the same bits as any split. Calls on AMX tiles (q_tiles_take) keep the
+ * halves, all groups fixed; otherwise it consumes one dynamic phase. */
 INLINE int64_t team_q_start(int64_t fixed, int64_t q, int64_t t, int nt) {
     if (t >= 64) return fixed + q;
     const double left = (double)q * pow(1.0 - 1.0 / nt, (double)t);
