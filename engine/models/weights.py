@@ -214,34 +214,14 @@ def weights_on_huge_pages(model: nn.Module) -> int:
     or plain) into one allocation advised onto 2 MB pages (``MADV_HUGEPAGE``) before it
     is first touched; returns the bytes moved (0 where nothing was, or Linux took no
     advice). A decode step streams every weight once: on 4 KB pages that is a TLB miss
-    every 4 KB, each a page walk under a hypervisor; the same model on 2 MB pages ran a
-    batch-1 decode step 4-9% faster (a Zen 4, 2026-12-07, docs/benchmarks.md). Only for
+    every 4 KB, each a page walk under a hypervisor; on 2 MB pages a batch-1 decode step
+    took 0.87-0.95x the time (a Zen 4, 2026-12-07, docs/benchmarks.md). Only for
     a model no other holds pointers into yet: the one-call decoder takes its weights'
     addresses when the KV caches are bound, after this. Tensors shared by two modules
     (a tied head) stay shared."""
     from engine.attention import advise_huge_pages
-    from engine.models.quant import QuantizedEmbedding, QuantizedLinear
 
-    owners: dict[int, list[tuple[nn.Module, str]]] = {}  # data_ptr -> (module, attribute)
-    sizes: dict[int, int] = {}
-    for module in model.modules():
-        held = [(name, p.data) for name, p in module.named_parameters(recurse=False)]
-        if isinstance(module, (QuantizedLinear, QuantizedEmbedding)):
-            held.append(("weight_q", module.weight_q.data))
-        packed = getattr(module, "packed_weight", None)
-        if isinstance(packed, torch.Tensor):
-            held.append(("packed_weight", packed))
-        for name, t in held:
-            nbytes = t.numel() * t.element_size()
-            if (
-                t.device.type == "cpu"
-                and t.layout is torch.strided
-                and not t.is_mkldnn
-                and t.is_contiguous()
-                and nbytes >= _HUGE_PAGE_MIN_BYTES
-            ):
-                owners.setdefault(t.data_ptr(), []).append((module, name))
-                sizes[t.data_ptr()] = nbytes
+    owners, sizes = _large_weights(model)
     total = sum(-(-nbytes // 4096) * 4096 for nbytes in sizes.values())  # each 4 KB aligned
     if not total:
         return 0
@@ -273,6 +253,36 @@ def weights_on_huge_pages(model: nn.Module) -> int:
             else:
                 getattr(module, name).data = view
     return total
+
+
+def _large_weights(
+    model: nn.Module,
+) -> tuple[dict[int, list[tuple[nn.Module, str]]], dict[int, int]]:
+    """weights_on_huge_pages' tensors, by address: who holds each (module, attribute),
+    and its bytes. Addresses only: a tensor held here would outlive its move."""
+    from engine.models.quant import QuantizedEmbedding, QuantizedLinear
+
+    owners: dict[int, list[tuple[nn.Module, str]]] = {}  # data_ptr -> (module, attribute)
+    sizes: dict[int, int] = {}
+    for module in model.modules():
+        held = [(name, p.data) for name, p in module.named_parameters(recurse=False)]
+        if isinstance(module, (QuantizedLinear, QuantizedEmbedding)):
+            held.append(("weight_q", module.weight_q.data))
+        packed = getattr(module, "packed_weight", None)
+        if isinstance(packed, torch.Tensor):
+            held.append(("packed_weight", packed))
+        for name, t in held:
+            nbytes = t.numel() * t.element_size()
+            if (
+                t.device.type == "cpu"
+                and t.layout is torch.strided
+                and not t.is_mkldnn
+                and t.is_contiguous()
+                and nbytes >= _HUGE_PAGE_MIN_BYTES
+            ):
+                owners.setdefault(t.data_ptr(), []).append((module, name))
+                sizes[t.data_ptr()] = nbytes
+    return owners, sizes
 
 
 def _held(module: nn.Module, name: str) -> torch.Tensor:
