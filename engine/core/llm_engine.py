@@ -61,13 +61,11 @@ def _quarantine_nonfinite(logits: torch.Tensor, states: list, drafts: list) -> d
     if not bad_rows:
         return {}
     with torch.inference_mode():  # the logits are inference tensors: zeroed in place
-        flags = [False] * logits.shape[0]
-        for r in bad_rows:
-            flags[r] = True
+        bad = set(bad_rows)
         broken, row = {}, 0
         for state, request_drafts in zip(states, drafts, strict=True):
             end = row + 1 + len(request_drafts)
-            rows = [r - row for r in range(row, end) if flags[r]]
+            rows = [r - row for r in range(row, end) if r in bad]
             if rows:
                 logits[row:end][rows] = 0.0
                 request = state.request
