@@ -111,6 +111,8 @@ def main() -> int:
     )
     print("|---|---|---|---|---|---|---|---|---|---|")
 
+    native_kernels = cpu_mod.cpu_kernels  # before use() replaces it: the native build's
+
     def use(kernels) -> None:  # the level whose kernels the modules hand out
         for module in (cpu_mod, layers_mod, quant_mod):  # bounds imports it from cpu_mod
             module.cpu_kernels = lambda k=kernels: k
@@ -119,7 +121,8 @@ def main() -> int:
     for level in levels:
         if level in setups:
             continue
-        kernels = cpu_mod.cpu_kernels() if level == "native" else CpuKernels(built[level])
+        kernels = native_kernels() if level == "native" else CpuKernels(built[level])
+        print(f"{level}: kernels {Path(kernels.lib._name).name}", file=sys.stderr, flush=True)
         use(kernels)
         loaded = load_model(
             args.model, dtype=args.dtype, device="cpu", quantization=args.quantization

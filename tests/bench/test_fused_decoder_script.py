@@ -71,3 +71,23 @@ def test_a_bad_value_is_one_line_naming_the_option(option, value):
     last = done.stderr.strip().splitlines()[-1]
     assert option in last and value in last, done.stderr
     assert "Traceback" not in done.stderr
+
+
+def test_native_listed_after_a_prebuilt_level_runs_the_native_build(tiny):
+    """Each level runs its own build, whatever the order of --levels: the script once
+    took the native build from a lookup it had already pointed at the level before,
+    so `--levels x86-64-v3,native` timed the AVX2 code twice."""
+    from pathlib import Path
+
+    from engine.kernels import build
+
+    if cpu_kernels() is None:
+        pytest.fail("CPU kernels failed to build; CI machines have gcc")
+    other = "x86-64-v3" if build.level_flags("x86-64-v3") <= build.cpu_flags() else "x86-64-v2"
+    done = _run("--model", tiny, "--dtype", "float32", "--levels", f"{other},native",
+                "--rounds", "1", "--context", "20")  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    libs = dict(line.split(": kernels ") for line in done.stderr.splitlines()
+                if ": kernels " in line)  # fmt: skip
+    assert libs["native"] == Path(cpu_kernels().lib._name).name, done.stderr
+    assert other in libs[other] and libs[other] != libs["native"], libs
