@@ -84,6 +84,12 @@ def main() -> int:
     from engine.models import layers as layers_mod
 
     levels = [level.strip() for level in args.levels.split(",") if level.strip()]
+    prebuilt = [name for name, _ in build_mod.PREBUILT_LEVELS.get(build_mod.platform.machine(), [])]
+    for level in levels:
+        if level != "native" and level not in prebuilt:
+            parser.error(f"--levels takes native or any of {', '.join(prebuilt)}; got {level!r}")
+        if level != "native" and not build_mod.level_flags(level) <= build_mod.cpu_flags():
+            parser.error(f"--levels: this CPU cannot run {level} code (got {args.levels!r})")
     kv_names = [kv.strip() for kv in args.kv_cache_dtype.split(",") if kv.strip()]
     teams = [t.strip() for t in args.team.split(",") if t.strip()]
     if not teams or any(t not in ("on", "off") for t in teams):
@@ -102,8 +108,7 @@ def main() -> int:
     if any(level != "native" for level in levels):
         print("building the prebuilt kernel levels (under a minute) ...", file=sys.stderr)
         out = Path(tempfile.mkdtemp(prefix="specserve-levels-"))
-        names = [name for name, _ in build_mod.PREBUILT_LEVELS[build_mod.platform.machine()]]
-        built = dict(zip(names, build_mod.prebuild(out), strict=True))
+        built = dict(zip(prebuilt, build_mod.prebuild(out), strict=True))
     print(
         "| level | KV cache | team | huge pages | one call ms | vs first | layer by layer ms "
         "| one call vs layers | weight stream GB/s (share of read bound) "

@@ -63,7 +63,8 @@ def test_a_batch_decodes_every_sequence_in_one_step(tiny):
 
 
 @pytest.mark.parametrize(
-    ("option", "value"), [("--team", "maybe"), ("--kv-hugepages", "2mb"), ("--batch", "0")]
+    ("option", "value"),
+    [("--team", "maybe"), ("--kv-hugepages", "2mb"), ("--batch", "0"), ("--levels", "x86-64-v9")],
 )
 def test_a_bad_value_is_one_line_naming_the_option(option, value):
     done = _run(option, value, "--rounds", "1")
@@ -91,3 +92,19 @@ def test_native_listed_after_a_prebuilt_level_runs_the_native_build(tiny):
                 if ": kernels " in line)  # fmt: skip
     assert libs["native"] == Path(cpu_kernels().lib._name).name, done.stderr
     assert other in libs[other] and libs[other] != libs["native"], libs
+
+
+def test_a_level_this_cpu_cannot_run_is_refused_by_name():
+    """A prebuilt level beyond this CPU is one line naming it, not an illegal
+    instruction: the script once ran such a level's code and died of SIGILL."""
+    from engine.kernels import build
+
+    beyond = [name for name, flags in build.PREBUILT_LEVELS.get(build.platform.machine(), [])
+              if not flags <= build.cpu_flags()]  # fmt: skip
+    if not beyond:
+        pytest.skip("this CPU runs every prebuilt level")
+    done = _run("--levels", f"native,{beyond[0]}", "--rounds", "1")
+    assert done.returncode == 2, done.stderr[-2000:]
+    last = done.stderr.strip().splitlines()[-1]
+    assert "cannot run" in last and beyond[0] in last, done.stderr
+    assert "Traceback" not in done.stderr
