@@ -253,34 +253,36 @@ INLINE int32_t load_i32(const void *p) {
 #if defined(QPATH_AVX512)
 typedef __m512 qacc; /* one row's QLANES fp32 accumulators */
 
-/* `rows` rows (a constant after inlining) against QTILES tiles of `fmt` (a constant
- * too): acc[r * QTILES + j] is row r's outputs of tile j. */
-INLINE void q_tile(qacc *acc, int32_t fmt, int rows, const uint8_t *const *tile,
-                   const struct qrows *a, int64_t r0) {
+/* `rows` rows against tiles [j0, j0 + nt) of a group of QTILES tiles of `fmt` (rows, fmt,
+ * j0 and nt constants after inlining): acc[r * QTILES + j] is row r's outputs of tile j. */
+INLINE void q_tile_span(qacc *acc, int32_t fmt, int rows, const uint8_t *const *tile,
+                        const struct qrows *a, int64_t r0, int j0, int nt) {
     const __m512i low4 = _mm512_set1_epi8(0x0f), flip = _mm512_set1_epi8((char)0x80);
     const int64_t tb = q_tile_block_bytes(fmt), sb = q_scale_bytes(fmt);
-    for (int i = 0; i < rows * QTILES; i++) acc[i] = _mm512_setzero_ps();
+#define Q_ACC(r, j) acc[(r) * QTILES + j0 + (j)]
+    for (int r = 0; r < rows; r++)
+        for (int j = 0; j < nt; j++) Q_ACC(r, j) = _mm512_setzero_ps();
     for (int64_t b = 0; b < a->nb; b++) {
         const uint8_t *blk[QTILES], *qs[QTILES];
-        for (int j = 0; j < QTILES; j++) blk[j] = tile[j] + b * tb, qs[j] = blk[j] + QLANES * sb;
+        for (int j = 0; j < nt; j++) blk[j] = tile[j0 + j] + b * tb, qs[j] = blk[j] + QLANES * sb;
         __m512i dot[QROWS * QTILES];
-        for (int i = 0; i < rows * QTILES; i++) dot[i] = _mm512_setzero_si512();
+        for (int i = 0; i < rows * nt; i++) dot[i] = _mm512_setzero_si512();
         if (fmt == QFMT_Q8_0) {
             for (int g = 0; g < 8; g++) {
                 __m512i w[QTILES];
-                for (int j = 0; j < QTILES; j++)
+                for (int j = 0; j < nt; j++)
                     w[j] = _mm512_xor_si512(_mm512_loadu_si512(qs[j] + g * 64), flip);
                 for (int r = 0; r < rows; r++) {
                     const int8_t *x = a->q + (r0 + r) * a->k + b * QK + 4 * g;
                     const __m512i xb = _mm512_set1_epi32(load_i32(x));
-                    for (int j = 0; j < QTILES; j++)
-                        dot[r * QTILES + j] = _mm512_dpbusd_epi32(dot[r * QTILES + j], w[j], xb);
+                    for (int j = 0; j < nt; j++)
+                        dot[r * nt + j] = _mm512_dpbusd_epi32(dot[r * nt + j], w[j], xb);
                 }
             }
         } else {
             for (int c = 0; c < 4; c++) {
                 __m512i lo[QTILES], hi[QTILES];
-                for (int j = 0; j < QTILES; j++) {
+                for (int j = 0; j < nt; j++) {
                     const __m512i v = _mm512_loadu_si512(qs[j] + c * 64);
                     lo[j] = _mm512_and_si512(v, low4);
                     hi[j] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
@@ -289,15 +291,15 @@ INLINE void q_tile(qacc *acc, int32_t fmt, int rows, const uint8_t *const *tile,
                     const int8_t *x = a->q + (r0 + r) * a->k + b * QK + 4 * c;
                     const __m512i xl = _mm512_set1_epi32(load_i32(x));
                     const __m512i xh = _mm512_set1_epi32(load_i32(x + 16));
-                    for (int j = 0; j < QTILES; j++) {
-                        __m512i *d = &dot[r * QTILES + j];
+                    for (int j = 0; j < nt; j++) {
+                        __m512i *d = &dot[r * nt + j];
                         *d = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(*d, lo[j], xl), hi[j], xh);
                     }
                 }
             }
         }
         __m512 d[QTILES], m[QTILES];
-        for (int j = 0; j < QTILES; j++) {
+        for (int j = 0; j < nt; j++) {
             d[j] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)blk[j]));
             m[j] = fmt == QFMT_Q4_1
                        ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk[j] + 32)))
@@ -309,15 +311,32 @@ INLINE void q_tile(qacc *acc, int32_t fmt, int rows, const uint8_t *const *tile,
             const int32_t xs = a->s[i];
             const __m512 vxd = _mm512_set1_ps(xd), vms = _mm512_set1_ps(a->ms[i]);
             const __m512i off = _mm512_set1_epi32((fmt == QFMT_Q8_0 ? 128 : 8) * xs);
-            for (int j = 0; j < QTILES; j++) {
-                __m512i total = dot[r * QTILES + j];
+            for (int j = 0; j < nt; j++) {
+                __m512i total = dot[r * nt + j];
                 if (fmt != QFMT_Q4_1) total = _mm512_sub_epi32(total, off);
-                qacc *o = &acc[r * QTILES + j];
+                qacc *o = &Q_ACC(r, j);
                 *o = _mm512_fmadd_ps(_mm512_cvtepi32_ps(total), _mm512_mul_ps(d[j], vxd), *o);
                 if (fmt == QFMT_Q4_1) *o = _mm512_fmadd_ps(m[j], vms, *o);
             }
         }
     }
+#undef Q_ACC
+}
+
+/* `rows` rows (a constant after inlining) against QTILES tiles of `fmt` (a constant
+ * too): acc[r * QTILES + j] is row r's outputs of tile j. With `split` (a constant too)
+ * the tiles are read one after the other, not side by side: the call of 1-6 rows that
+ * streams its weights from memory once ran 1.4-1.5x as fast so on a Zen 4 (two tiles
+ * side by side are two streams 16 outputs x k bytes apart), while passes over weights
+ * in cache (the full passes of a call of more rows) ran 0.86-0.93x as fast, their
+ * activations broadcast once a tile (docs/benchmarks.md, "A Zen 4, a fifth time"). Each
+ * tile's sums are the same operations in the same order either way: the same bits. */
+INLINE void q_tile(qacc *acc, int32_t fmt, int rows, int split, const uint8_t *const *tile,
+                   const struct qrows *a, int64_t r0) {
+    if (split)
+        for (int j = 0; j < QTILES; j++) q_tile_span(acc, fmt, rows, tile, a, r0, j, 1);
+    else
+        q_tile_span(acc, fmt, rows, tile, a, r0, 0, QTILES);
 }
 
 INLINE void q_acc_to_lanes(float *lanes, qacc v) { _mm512_storeu_ps(lanes, v); }
@@ -790,8 +809,9 @@ typedef __m256 qacc;
 #endif
 #define Q_PF_AHEAD 4096 /* bytes: q_tile's non-temporal prefetch of the weights */
 
-INLINE void q_tile(qacc *acc, int32_t fmt, int rows, const uint8_t *const *tiles,
+INLINE void q_tile(qacc *acc, int32_t fmt, int rows, int split, const uint8_t *const *tiles,
                    const struct qrows *a, int64_t r0) {
+    (void)split; /* one tile a group (QTILES 1) */
     const uint8_t *tile = tiles[0];
     const __m256i low4 = _mm256_set1_epi8(0x0f);
     const int64_t tb = q_tile_block_bytes(fmt), sb = q_scale_bytes(fmt);
@@ -868,8 +888,9 @@ typedef struct {
     float v[QLANES];
 } qacc;
 
-INLINE void q_tile(qacc *acc, int32_t fmt, int rows, const uint8_t *const *tiles,
+INLINE void q_tile(qacc *acc, int32_t fmt, int rows, int split, const uint8_t *const *tiles,
                    const struct qrows *a, int64_t r0) {
+    (void)split; /* one tile a group (QTILES 1) */
     const uint8_t *tile = tiles[0];
     const int64_t tb = q_tile_block_bytes(fmt), sb = q_scale_bytes(fmt);
     for (int r = 0; r < rows; r++) memset(&acc[r], 0, sizeof(qacc));
@@ -943,7 +964,7 @@ int64_t specserve_quant_amx_calls(void) { return 0; }
         qacc acc[QROWS * QTILES];                                                              \
         for (int64_t r0 = (r_start); r0 < m; r0 += QROWS) {                                    \
             const int rows = m - r0 < QROWS ? (int)(m - r0) : QROWS;                           \
-            q_tile_rows(acc, fmt, rows, group, a, r0);                                         \
+            q_tile_rows(acc, fmt, rows, m > QROWS, group, a, r0);                              \
             for (int j = 0; j < QTILES && (g) * QTILES + j < tiles; j++) {                     \
                 const int64_t c0 = ((g) * QTILES + j) * QLANES;                                \
                 const int64_t cols = n - c0 < QLANES ? n - c0 : QLANES;                        \
@@ -1061,15 +1082,20 @@ INLINE int64_t q_groups_of(int64_t n) { return (n + QLANES * QTILES - 1) / (QLAN
 #define QUANTIZE_ONE_bf16(i) q_quantize_row_bf16(&a, x, x_stride, fmt, (i))
 
 /* q_tile with fmt and rows as constants, so each case compiles to its own loop; one
- * copy per format (not inlined into each output type's caller: compile time). */
+ * copy per format (not inlined into each output type's caller: compile time). The
+ * tiles of a group are read one after the other (q_tile's split) but in the full passes
+ * of a call of more than QROWS rows (`passes`): only those read their weights from
+ * cache. */
 #define Q_TILE_CASE(F, R)                                                                      \
     case R:                                                                                    \
-        q_tile(acc, F, R, tiles, a, r0);                                                       \
+        q_tile(acc, F, R, 1, tiles, a, r0);                                                    \
         break;
 #define Q_TILE_FMT(F)                                                                          \
-    static __attribute__((noinline)) void q_tile_##F(                                          \
-        qacc *acc, int rows, const uint8_t *const *tiles, const struct qrows *a, int64_t r0) {  \
-        switch (rows) { Q_TILE_CASES(F) }                                                      \
+    static __attribute__((noinline)) void q_tile_##F(qacc *acc, int rows, int passes,         \
+                                                     const uint8_t *const *tiles,             \
+                                                     const struct qrows *a, int64_t r0) {     \
+        if (QTILES > 1 && passes && rows == QROWS) q_tile(acc, F, QROWS, 0, tiles, a, r0);     \
+        else switch (rows) { Q_TILE_CASES(F) }                                                 \
     }
 #if QROWS == 6
 #define Q_TILE_CASES(F)                                                                        \
@@ -1082,11 +1108,12 @@ Q_TILE_FMT(QFMT_Q4_0)
 Q_TILE_FMT(QFMT_Q4_1)
 Q_TILE_FMT(QFMT_Q8_0)
 
-INLINE void q_tile_rows(qacc *acc, int32_t fmt, int rows, const uint8_t *const *tiles,
-                        const struct qrows *a, int64_t r0) {
-    if (fmt == QFMT_Q8_0) q_tile_QFMT_Q8_0(acc, rows, tiles, a, r0);
-    else if (fmt == QFMT_Q4_1) q_tile_QFMT_Q4_1(acc, rows, tiles, a, r0);
-    else q_tile_QFMT_Q4_0(acc, rows, tiles, a, r0);
+/* `passes`: the call has more than QROWS rows */
+INLINE void q_tile_rows(qacc *acc, int32_t fmt, int rows, int passes,
+                        const uint8_t *const *tiles, const struct qrows *a, int64_t r0) {
+    if (fmt == QFMT_Q8_0) q_tile_QFMT_Q8_0(acc, rows, passes, tiles, a, r0);
+    else if (fmt == QFMT_Q4_1) q_tile_QFMT_Q4_1(acc, rows, passes, tiles, a, r0);
+    else q_tile_QFMT_Q4_0(acc, rows, passes, tiles, a, r0);
 }
 
 QUANT_LINEAR(float, f32, specserve_quant_linear)
