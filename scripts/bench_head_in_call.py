@@ -48,8 +48,8 @@ def main() -> int:
         if args.level not in names:
             parser.error(f"--level must be native or one of {', '.join(names)}")
         print(f"building the {args.level} kernels ...", file=sys.stderr)
-        built = dict(zip(names, build_mod.prebuild(Path(tempfile.mkdtemp())), strict=True))
-        kernels = CpuKernels(built[args.level])
+        out = Path(tempfile.mkdtemp())
+        kernels = CpuKernels(build_mod.prebuild(out, only=[args.level])[0])
         for module in (cpu_mod, layers_mod, quant_mod):
             module.cpu_kernels = lambda k=kernels: k
     loaded = load_model(None, dtype=args.dtype, device="cpu", quantization="auto")

@@ -63,7 +63,7 @@ def main() -> int:
             parser.error(f"this CPU cannot run {args.level} code")
         print(f"building the {args.level} kernels ...", file=sys.stderr, flush=True)
         out = Path(tempfile.mkdtemp(prefix="specserve-levels-"))
-        kernels = CpuKernels(dict(zip(names, build.prebuild(out), strict=True))[args.level])
+        kernels = CpuKernels(build.prebuild(out, only=[args.level])[0])
         for module in (cpu_mod, layers_mod, quant_mod):
             module.cpu_kernels = lambda k=kernels: k
     block = 16

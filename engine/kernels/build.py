@@ -35,7 +35,7 @@ import shutil
 import stat
 import subprocess
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from pathlib import Path
 
 from engine import envs
@@ -160,6 +160,19 @@ def level_flags(level: str) -> frozenset[str]:
     return levels[level]
 
 
+def level_unrunnable(level: str) -> str | None:
+    """Why this CPU cannot run ``level``'s code (native, or a ``PREBUILT_LEVELS`` name),
+    in a few words for a benchmark's one-line error; None where it can."""
+    if level == "native":
+        return None
+    names = [name for name, _ in PREBUILT_LEVELS.get(platform.machine(), [])]
+    if level not in names:
+        return f"no kernel level {level!r}: native or any of {', '.join(names)}"
+    if not level_flags(level) <= cpu_flags():
+        return f"this CPU cannot run {level} code"
+    return None
+
+
 def _build_level(cc: str | None, source: bytes, cache: Path, level: str) -> Path:
     """The build for ``level`` ($SPECSERVE_KERNEL_LEVEL): its trusted prebuilt variant
     in ``cache``, else compiled into ``cache`` when that passes the rule and is
@@ -187,10 +200,13 @@ def _build_level(cc: str | None, source: bytes, cache: Path, level: str) -> Path
     return _build_private(cc, source, name, march=level)
 
 
-def prebuild(out_dir: Path, machine: str | None = None) -> list[Path]:
+def prebuild(
+    out_dir: Path, machine: str | None = None, only: Collection[str] | None = None
+) -> list[Path]:
     """Build the library for every instruction-set level of ``machine`` (default this
     one's) into ``out_dir``, for runtimes without a compiler (a container image's build
-    step). Returns the files, best level first."""
+    step); ``only``: those of the levels alone (a benchmark comparing a few). Returns the
+    files, best level first."""
     cc = _compiler()
     if cc is None:
         raise KernelBuildError("no C compiler found (set $CC or install gcc)")
@@ -210,7 +226,7 @@ def prebuild(out_dir: Path, machine: str | None = None) -> list[Path]:
         return out / name
 
     # One compiler a CPU: each level is one single-threaded compile of 10-20 s.
-    levels = [level for level, _ in PREBUILT_LEVELS[machine]]
+    levels = [level for level, _ in PREBUILT_LEVELS[machine] if only is None or level in only]
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     jobs = max(1, min(len(levels), cpus or 1))
     with concurrent.futures.ThreadPoolExecutor(max_workers=jobs) as pool:

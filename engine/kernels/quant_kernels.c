@@ -333,8 +333,9 @@ INLINE void q_tile_span(qacc *acc, int32_t fmt, int rows, const uint8_t *const *
  * tile's sums are the same operations in the same order either way: the same bits. */
 INLINE void q_tile(qacc *acc, int32_t fmt, int rows, int split, const uint8_t *const *tile,
                    const struct qrows *a, int64_t r0) {
-    if (split)
-        for (int j = 0; j < QTILES; j++) q_tile_span(acc, fmt, rows, tile, a, r0, j, 1);
+    if (split) /* a group's last tile past n repeats the one before (never stored): skipped */
+        for (int j = 0; j < QTILES && (j == 0 || tile[j] != tile[j - 1]); j++)
+            q_tile_span(acc, fmt, rows, tile, a, r0, j, 1);
     else
         q_tile_span(acc, fmt, rows, tile, a, r0, 0, QTILES);
 }

@@ -398,6 +398,29 @@ def test_prebuild_makes_one_library_per_level(prebuilt_kernel_dir):
         assert build_mod.untrusted_reason(path) is None
 
 
+def test_prebuild_only_builds_the_levels_asked_for(tmp_path, monkeypatch):
+    """``only``: a benchmark comparing a few levels compiles those alone, returned in the
+    levels' order whatever the order asked (the compiler replaced by one that writes an
+    empty file: which levels it is asked for is the point)."""
+    asked = []
+
+    def compile_one(cc, source, build_dir, name, march="native"):
+        asked.append(march)
+        os.close(os.open(name, os.O_WRONLY | os.O_CREAT, 0o600, dir_fd=build_dir[1]))
+
+    monkeypatch.setattr(build_mod, "_compile", compile_one)
+    levels = [level for level, _ in build_mod.PREBUILT_LEVELS[build_mod.platform.machine()]]
+    wanted = [levels[-1], levels[0]]
+    built = build_mod.prebuild(tmp_path, only=wanted)
+    assert sorted(asked) == sorted(wanted)
+    assert [p.name for p in built] == [
+        build_mod.prebuilt_name(build_mod.read_source(), level) for level in (levels[0], levels[-1])
+    ]
+    assert sorted(p.name for p in tmp_path.iterdir() if p.suffix == ".so") == sorted(
+        p.name for p in built
+    )
+
+
 def test_without_a_compiler_the_best_level_this_cpu_runs_is_loaded(prebuilt, monkeypatch):
     out, built = prebuilt
     monkeypatch.setattr(build_mod, "_compiler", lambda: None)

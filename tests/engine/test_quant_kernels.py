@@ -91,8 +91,13 @@ def test_the_error_against_the_float_weights_is_the_quantization(ops, name):
 
 
 @pytest.mark.parametrize("name", FORMAT_NAMES)
-def test_rows_are_bit_identical_in_any_batch_and_thread_count(ops, name):
-    weight, x, rows = _case(50, 160, 23, name, seed=3)
+@pytest.mark.parametrize("n", [50, 40])
+def test_rows_are_bit_identical_in_any_batch_and_thread_count(ops, name, n):
+    """A row alone, in a call of many rows and in parts of one: the same bits, with the
+    AVX-512 build's tiles read one after the other (calls of up to 6 rows, a call's last
+    partial pass) or side by side (its full passes); n = 40 is three tiles of 16, so the
+    last group's second tile lies past n."""
+    weight, x, rows = _case(n, 160, 23, name, seed=3)
     fmt = FORMATS[name]
     packed = ops.pack(fmt, rows, 160)
     alone = torch.cat([ops.linear(x[i : i + 1], packed, None) for i in range(23)])
