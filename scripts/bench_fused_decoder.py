@@ -84,7 +84,6 @@ def main() -> int:
     from engine.models import layers as layers_mod
 
     levels = [level.strip() for level in args.levels.split(",") if level.strip()]
-    prebuilt = [name for name, _ in build_mod.PREBUILT_LEVELS.get(build_mod.platform.machine(), [])]
     for level in levels:
         reason = build_mod.level_unrunnable(level)
         if reason is not None:
@@ -107,8 +106,7 @@ def main() -> int:
     if any(level != "native" for level in levels):
         print("building the prebuilt kernel levels asked for (under a minute) ...", file=sys.stderr)
         out = Path(tempfile.mkdtemp(prefix="specserve-levels-"))
-        wanted = [level for level in prebuilt if level in levels]  # the order prebuild keeps
-        built = dict(zip(wanted, build_mod.prebuild(out, only=wanted), strict=True))
+        built = build_mod.prebuild_levels(out, levels)
     print(
         "| level | KV cache | team | huge pages | one call ms | vs first | layer by layer ms "
         "| one call vs layers | weight stream GB/s (share of read bound) "

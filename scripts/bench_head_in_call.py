@@ -44,9 +44,9 @@ def main() -> int:
     from engine.models import layers as layers_mod
 
     if args.level != "native":
-        names = [name for name, _ in build_mod.PREBUILT_LEVELS[build_mod.platform.machine()]]
-        if args.level not in names:
-            parser.error(f"--level must be native or one of {', '.join(names)}")
+        reason = build_mod.level_unrunnable(args.level)
+        if reason is not None:
+            parser.error(f"--level {args.level!r}: {reason}")
         print(f"building the {args.level} kernels ...", file=sys.stderr)
         out = Path(tempfile.mkdtemp())
         kernels = CpuKernels(build_mod.prebuild(out, only=[args.level])[0])

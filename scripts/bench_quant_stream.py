@@ -20,14 +20,11 @@ checked to be the same bits as the first's (the int8 paths are batch invariant).
 from __future__ import annotations
 
 import argparse
-import mmap
 import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
-
-HUGE_PAGE = 2 << 20
 
 
 def main() -> int:
@@ -64,9 +61,9 @@ def main() -> int:
     from engine.kernels import build
     from engine.kernels.cpu import CpuKernels, cpu_kernels
     from engine.kernels.quant import FORMATS, QuantOps, QuantWeight
+    from engine.models.weights import huge_page_arena
 
     levels = [level.strip() for level in args.levels.split(",") if level.strip()]
-    prebuilt = [name for name, _ in build.PREBUILT_LEVELS.get(build.platform.machine(), [])]
     for level in levels:
         reason = build.level_unrunnable(level)
         if reason is not None:
@@ -80,9 +77,7 @@ def main() -> int:
     libs: dict[str, CpuKernels] = {}
     if any(level != "native" for level in levels):
         print("building the prebuilt kernel levels asked for (under a minute) ...", file=sys.stderr)
-        wanted = [level for level in prebuilt if level in levels]  # the order prebuild keeps
-        out = Path(tempfile.mkdtemp())
-        built = dict(zip(wanted, build.prebuild(out, only=wanted), strict=True))
+        built = build.prebuild_levels(Path(tempfile.mkdtemp()), levels)
     for level in levels:
         libs[level] = native if level == "native" else CpuKernels(built[level])
     if args.base is not None:
@@ -102,7 +97,7 @@ def main() -> int:
         packed = [ops.pack(fmt, rows_gguf, k) for rows_gguf in sources]
         size = packed[0].data.numel()
         step = -(-size // 4096) * 4096
-        arena = _huge_arena(torch, step * args.layers)
+        arena = huge_page_arena(step * args.layers)
         advise_huge_pages(arena)
         weights = []
         for i, w in enumerate(packed):
@@ -142,14 +137,6 @@ def main() -> int:
           f"({args.format} [{n}, {k}], {args.layers} weights of {setups[names[0]][2] / 1e3:.1f} "
           f"KB each, {torch.get_num_threads()} threads)")  # fmt: skip
     return 0
-
-
-def _huge_arena(torch, nbytes: int):
-    """nbytes of a private anonymous mapping, 2 MB aligned, not yet touched."""
-    private = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
-    arena = torch.frombuffer(mmap.mmap(-1, nbytes + HUGE_PAGE, flags=private), dtype=torch.uint8)
-    start = -(-arena.data_ptr() // HUGE_PAGE) * HUGE_PAGE - arena.data_ptr()
-    return arena[start : start + nbytes]
 
 
 if __name__ == "__main__":

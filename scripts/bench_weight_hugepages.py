@@ -56,11 +56,9 @@ def main() -> int:
     from engine.models import layers as layers_mod
 
     if args.level != "native":
-        names = [name for name, _ in build.PREBUILT_LEVELS.get(build.platform.machine(), [])]
-        if args.level not in names:
-            parser.error(f"--level must be native or one of {', '.join(names)}")
-        if not build.level_flags(args.level) <= build.cpu_flags():
-            parser.error(f"this CPU cannot run {args.level} code")
+        reason = build.level_unrunnable(args.level)
+        if reason is not None:
+            parser.error(f"--level {args.level!r}: {reason}")
         print(f"building the {args.level} kernels ...", file=sys.stderr, flush=True)
         out = Path(tempfile.mkdtemp(prefix="specserve-levels-"))
         kernels = CpuKernels(build.prebuild(out, only=[args.level])[0])

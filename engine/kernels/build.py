@@ -233,6 +233,12 @@ def prebuild(
         return list(pool.map(build, levels))
 
 
+def prebuild_levels(out_dir: Path, levels: Collection[str]) -> dict[str, Path]:
+    """``prebuild`` of ``levels`` alone (``PREBUILT_LEVELS`` names): each level's file."""
+    wanted = [level for level, _ in PREBUILT_LEVELS.get(platform.machine(), []) if level in levels]
+    return dict(zip(wanted, prebuild(out_dir, only=wanted), strict=True))
+
+
 def prebuilt_name(source: bytes, level: str) -> str:
     """A prebuilt variant's file name: keyed by source and flags, named by its level."""
     flags = " ".join(_compile_flags(level) + _LINK_FLAGS)

@@ -225,13 +225,7 @@ def weights_on_huge_pages(model: nn.Module) -> int:
     total = sum(-(-nbytes // 4096) * 4096 for nbytes in sizes.values())  # each 4 KB aligned
     if not total:
         return 0
-    # A private mapping of its own, never touched: malloc may hand out pages already
-    # in use (4 KB ones, which the advice does not change), and a shared one is shmem,
-    # which the advice does not cover. torch.frombuffer keeps it alive.
-    private = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
-    arena = torch.frombuffer(mmap.mmap(-1, total + _HUGE_PAGE, flags=private), dtype=torch.uint8)
-    start = -(-arena.data_ptr() // _HUGE_PAGE) * _HUGE_PAGE - arena.data_ptr()
-    arena = arena[start : start + total]
+    arena = huge_page_arena(total)
     if not advise_huge_pages(arena):
         return 0
     offset = 0
@@ -253,6 +247,17 @@ def weights_on_huge_pages(model: nn.Module) -> int:
             else:
                 getattr(module, name).data = view
     return total
+
+
+def huge_page_arena(nbytes: int) -> torch.Tensor:
+    """nbytes (uint8) of a private anonymous mapping of its own, 2 MB aligned and never
+    touched, for ``advise_huge_pages`` before anything is written: malloc may hand out
+    pages already in use (4 KB ones, which the advice does not change), and a shared
+    mapping is shmem, which the advice does not cover. The tensor keeps it alive."""
+    private = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
+    arena = torch.frombuffer(mmap.mmap(-1, nbytes + _HUGE_PAGE, flags=private), dtype=torch.uint8)
+    start = -(-arena.data_ptr() // _HUGE_PAGE) * _HUGE_PAGE - arena.data_ptr()
+    return arena[start : start + nbytes]
 
 
 def _large_weights(
