@@ -2,6 +2,7 @@
 
     .venv/bin/python scripts/bench_quant_stream.py --base HEAD~1
     .venv/bin/python scripts/bench_quant_stream.py --levels native,x86-64-v3 --rows 1,4,32
+    .venv/bin/python scripts/bench_quant_stream.py --levels x86-64-v3 --base HEAD --layers 1
 
 A decode step reads each weight once, from memory: a layer timed alone over and over
 reads it from cache instead and says little about the step. Here ``--layers`` copies of
@@ -9,8 +10,9 @@ a random Q4_1 (or ``--format``) weight of the default model's gate_up shape ([15
 576]) are packed by each build, laid on 2 MB pages (as loading lays a model's weights)
 and called in turn with bf16 activations of m rows (``--rows``), so every call streams
 its weight; ``--layers 1`` times it from cache. The builds are ``--levels`` (``native``
-and the prebuilt levels this CPU runs) and, with ``--base REV``, the working tree's
-kernels and those at a git revision, both for this CPU. Each round times one pass over
+and the prebuilt levels this CPU runs) and, with ``--base REV``, the kernels at a git
+revision built for each of those levels too (``REV`` for native, ``LEVEL REV`` for a
+level), beside the working tree's. Each round times one pass over
 the layers of every build, the build that goes first turning round by round; printed:
 the median microseconds a call, the weight bytes streamed a second, each build's ratio
 to the first's, and the machine's read bound measured after. Every build's outputs are
@@ -83,10 +85,12 @@ def main() -> int:
     if args.base is not None:
         from bench_kernel_ab import base_source
 
-        print(f"building the kernels at {args.base} ...", file=sys.stderr, flush=True)
-        libs[args.base] = CpuKernels(build.build_source(base_source(args.base)))
-        if "native" not in libs:  # the working tree's own native build, to compare with
-            libs = {"native": native, **libs}
+        source = base_source(args.base)
+        for level in levels:
+            name = args.base if level == "native" else f"{level} {args.base}"
+            print(f"building the kernels at {args.base} for {level} ...", file=sys.stderr,
+                  flush=True)  # fmt: skip
+            libs[name] = CpuKernels(build.build_source(source, level))
 
     fmt = FORMATS[args.format]
     torch.manual_seed(0)

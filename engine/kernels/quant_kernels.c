@@ -259,10 +259,15 @@ INLINE void q_tile_span(qacc *acc, int32_t fmt, int rows, const uint8_t *const *
                         const struct qrows *a, int64_t r0, int j0, int nt) {
     const __m512i low4 = _mm512_set1_epi8(0x0f), flip = _mm512_set1_epi8((char)0x80);
     const int64_t tb = q_tile_block_bytes(fmt), sb = q_scale_bytes(fmt);
-#define Q_ACC(r, j) acc[(r) * QTILES + j0 + (j)]
-    for (int r = 0; r < rows; r++)
-        for (int j = 0; j < nt; j++) Q_ACC(r, j) = _mm512_setzero_ps();
-    for (int64_t b = 0; b < a->nb; b++) {
+    const int64_t k = a->k, nb = a->nb;
+    /* this call's rows and sums in locals: the sums are not stored, nor the row
+     * pointers reloaded, every block (as with acc, which might alias the rows) */
+    const int8_t *xq = a->q + r0 * k;
+    const float *xd = a->d + r0 * nb, *xm = a->ms + r0 * nb;
+    const int32_t *xsum = a->s + r0 * nb;
+    qacc sum[QROWS * QTILES];
+    for (int i = 0; i < rows * nt; i++) sum[i] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
         const uint8_t *blk[QTILES], *qs[QTILES];
         for (int j = 0; j < nt; j++) blk[j] = tile[j0 + j] + b * tb, qs[j] = blk[j] + QLANES * sb;
         __m512i dot[QROWS * QTILES];
@@ -273,7 +278,7 @@ INLINE void q_tile_span(qacc *acc, int32_t fmt, int rows, const uint8_t *const *
                 for (int j = 0; j < nt; j++)
                     w[j] = _mm512_xor_si512(_mm512_loadu_si512(qs[j] + g * 64), flip);
                 for (int r = 0; r < rows; r++) {
-                    const int8_t *x = a->q + (r0 + r) * a->k + b * QK + 4 * g;
+                    const int8_t *x = xq + r * k + b * QK + 4 * g;
                     const __m512i xb = _mm512_set1_epi32(load_i32(x));
                     for (int j = 0; j < nt; j++)
                         dot[r * nt + j] = _mm512_dpbusd_epi32(dot[r * nt + j], w[j], xb);
@@ -288,7 +293,7 @@ INLINE void q_tile_span(qacc *acc, int32_t fmt, int rows, const uint8_t *const *
                     hi[j] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
                 }
                 for (int r = 0; r < rows; r++) {
-                    const int8_t *x = a->q + (r0 + r) * a->k + b * QK + 4 * c;
+                    const int8_t *x = xq + r * k + b * QK + 4 * c;
                     const __m512i xl = _mm512_set1_epi32(load_i32(x));
                     const __m512i xh = _mm512_set1_epi32(load_i32(x + 16));
                     for (int j = 0; j < nt; j++) {
@@ -306,21 +311,20 @@ INLINE void q_tile_span(qacc *acc, int32_t fmt, int rows, const uint8_t *const *
                        : _mm512_setzero_ps();
         }
         for (int r = 0; r < rows; r++) {
-            const int64_t i = (r0 + r) * a->nb + b;
-            const float xd = a->d[i];
-            const int32_t xs = a->s[i];
-            const __m512 vxd = _mm512_set1_ps(xd), vms = _mm512_set1_ps(a->ms[i]);
-            const __m512i off = _mm512_set1_epi32((fmt == QFMT_Q8_0 ? 128 : 8) * xs);
+            const int64_t i = r * nb + b;
+            const __m512 vxd = _mm512_set1_ps(xd[i]);
+            const __m512i off = _mm512_set1_epi32((fmt == QFMT_Q8_0 ? 128 : 8) * xsum[i]);
             for (int j = 0; j < nt; j++) {
                 __m512i total = dot[r * nt + j];
                 if (fmt != QFMT_Q4_1) total = _mm512_sub_epi32(total, off);
-                qacc *o = &Q_ACC(r, j);
+                qacc *o = &sum[r * nt + j];
                 *o = _mm512_fmadd_ps(_mm512_cvtepi32_ps(total), _mm512_mul_ps(d[j], vxd), *o);
-                if (fmt == QFMT_Q4_1) *o = _mm512_fmadd_ps(m[j], vms, *o);
+                if (fmt == QFMT_Q4_1) *o = _mm512_fmadd_ps(m[j], _mm512_set1_ps(xm[i]), *o);
             }
         }
     }
-#undef Q_ACC
+    for (int r = 0; r < rows; r++)
+        for (int j = 0; j < nt; j++) acc[r * QTILES + j0 + j] = sum[r * nt + j];
 }
 
 /* `rows` rows (a constant after inlining) against QTILES tiles of `fmt` (a constant
@@ -810,14 +814,28 @@ typedef __m256 qacc;
 #endif
 #define Q_PF_AHEAD 4096 /* bytes: q_tile's non-temporal prefetch of the weights */
 
+/* Keeps v in a register as is: the compiler may not reassociate the integer sums
+ * across it. Without it gcc -O3 hoisted a block's 32 vpmaddubsw (4 rows) above their
+ * adds and spilled 16 of them to the stack; with the sums in acc (memory that might
+ * alias the rows) it also stored them and reloaded the row pointers every block. The
+ * x86-64-v3 build's Linear at 4-32 rows took 1.3-1.5x as long on a Zen 4 so
+ * (docs/benchmarks.md, "A Zen 4, a sixth time"). */
+#define Q_KEEP(v) __asm__("" : "+x"(v))
+
 INLINE void q_tile(qacc *acc, int32_t fmt, int rows, int split, const uint8_t *const *tiles,
                    const struct qrows *a, int64_t r0) {
     (void)split; /* one tile a group (QTILES 1) */
     const uint8_t *tile = tiles[0];
     const __m256i low4 = _mm256_set1_epi8(0x0f);
     const int64_t tb = q_tile_block_bytes(fmt), sb = q_scale_bytes(fmt);
-    for (int r = 0; r < rows; r++) acc[r] = _mm256_setzero_ps();
-    for (int64_t b = 0; b < a->nb; b++) {
+    const int64_t k = a->k, nb = a->nb;
+    /* this call's rows, read through locals: stores to acc cannot change them */
+    const int8_t *xq = a->q + r0 * k;
+    const float *xd = a->d + r0 * nb, *xm = a->ms + r0 * nb;
+    const int32_t *xsum = a->s + r0 * nb;
+    qacc sum[QROWS];
+    for (int r = 0; r < rows; r++) sum[r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
         const uint8_t *blk = tile + b * tb, *qs = blk + QLANES * sb;
         /* The weights 4 KB ahead asked for non-temporally: the AVX2 code's batch-1
          * decode step measured about 2% faster on a Zen 4, ahead by 2-16 KB alike, 1 KB
@@ -825,17 +843,17 @@ INLINE void q_tile(qacc *acc, int32_t fmt, int rows, int split, const uint8_t *c
          * with it (docs/benchmarks.md, "A Zen 4, a fourth time"). */
         for (int64_t o = 0; o < tb; o += 64)
             _mm_prefetch((const char *)blk + Q_PF_AHEAD + o, _MM_HINT_NTA);
-        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk));
         __m256i dot[QROWS];
-        for (int r = 0; r < rows; r++) dot[r] = _mm256_setzero_si256();
         if (fmt == QFMT_Q8_0) {
             for (int g = 0; g < 8; g++) {
                 const __m256i w = _mm256_loadu_si256((const __m256i *)(qs + g * 32));
                 const __m256i wabs = _mm256_sign_epi8(w, w);
                 for (int r = 0; r < rows; r++) {
-                    const int8_t *x = a->q + (r0 + r) * a->k + b * QK + 4 * g;
+                    const int8_t *x = xq + r * k + b * QK + 4 * g;
                     const __m256i xs = _mm256_sign_epi8(_mm256_set1_epi32(load_i32(x)), w);
-                    dot[r] = DPBUSD8(dot[r], wabs, xs);
+                    dot[r] = g ? DPBUSD8(dot[r], wabs, xs)
+                               : DPBUSD8(_mm256_setzero_si256(), wabs, xs);
+                    Q_KEEP(dot[r]);
                 }
             }
         } else {
@@ -848,16 +866,19 @@ INLINE void q_tile(qacc *acc, int32_t fmt, int rows, int split, const uint8_t *c
                 const __m256i lo = _mm256_and_si256(v, low4);
                 const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
                 for (int r = 0; r < rows; r++) {
-                    const int8_t *x = a->q + (r0 + r) * a->k + b * QK + 4 * c;
+                    const int8_t *x = xq + r * k + b * QK + 4 * c;
                     const __m256i xl = _mm256_set1_epi32(load_i32(x));
                     const __m256i xh = _mm256_set1_epi32(load_i32(x + 16));
 #if defined(Q_MADDUBS)
-                    const __m256i pair = _mm256_add_epi16(_mm256_maddubs_epi16(lo, xl),
-                                                          _mm256_maddubs_epi16(hi, xh));
-                    dot[r] = _mm256_add_epi16(dot[r], pair);
+                    const __m256i pl = _mm256_maddubs_epi16(lo, xl);
+                    const __m256i ph = _mm256_maddubs_epi16(hi, xh);
+                    dot[r] = c ? _mm256_add_epi16(_mm256_add_epi16(dot[r], pl), ph)
+                               : _mm256_add_epi16(pl, ph);
 #else
-                    dot[r] = DPBUSD8(DPBUSD8(dot[r], lo, xl), hi, xh);
+                    dot[r] = c ? DPBUSD8(DPBUSD8(dot[r], lo, xl), hi, xh)
+                               : DPBUSD8(DPBUSD8(_mm256_setzero_si256(), lo, xl), hi, xh);
 #endif
+                    Q_KEEP(dot[r]);
                 }
             }
 #if defined(Q_MADDUBS)
@@ -865,21 +886,20 @@ INLINE void q_tile(qacc *acc, int32_t fmt, int rows, int split, const uint8_t *c
                 dot[r] = _mm256_madd_epi16(dot[r], _mm256_set1_epi16(1));
 #endif
         }
+        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk));
         const __m256 m = fmt == QFMT_Q4_1
                              ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 16)))
                              : _mm256_setzero_ps();
         for (int r = 0; r < rows; r++) {
-            const int64_t i = (r0 + r) * a->nb + b;
-            const float xd = a->d[i];
-            const int32_t xs = a->s[i];
+            const int64_t i = r * nb + b;
             __m256i total = dot[r];
-            if (fmt == QFMT_Q4_0) total = _mm256_sub_epi32(total, _mm256_set1_epi32(8 * xs));
-            const __m256 scale = _mm256_mul_ps(d, _mm256_set1_ps(xd));
-            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(total), scale, acc[r]);
-            if (fmt == QFMT_Q4_1)
-                acc[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(a->ms[i]), acc[r]);
+            if (fmt == QFMT_Q4_0) total = _mm256_sub_epi32(total, _mm256_set1_epi32(8 * xsum[i]));
+            const __m256 scale = _mm256_mul_ps(d, _mm256_set1_ps(xd[i]));
+            sum[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(total), scale, sum[r]);
+            if (fmt == QFMT_Q4_1) sum[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(xm[i]), sum[r]);
         }
     }
+    for (int r = 0; r < rows; r++) acc[r] = sum[r];
 }
 
 INLINE void q_acc_to_lanes(float *lanes, qacc v) { _mm256_storeu_ps(lanes, v); }

@@ -1,7 +1,7 @@
 """scripts/bench_quant_stream.py: a row per row count with every build's time, rate and
 ratio to the first build, the builds' bits checked equal on the way; with --base, the
-working tree's native build beside the revision's; a bad option, or a level this CPU
-cannot run, is one line naming it."""
+working tree's build of each level beside the revision's; a bad option, or a level this
+CPU cannot run, is one line naming it."""
 
 from __future__ import annotations
 
@@ -52,6 +52,23 @@ def test_the_working_tree_against_a_revision():
     )
     for c in cells:
         assert len(c) == 6 and float(c[5]) > 0, c
+
+
+def test_a_revision_is_built_at_each_level_asked_for():
+    """--levels L --base HEAD: the working tree's build of level L beside HEAD's build of
+    the same level (not HEAD's native build), the same bits, one ratio."""
+    from tests.engine.kernel_levels import runnable_levels
+
+    prebuilt = runnable_levels()[1:]  # best first: the last is x86-64-v2 on any x86-64
+    assert prebuilt, "no prebuilt kernel level for this machine"
+    level = prebuilt[-1]
+    done = _run("--levels", level, "--base", "HEAD", "--rows", "1,5", "--layers", "2",
+                "--rounds", "2", "--shape", "48x64")  # fmt: skip
+    cells = _rows(done)
+    header = f"| rows | {level} us | {level} HEAD us | {level} GB/s | {level} HEAD GB/s |"
+    assert header in done.stdout, done.stdout
+    assert [c[0] for c in cells] == ["1", "5"], done.stdout
+    assert f"building the kernels at HEAD for {level}" in done.stderr
 
 
 @pytest.mark.parametrize(

@@ -401,6 +401,23 @@ def ops_at_level(request) -> QuantOps:
     return QuantOps(kernels_at_level(request).lib)
 
 
+@pytest.mark.parametrize("name", FORMAT_NAMES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_every_level_gives_the_native_builds_bits(ops, ops_at_level, name, dtype):
+    """Every level's dot products (AVX-512 VNNI, AVX2 with VNNI or vpmaddubsw, portable)
+    are the same integer sums, scaled and added in the same order: the native build's
+    bits at every row count, whether a call's rows make one register block, several, or
+    a partial last one (the AVX2 blocks are 4 rows, the AVX-512 ones 6)."""
+    n, k = 40, 192
+    weight, x, rows = _case(n, k, 33, name, seed=5)
+    x = x.to(dtype)
+    fmt = FORMATS[name]
+    mine, theirs = ops.pack(fmt, rows, k), ops_at_level.pack(fmt, rows, k)
+    for m in (1, 2, 3, 4, 5, 6, 7, 8, 9, 13, 33):
+        want = ops.linear(x[:m], mine, None)
+        assert torch.equal(ops_at_level.linear(x[:m], theirs, None), want), m
+
+
 def extreme_rows(name: str, n: int, k: int) -> torch.Tensor:
     """GGUF rows whose quants sit at the format's extremes: every nibble 15, every
     nibble 0, or the two alternating by byte (Q4); every quant 127, -128 or -127 (Q8_0);
