@@ -8,10 +8,10 @@ moment. Two bounds, measured in under a second on torch's thread count:
   the ceiling of a batch-1 decode step, which reads every weight once.
 - **multiply-add peaks** (G multiply-adds/s) of the instructions the CPU kernels use:
   fp32 FMA, bf16 ``vdpbf16ps`` and int8 ``vpdpbusd`` (the better of its 512- and 256-bit
-  forms; on AVX2 without VNNI the ``vpmaddubsw`` + ``vpmaddwd`` pair the quantized kernel
-  uses there), and on a CPU with AMX its int8 ``tdpbssd`` and bf16 ``tdpbf16ps``, each a
-  register-only loop of independent chains on every thread: the ceiling of a large
-  batch's Linear layers.
+  forms; on AVX2 without VNNI ``vpmaddubsw`` + ``vpaddw``, the step of the quantized
+  kernel's Q4 blocks there), and on a CPU with AMX its int8 ``tdpbssd`` and bf16
+  ``tdpbf16ps``, each a register-only loop of independent chains on every thread: the
+  ceiling of a large batch's Linear layers.
 
 A result's share of its bound: batch-1 tok/s x bytes read per token / read GB/s, or
 step multiply-adds / peak.
@@ -35,8 +35,8 @@ class Bounds:
     fp32_fma_gmacs: float | None
     bf16_gmacs: float | None
     int8_gmacs: float | None
-    # the instruction int8_gmacs measured (AVX2 without VNNI: the vpmaddubsw pair the
-    # quantized kernel uses there), and AMX's tdpbssd where the CPU and build have it
+    # the instruction int8_gmacs measured (AVX2 without VNNI: vpmaddubsw + vpaddw, the
+    # quantized kernel's Q4 step there), and AMX's tdpbssd where the CPU and build have it
     int8_instruction: str = "vpdpbusd"
     amx_int8_gmacs: float | None = None
     amx_bf16_gmacs: float | None = None  # tdpbf16ps, likewise
@@ -90,7 +90,7 @@ def measure(num_threads: int | None = None) -> Bounds | None:
 
 def int8_instruction(kernels) -> str:
     """What the int8 peak of ``kernels``' build measures: vpdpbusd, or on AVX2 without
-    VNNI the vpmaddubsw + vpmaddwd pair its quantized kernel uses."""
+    VNNI vpmaddubsw + vpaddw, its quantized kernel's Q4 step."""
     from engine.kernels.quant import QuantOps
 
     return "vpmaddubsw" if QuantOps(kernels.lib).path == "avx2" else "vpdpbusd"

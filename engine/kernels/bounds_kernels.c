@@ -39,7 +39,14 @@ double specserve_read_gbps(const uint64_t *buf, int64_t bytes, int32_t reps,
     return best;
 }
 
-#define BOUNDS_CHAINS 24 /* independent accumulators: more than latency x ports */
+/* independent accumulators: more than latency x ports, and (with u and v) no more than
+ * the registers, or the loop times its spills: 24 of AVX-512's 32, 12 of AVX2's 16 (24
+ * spilled there: fp32 FMA printed 90 G/s on a Zen 4's two cores, which do 115) */
+#if defined(__AVX512F__)
+#define BOUNDS_CHAINS 24
+#else
+#define BOUNDS_CHAINS 12
+#endif
 
 /* One register-only peak loop (a case of specserve_peak_gmacs): every thread runs
  * BOUNDS_CHAINS independent chains of acc = STEP(acc, u, v) on vectors of type VT,
@@ -69,10 +76,37 @@ double specserve_read_gbps(const uint64_t *buf, int64_t bytes, int32_t reps,
 #define BOUNDS_PS256(c) _mm256_set1_ps((float)(c))
 #define BOUNDS_EPI512(c) _mm512_set1_epi32(c)
 #define BOUNDS_EPI256(c) _mm256_set1_epi32(c)
-/* the AVX2 quantized kernel's int8 step without VNNI: vpmaddubsw, vpmaddwd by 1, vpaddd */
-#define BOUNDS_MADDUBS(acc, u, v)                                                              \
-    _mm256_add_epi32((acc), _mm256_madd_epi16(_mm256_maddubs_epi16((u), (v)),                  \
-                                              _mm256_set1_epi16(1)))
+/* The AVX2 quantized kernel's int8 step without VNNI, as its Q4 blocks take it: vpmaddubsw,
+ * its products added in int16 (vpaddw; one vpmaddwd widens a block's eight sums). Q8_0
+ * widens each product (a vpmaddwd and a vpaddd more), so its peak is about half this.
+ * Written out in asm, 6 chains of 16 registers: in C the compiler computed the product
+ * of u and v once, before the loop, and timed only the adds, spilled (until the
+ * twenty-seventh session, which found the AVX2 build's Q4 Linear above this "peak" on a
+ * Zen 4: 176 against 147-169 G/s). Sets macs_per_iter and ran. */
+#define BOUNDS_MB(a, t) "vpmaddubsw %13, %12, %" #t "\n\tvpaddw %" #t ", %" #a ", %" #a "\n\t"
+#define BOUNDS_MB_6                                                                            \
+    BOUNDS_MB(0, 6) BOUNDS_MB(1, 7) BOUNDS_MB(2, 8) BOUNDS_MB(3, 9) BOUNDS_MB(4, 10)          \
+    BOUNDS_MB(5, 11)
+#define BOUNDS_MB_12 BOUNDS_MB_6 BOUNDS_MB_6
+#define BOUNDS_MADDUBS_PEAK()                                                                  \
+    do {                                                                                       \
+        macs_per_iter = 32.0 * 12;                                                             \
+        ran = 1;                                                                               \
+        _Pragma("omp parallel num_threads(num_threads) reduction(+ : sink)") {                 \
+            __m256i a0 = _mm256_set1_epi16(1), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0;    \
+            __m256i t0, t1, t2, t3, t4, t5;                                                    \
+            const __m256i u = _mm256_set1_epi8(3), v = _mm256_set1_epi8(5);                    \
+            for (int64_t it = 0; it < iters; it++)                                             \
+                __asm__ volatile(BOUNDS_MB_12                                                  \
+                                 : "+x"(a0), "+x"(a1), "+x"(a2), "+x"(a3), "+x"(a4), "+x"(a5), \
+                                   "=&x"(t0), "=&x"(t1), "=&x"(t2), "=&x"(t3), "=&x"(t4),      \
+                                   "=&x"(t5)                                                   \
+                                 : "x"(u), "x"(v));                                            \
+            sink += (double)_mm256_cvtsi256_si32(                                              \
+                _mm256_add_epi16(_mm256_add_epi16(_mm256_add_epi16(a0, a1), a2),               \
+                                 _mm256_add_epi16(_mm256_add_epi16(a3, a4), a5)));             \
+        }                                                                                      \
+    } while (0)
 
 #if defined(HAVE_AMX_TILES)
 /* One AMX instruction DP (tile C += A . B, K inputs of type IN_T a row, C of OUT_T) on 4
@@ -114,7 +148,7 @@ double specserve_read_gbps(const uint64_t *buf, int64_t bytes, int32_t reps,
 /* Multiply-adds per second (G) of one instruction on `num_threads` threads, best of
  * three: kind 0 fp32 FMA (vfmadd, 1 multiply-add per fp32 lane), 1 bf16 vdpbf16ps (2
  * per fp32 lane), 2 int8 vpdpbusd (4 per int32 lane; the 256-bit form where it is
- * faster; on AVX2 without VNNI the quantized kernel's vpmaddubsw + vpmaddwd pair), 4
+ * faster; on AVX2 without VNNI the quantized kernel's vpmaddubsw + vpaddw pair), 4
  * int8 AMX tdpbssd (tiles of 16 x 16 x 64, where the build and Linux allow AMX), 5 bf16
  * AMX tdpbf16ps (16 x 16 x 32, likewise). -1 when this build's target lacks the
  * instruction. */
@@ -161,9 +195,8 @@ double specserve_peak_gmacs(int32_t kind, int64_t iters, int32_t num_threads) {
                         BOUNDS_R256, _mm256_dpbusd_avx_epi32, _mm256_cvtsi256_si32);
             break;
 #elif defined(__AVX2__)
-        case 2: /* AVX2 without VNNI: the quantized kernel's vpmaddubsw + vpmaddwd + vpaddd */
-            BOUNDS_PEAK(32.0, __m256i, __m256i, BOUNDS_EPI256, _mm256_set1_epi8(3), _mm256_set1_epi8(5),
-                        BOUNDS_R256, BOUNDS_MADDUBS, _mm256_cvtsi256_si32);
+        case 2: /* AVX2 without VNNI: the quantized kernel's vpmaddubsw + vpaddw */
+            BOUNDS_MADDUBS_PEAK();
             break;
 #endif
 #if defined(QPATH_AMX)

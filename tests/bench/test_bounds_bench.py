@@ -47,7 +47,7 @@ def test_a_missing_instruction_says_n_a_and_bad_flags_are_one_line(capsys):
 def test_amx_and_avx2_int8_peaks_are_measured_where_they_exist(prebuilt_kernel_levels):
     """Issue 35: `bench bounds` measured no int8 peak on AVX2 without VNNI, and none for
     AMX. The AVX2 level (run here on whatever x86-64 CPU has AVX2) measures the
-    vpmaddubsw pair and says so; a CPU with AMX and a build with the tile path measures
+    vpmaddubsw + vpaddw step and says so; a CPU with AMX and a build with the tile path measures
     tdpbssd, well above vpdpbusd, and with AMX-BF16 tdpbf16ps, well above vdpbf16ps."""
     from engine.benchmarks.bounds import int8_instruction, measure
     from engine.kernels.cpu import CpuKernels, cpu_kernels
