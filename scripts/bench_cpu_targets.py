@@ -87,11 +87,10 @@ def _run(cmd: list[str], what: str, env: dict | None = None) -> str:
     return done.stdout
 
 
-def _spread(values: list[float], unit: str = "") -> str:
-    if not values:
-        return "-"
-    mid = statistics.median(values)
-    return f"{mid:.2f}{unit} ({min(values):.2f}-{max(values):.2f})"
+def _spread(values: list[float], unit: str = "", digits: int = 2) -> str:
+    """median (min-max)"""
+    mid, lo, hi = statistics.median(values), min(values), max(values)
+    return f"{mid:.{digits}f}{unit} ({lo:.{digits}f}-{hi:.{digits}f})"
 
 
 def main() -> int:
@@ -186,12 +185,12 @@ def main() -> int:
     if "batch1" not in skip:
         print(
             f"batch 1 vs llama.cpp's raw eval (>= 1.3x): {_spread(rows['b1'], 'x')}; "
-            f"weight stream: {_spread(rows['share'], '%')} of the read bound"
+            f"weight stream: {_spread(rows['share'], '%', 0)} of the read bound"
         )
     if "batch32" not in skip:
         print(
             f"32 x 64 vs {label}: {_spread(rows['b32'], 'x')}; specserve "
-            f"{_spread(rows['ours'])} tok/s, vLLM {_spread(rows['vllm'])}"
+            f"{_spread(rows['ours'], '', 1)} tok/s, vLLM {_spread(rows['vllm'], '', 1)}"
         )
     return 0
 
