@@ -39,43 +39,40 @@ double specserve_read_gbps(const uint64_t *buf, int64_t bytes, int32_t reps,
     return best;
 }
 
-/* independent accumulators: more than latency x ports, and (with u and v) no more than
- * the registers, or the loop times its spills: 24 of AVX-512's 32, 12 of AVX2's 16 (24
- * spilled there: fp32 FMA printed 90 G/s on a Zen 4's two cores, which do 115) */
-#if defined(__AVX512F__)
-#define BOUNDS_CHAINS 24
-#else
-#define BOUNDS_CHAINS 12
-#endif
-
-/* One register-only peak loop (a case of specserve_peak_gmacs): every thread runs
- * BOUNDS_CHAINS independent chains of acc = STEP(acc, u, v) on vectors of type VT,
- * chain c starting at ACC0(c); u = U0 and v = V0 (of type OT) are hidden from the
- * compiler by an empty asm (register constraint R: "+v" for AVX-512 registers, "+x"
- * for AVX2) so the steps are not folded, and each chain's LANE(acc) goes into `sink` so none is dead.
- * MACS: multiply-adds per step and chain. */
-#define BOUNDS_PEAK(MACS, VT, OT, ACC0, U0, V0, R, STEP, LANE)                                 \
+/* One register-only peak loop (a case of specserve_peak_gmacs): every thread runs 12
+ * independent chains of acc = INSN(acc, u, v) on vectors of type VT, written out in asm
+ * (AT&T operand order: INSN v, u, acc): more chains than the instruction's latency
+ * times its ports, and with u and v 14 registers, which AVX2's 16 hold. In C (a loop
+ * over an array of 24 accumulators) gcc spilled them: until the twenty-seventh session
+ * `bench bounds` timed the spills beside the instructions and printed `vpdpbusd` at
+ * 186-250 G/s on a Zen 4 whose units do 449, and the AVX2 build's FMA at 90 of 115.
+ * R: the register constraint ("v" for AVX-512 builds, "x" for AVX2). Each chain's
+ * LANE(acc) goes into `sink` so none is dead. MACS: multiply-adds per instruction. */
+#define BOUNDS_STEP(insn, i) insn " %13, %12, %" #i "\n\t"
+#define BOUNDS_STEPS(insn)                                                                     \
+    BOUNDS_STEP(insn, 0) BOUNDS_STEP(insn, 1) BOUNDS_STEP(insn, 2) BOUNDS_STEP(insn, 3)         \
+    BOUNDS_STEP(insn, 4) BOUNDS_STEP(insn, 5) BOUNDS_STEP(insn, 6) BOUNDS_STEP(insn, 7)     \
+    BOUNDS_STEP(insn, 8) BOUNDS_STEP(insn, 9) BOUNDS_STEP(insn, 10) BOUNDS_STEP(insn, 11)
+#define BOUNDS_PEAK(MACS, VT, ACC0, U0, V0, R, INSN, LANE)                                     \
     do {                                                                                       \
-        macs_per_iter = (MACS) * BOUNDS_CHAINS;                                                \
+        macs_per_iter = (MACS) * 12;                                                           \
         ran = 1;                                                                               \
         _Pragma("omp parallel num_threads(num_threads) reduction(+ : sink)") {                 \
-            VT a[BOUNDS_CHAINS];                                                               \
-            for (int c = 0; c < BOUNDS_CHAINS; c++) a[c] = ACC0(c);                            \
-            OT u = (U0), v = (V0);                                                             \
-            __asm__ volatile("" : R(u), R(v));                                                 \
-            for (int64_t it = 0; it < iters; it++) {                                           \
-                _Pragma("GCC unroll 24") for (int c = 0; c < BOUNDS_CHAINS; c++)               \
-                    a[c] = STEP(a[c], u, v);                                                   \
-            }                                                                                  \
-            for (int c = 0; c < BOUNDS_CHAINS; c++) sink += (double)LANE(a[c]);                \
+            VT a0 = (ACC0), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;     \
+            VT a8 = a0, a9 = a0, a10 = a0, a11 = a0;                                           \
+            const VT u = (U0), v = (V0);                                                       \
+            for (int64_t it = 0; it < iters; it++)                                             \
+                __asm__ volatile(BOUNDS_STEPS(INSN)                                            \
+                                 : "+" R(a0), "+" R(a1), "+" R(a2), "+" R(a3), "+" R(a4),      \
+                                   "+" R(a5), "+" R(a6), "+" R(a7), "+" R(a8), "+" R(a9),      \
+                                   "+" R(a10), "+" R(a11)                                      \
+                                 : R(u), R(v));                                                \
+            sink += (double)LANE(a0) + (double)LANE(a1) + (double)LANE(a2) +                   \
+                    (double)LANE(a3) + (double)LANE(a4) + (double)LANE(a5) +                   \
+                    (double)LANE(a6) + (double)LANE(a7) + (double)LANE(a8) +                   \
+                    (double)LANE(a9) + (double)LANE(a10) + (double)LANE(a11);                  \
         }                                                                                      \
     } while (0)
-#define BOUNDS_R512 "+v"
-#define BOUNDS_R256 "+x"
-#define BOUNDS_PS512(c) _mm512_set1_ps((float)(c))
-#define BOUNDS_PS256(c) _mm256_set1_ps((float)(c))
-#define BOUNDS_EPI512(c) _mm512_set1_epi32(c)
-#define BOUNDS_EPI256(c) _mm256_set1_epi32(c)
 /* The AVX2 quantized kernel's int8 step without VNNI, as its Q4 blocks take it: vpmaddubsw,
  * its products added in int16 (vpaddw; one vpmaddwd widens a block's eight sums). Q8_0
  * widens each product (a vpmaddwd and a vpaddd more), so its peak is about half this.
@@ -161,38 +158,38 @@ double specserve_peak_gmacs(int32_t kind, int64_t iters, int32_t num_threads) {
         switch (kind) {
 #if defined(__AVX512F__)
         case 0:
-            BOUNDS_PEAK(16.0, __m512, __m512, BOUNDS_PS512, _mm512_set1_ps(1.0001f),
-                        _mm512_set1_ps(0.999f), BOUNDS_R512, _mm512_fmadd_ps,
-                        _mm512_reduce_add_ps);
+            BOUNDS_PEAK(16.0, __m512, _mm512_setzero_ps(), _mm512_set1_ps(1.0001f),
+                        _mm512_set1_ps(0.999f), "v", "vfmadd231ps", _mm512_reduce_add_ps);
             break;
 #elif defined(__FMA__)
         case 0:
-            BOUNDS_PEAK(8.0, __m256, __m256, BOUNDS_PS256, _mm256_set1_ps(1.0001f),
-                        _mm256_set1_ps(0.999f), BOUNDS_R256, _mm256_fmadd_ps, _mm256_cvtss_f32);
+            BOUNDS_PEAK(8.0, __m256, _mm256_setzero_ps(), _mm256_set1_ps(1.0001f),
+                        _mm256_set1_ps(0.999f), "x", "vfmadd231ps", _mm256_cvtss_f32);
             break;
 #endif
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
         case 1:
-            BOUNDS_PEAK(32.0, __m512, __m512bh, BOUNDS_PS512, (__m512bh)_mm512_set1_epi32(0x3f803f80),
-                        (__m512bh)_mm512_set1_epi32(0x3f803f80), BOUNDS_R512, _mm512_dpbf16_ps,
+            BOUNDS_PEAK(32.0, __m512, _mm512_setzero_ps(),
+                        _mm512_castsi512_ps(_mm512_set1_epi32(0x3f803f80)),
+                        _mm512_castsi512_ps(_mm512_set1_epi32(0x3f803f80)), "v", "vdpbf16ps",
                         _mm512_reduce_add_ps);
             break;
 #endif
 #if defined(__AVX512VNNI__) && defined(__AVX512F__)
         case 2:
-            BOUNDS_PEAK(64.0, __m512i, __m512i, BOUNDS_EPI512, _mm512_set1_epi8(3), _mm512_set1_epi8(5),
-                        BOUNDS_R512, _mm512_dpbusd_epi32, _mm512_reduce_add_epi32);
+            BOUNDS_PEAK(64.0, __m512i, _mm512_setzero_si512(), _mm512_set1_epi8(3),
+                        _mm512_set1_epi8(5), "v", "vpdpbusd", _mm512_reduce_add_epi32);
             break;
         case 3: /* vpdpbusd on 256-bit registers (AVX512-VL) */
 #if defined(__AVX512VL__)
-            BOUNDS_PEAK(32.0, __m256i, __m256i, BOUNDS_EPI256, _mm256_set1_epi8(3), _mm256_set1_epi8(5),
-                        BOUNDS_R512, _mm256_dpbusd_epi32, _mm256_cvtsi256_si32);
+            BOUNDS_PEAK(32.0, __m256i, _mm256_setzero_si256(), _mm256_set1_epi8(3),
+                        _mm256_set1_epi8(5), "v", "vpdpbusd", _mm256_cvtsi256_si32);
 #endif
             break;
 #elif defined(__AVXVNNI__)
         case 2:
-            BOUNDS_PEAK(32.0, __m256i, __m256i, BOUNDS_EPI256, _mm256_set1_epi8(3), _mm256_set1_epi8(5),
-                        BOUNDS_R256, _mm256_dpbusd_avx_epi32, _mm256_cvtsi256_si32);
+            BOUNDS_PEAK(32.0, __m256i, _mm256_setzero_si256(), _mm256_set1_epi8(3),
+                        _mm256_set1_epi8(5), "x", "%{vex%} vpdpbusd", _mm256_cvtsi256_si32);
             break;
 #elif defined(__AVX2__)
         case 2: /* AVX2 without VNNI: the quantized kernel's vpmaddubsw + vpaddw */
