@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -42,11 +41,16 @@ PYTHON = sys.executable
 PARTS = ("batch1", "batch32")
 
 
+def _cells(line: str) -> list[str]:
+    """A markdown table row's cells."""
+    return [c.strip() for c in line.strip().strip("|").split("|")]
+
+
 def llama_bench_tok_s(out: str) -> float:
     """tok/s of llama-bench's `tg64 @ d300` row (its markdown table: `... | tg64 @ d300 |
     117.07 ± 1.23 |`)."""
     for line in out.splitlines():
-        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        cells = _cells(line)
         if len(cells) >= 2 and cells[-2].startswith("tg"):
             return float(cells[-1].split("±")[0])
     raise ValueError("llama-bench printed no tg row")
@@ -58,7 +62,7 @@ def fused_step(out: str) -> tuple[float, float, float]:
     huge pages | one call ms | vs first | layer by layer ms | one call vs layers |
     36.0 (76% of 47.3) | ... |`."""
     for line in out.splitlines():
-        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        cells = _cells(line)
         if len(cells) >= 10 and "% of " in cells[8]:
             share, bound = cells[8].split("(")[1].rstrip(")").split("% of ")
             return float(cells[4]), float(share), float(bound)
@@ -85,12 +89,6 @@ def _run(cmd: list[str], what: str, env: dict | None = None) -> str:
         tail = (done.stderr.strip().splitlines() or ["(no output)"])[-1]
         raise RuntimeError(f"{what} failed (exit {done.returncode}): {tail}")
     return done.stdout
-
-
-def _spread(values: list[float], unit: str = "", digits: int = 2) -> str:
-    """median (min-max)"""
-    mid, lo, hi = statistics.median(values), min(values), max(values)
-    return f"{mid:.{digits}f}{unit} ({lo:.{digits}f}-{hi:.{digits}f})"
 
 
 def main() -> int:
@@ -120,6 +118,7 @@ def main() -> int:
     env = dict(os.environ)
     threads = args.threads or torch.get_num_threads()
 
+    from engine.benchmarks.report import median_range
     from engine.default_model import default_gguf_path
     from engine.loader import resolve_dtype
 
@@ -184,13 +183,13 @@ def main() -> int:
     print(f"after the rounds: {bounds()}")
     if "batch1" not in skip:
         print(
-            f"batch 1 vs llama.cpp's raw eval (>= 1.3x): {_spread(rows['b1'], 'x')}; "
-            f"weight stream: {_spread(rows['share'], '%', 0)} of the read bound"
+            f"batch 1 vs llama.cpp's raw eval (>= 1.3x): {median_range(rows['b1'], '{:.2f}x')}; "
+            f"weight stream: {median_range(rows['share'], '{:.0f}%')} of the read bound"
         )
     if "batch32" not in skip:
         print(
-            f"32 x 64 vs {label}: {_spread(rows['b32'], 'x')}; specserve "
-            f"{_spread(rows['ours'], '', 1)} tok/s, vLLM {_spread(rows['vllm'], '', 1)}"
+            f"32 x 64 vs {label}: {median_range(rows['b32'], '{:.2f}x')}; specserve "
+            f"{median_range(rows['ours'])} tok/s, vLLM {median_range(rows['vllm'])}"
         )
     return 0
 
