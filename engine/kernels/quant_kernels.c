@@ -250,6 +250,21 @@ INLINE int32_t load_i32(const void *p) {
     return v;
 }
 
+/* Rows from r0 of a, as the tiles read them: through a local copy of the pointers, not
+ * through a, which a store of a tile's sums (memory that might alias a's buffers) would
+ * make the compiler reload every block. Row r's int8 values at q + r * k; its block b's
+ * scale, sum and minimum term at d, s, ms [r * nb + b]. */
+struct qrows_at {
+    const int8_t *q;
+    const float *d, *ms;
+    const int32_t *s;
+    int64_t k, nb;
+};
+INLINE struct qrows_at q_rows_at(const struct qrows *a, int64_t r0) {
+    return (struct qrows_at){a->q + r0 * a->k, a->d + r0 * a->nb, a->ms + r0 * a->nb,
+                             a->s + r0 * a->nb, a->k, a->nb};
+}
+
 #if defined(QPATH_AVX512)
 typedef __m512 qacc; /* one row's QLANES fp32 accumulators */
 
@@ -259,13 +274,9 @@ INLINE void q_tile_span(qacc *acc, int32_t fmt, int rows, const uint8_t *const *
                         const struct qrows *a, int64_t r0, int j0, int nt) {
     const __m512i low4 = _mm512_set1_epi8(0x0f), flip = _mm512_set1_epi8((char)0x80);
     const int64_t tb = q_tile_block_bytes(fmt), sb = q_scale_bytes(fmt);
-    const int64_t k = a->k, nb = a->nb;
-    /* this call's rows and sums in locals: the sums are not stored, nor the row
-     * pointers reloaded, every block (as with acc, which might alias the rows) */
-    const int8_t *xq = a->q + r0 * k;
-    const float *xd = a->d + r0 * nb, *xm = a->ms + r0 * nb;
-    const int32_t *xsum = a->s + r0 * nb;
-    qacc sum[QROWS * QTILES];
+    const struct qrows_at x = q_rows_at(a, r0);
+    const int64_t k = x.k, nb = x.nb;
+    qacc sum[QROWS * QTILES]; /* stored into acc once, at the end */
     for (int i = 0; i < rows * nt; i++) sum[i] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *blk[QTILES], *qs[QTILES];
@@ -278,8 +289,8 @@ INLINE void q_tile_span(qacc *acc, int32_t fmt, int rows, const uint8_t *const *
                 for (int j = 0; j < nt; j++)
                     w[j] = _mm512_xor_si512(_mm512_loadu_si512(qs[j] + g * 64), flip);
                 for (int r = 0; r < rows; r++) {
-                    const int8_t *x = xq + r * k + b * QK + 4 * g;
-                    const __m512i xb = _mm512_set1_epi32(load_i32(x));
+                    const int8_t *xr = x.q + r * k + b * QK + 4 * g;
+                    const __m512i xb = _mm512_set1_epi32(load_i32(xr));
                     for (int j = 0; j < nt; j++)
                         dot[r * nt + j] = _mm512_dpbusd_epi32(dot[r * nt + j], w[j], xb);
                 }
@@ -293,9 +304,9 @@ INLINE void q_tile_span(qacc *acc, int32_t fmt, int rows, const uint8_t *const *
                     hi[j] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
                 }
                 for (int r = 0; r < rows; r++) {
-                    const int8_t *x = xq + r * k + b * QK + 4 * c;
-                    const __m512i xl = _mm512_set1_epi32(load_i32(x));
-                    const __m512i xh = _mm512_set1_epi32(load_i32(x + 16));
+                    const int8_t *xr = x.q + r * k + b * QK + 4 * c;
+                    const __m512i xl = _mm512_set1_epi32(load_i32(xr));
+                    const __m512i xh = _mm512_set1_epi32(load_i32(xr + 16));
                     for (int j = 0; j < nt; j++) {
                         __m512i *d = &dot[r * nt + j];
                         *d = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(*d, lo[j], xl), hi[j], xh);
@@ -312,14 +323,14 @@ INLINE void q_tile_span(qacc *acc, int32_t fmt, int rows, const uint8_t *const *
         }
         for (int r = 0; r < rows; r++) {
             const int64_t i = r * nb + b;
-            const __m512 vxd = _mm512_set1_ps(xd[i]);
-            const __m512i off = _mm512_set1_epi32((fmt == QFMT_Q8_0 ? 128 : 8) * xsum[i]);
+            const __m512 vxd = _mm512_set1_ps(x.d[i]);
+            const __m512i off = _mm512_set1_epi32((fmt == QFMT_Q8_0 ? 128 : 8) * x.s[i]);
             for (int j = 0; j < nt; j++) {
                 __m512i total = dot[r * nt + j];
                 if (fmt != QFMT_Q4_1) total = _mm512_sub_epi32(total, off);
                 qacc *o = &sum[r * nt + j];
                 *o = _mm512_fmadd_ps(_mm512_cvtepi32_ps(total), _mm512_mul_ps(d[j], vxd), *o);
-                if (fmt == QFMT_Q4_1) *o = _mm512_fmadd_ps(m[j], _mm512_set1_ps(xm[i]), *o);
+                if (fmt == QFMT_Q4_1) *o = _mm512_fmadd_ps(m[j], _mm512_set1_ps(x.ms[i]), *o);
             }
         }
     }
@@ -828,12 +839,9 @@ INLINE void q_tile(qacc *acc, int32_t fmt, int rows, int split, const uint8_t *c
     const uint8_t *tile = tiles[0];
     const __m256i low4 = _mm256_set1_epi8(0x0f);
     const int64_t tb = q_tile_block_bytes(fmt), sb = q_scale_bytes(fmt);
-    const int64_t k = a->k, nb = a->nb;
-    /* this call's rows, read through locals: stores to acc cannot change them */
-    const int8_t *xq = a->q + r0 * k;
-    const float *xd = a->d + r0 * nb, *xm = a->ms + r0 * nb;
-    const int32_t *xsum = a->s + r0 * nb;
-    qacc sum[QROWS];
+    const struct qrows_at x = q_rows_at(a, r0);
+    const int64_t k = x.k, nb = x.nb;
+    qacc sum[QROWS]; /* stored into acc once, at the end */
     for (int r = 0; r < rows; r++) sum[r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *blk = tile + b * tb, *qs = blk + QLANES * sb;
@@ -849,8 +857,8 @@ INLINE void q_tile(qacc *acc, int32_t fmt, int rows, int split, const uint8_t *c
                 const __m256i w = _mm256_loadu_si256((const __m256i *)(qs + g * 32));
                 const __m256i wabs = _mm256_sign_epi8(w, w);
                 for (int r = 0; r < rows; r++) {
-                    const int8_t *x = xq + r * k + b * QK + 4 * g;
-                    const __m256i xs = _mm256_sign_epi8(_mm256_set1_epi32(load_i32(x)), w);
+                    const int8_t *xr = x.q + r * k + b * QK + 4 * g;
+                    const __m256i xs = _mm256_sign_epi8(_mm256_set1_epi32(load_i32(xr)), w);
                     dot[r] = g ? DPBUSD8(dot[r], wabs, xs)
                                : DPBUSD8(_mm256_setzero_si256(), wabs, xs);
                     Q_KEEP(dot[r]);
@@ -866,9 +874,9 @@ INLINE void q_tile(qacc *acc, int32_t fmt, int rows, int split, const uint8_t *c
                 const __m256i lo = _mm256_and_si256(v, low4);
                 const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
                 for (int r = 0; r < rows; r++) {
-                    const int8_t *x = xq + r * k + b * QK + 4 * c;
-                    const __m256i xl = _mm256_set1_epi32(load_i32(x));
-                    const __m256i xh = _mm256_set1_epi32(load_i32(x + 16));
+                    const int8_t *xr = x.q + r * k + b * QK + 4 * c;
+                    const __m256i xl = _mm256_set1_epi32(load_i32(xr));
+                    const __m256i xh = _mm256_set1_epi32(load_i32(xr + 16));
 #if defined(Q_MADDUBS)
                     const __m256i pl = _mm256_maddubs_epi16(lo, xl);
                     const __m256i ph = _mm256_maddubs_epi16(hi, xh);
@@ -893,10 +901,10 @@ INLINE void q_tile(qacc *acc, int32_t fmt, int rows, int split, const uint8_t *c
         for (int r = 0; r < rows; r++) {
             const int64_t i = r * nb + b;
             __m256i total = dot[r];
-            if (fmt == QFMT_Q4_0) total = _mm256_sub_epi32(total, _mm256_set1_epi32(8 * xsum[i]));
-            const __m256 scale = _mm256_mul_ps(d, _mm256_set1_ps(xd[i]));
+            if (fmt == QFMT_Q4_0) total = _mm256_sub_epi32(total, _mm256_set1_epi32(8 * x.s[i]));
+            const __m256 scale = _mm256_mul_ps(d, _mm256_set1_ps(x.d[i]));
             sum[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(total), scale, sum[r]);
-            if (fmt == QFMT_Q4_1) sum[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(xm[i]), sum[r]);
+            if (fmt == QFMT_Q4_1) sum[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(x.ms[i]), sum[r]);
         }
     }
     for (int r = 0; r < rows; r++) acc[r] = sum[r];
