@@ -22,12 +22,21 @@ A prebuilt level runs this machine's CPU with
 that level's code: the AVX2 level here shows what the AVX2 code does, on this machine's
 memory and cores. Every level is loaded first; each round then times every level, the
 one that goes first turning round by round, so levels share the hour.
+
+``--waits`` builds each level with a clock at every barrier of the one-call decoder's
+team (the kernels as shipped, plus two omp_get_wtime calls a barrier and thread) and
+prints, after the times, where each thread waited for the other: a row per barrier site,
+named by the statement before it, with its calls a step and each thread's microseconds a
+step, and each thread's total as a share of the one-call step. A thread waits where the
+other still works: a kernel split unevenly (one item of attention more), or run by one
+thread alone (a batch-1 step's row-wise kernels: the rows are split, and there is one).
 """
 
 from __future__ import annotations
 
 import argparse
 import random
+import re
 import statistics
 import sys
 import tempfile
@@ -70,6 +79,11 @@ def main() -> int:
         action="store_true",
         help="the context's blocks at random places in a 1 GiB cache, not in order",
     )
+    parser.add_argument(
+        "--waits",
+        action="store_true",
+        help="time each thread's waits at every barrier of the one-call decoder's team",
+    )
     args = parser.parse_args()
 
     from engine import envs
@@ -103,7 +117,13 @@ def main() -> int:
     num_blocks = 1456 if args.scatter else 64
     num_blocks = max(num_blocks, args.batch * need + 1)
     built: dict[str, Path] = {}
-    if any(level != "native" for level in levels):
+    sites: list[str] = []
+    if args.waits:
+        print("building the kernels with the team's barriers timed (under a minute a level) ...",
+              file=sys.stderr)  # fmt: skip
+        source, sites = waits_source(build_mod.read_source())
+        built = {level: build_mod.build_source(source, level) for level in levels}
+    elif any(level != "native" for level in levels):
         print("building the prebuilt kernel levels asked for (under a minute) ...", file=sys.stderr)
         out = Path(tempfile.mkdtemp(prefix="specserve-levels-"))
         built = build_mod.prebuild_levels(out, levels)
@@ -124,7 +144,7 @@ def main() -> int:
     for level in levels:
         if level in setups:
             continue
-        kernels = native_kernels() if level == "native" else CpuKernels(built[level])
+        kernels = CpuKernels(built[level]) if level in built else native_kernels()
         print(f"{level}: kernels {Path(kernels.lib._name).name}", file=sys.stderr, flush=True)
         use(kernels)
         loaded = load_model(
@@ -172,6 +192,7 @@ def main() -> int:
     # the machine's speed drifts, so levels timed one after the other are not compared.
     order = list(setups)
     times = {(lv, v, one): [] for lv in order for v in variants for one in (True, False)}
+    waits = {(lv, v): TeamWaits() for lv in order for v in variants} if args.waits else {}
     for r in range(args.rounds):
         for level in order[r % len(order) :] + order[: r % len(order)]:
             kernels, _, runners, fused, step = setups[level]
@@ -184,9 +205,13 @@ def main() -> int:
                 for one_call in (True, False):
                     runner.model.model.fused = fused[kv, page] if one_call else None
                     prepared = runner.prepare(step)
+                    if one_call and waits:
+                        waits[level, (kv, team, page)].clear(kernels.lib)
                     start = time.perf_counter()
                     runner.execute(prepared)
                     times[level, (kv, team, page), one_call].append(time.perf_counter() - start)
+                    if one_call and waits:
+                        waits[level, (kv, team, page)].add(kernels.lib)
             kernels.set_decoder_team(team_before)
         if r % 10 == 9:
             print(f"round {r + 1}/{args.rounds}", file=sys.stderr, flush=True)
@@ -217,7 +242,136 @@ def main() -> int:
             print(f"| {level} | {cache} | {team} | {page} | {1e3 * one:.2f} | {one / first:.3f} | "
                   f"{1e3 * layers:.2f} | {layers / one:.2f}x | {shares[0]} | {shares[1]} |",
                   flush=True)  # fmt: skip
+    for (level, variant), w in waits.items():
+        kv, team, page = variant
+        one = statistics.median(times[level, variant, True])
+        print(f"\nteam waits, {level}, KV cache {kv}, team {team}, huge pages {page}: "
+              f"a step of {1e3 * one:.2f} ms, {args.rounds} steps")  # fmt: skip
+        print(w.table(sites, args.rounds, one))
     return 0
+
+
+def waits_source(source: bytes) -> tuple[bytes, list[str]]:
+    """The kernels' source with each barrier of the one-call decoder's team
+    (DECODER_TEAM's team_barrier calls) timed per thread, and the sites' names: the
+    statement before each barrier, shortened."""
+    text = source.decode()
+    anchor = "/* Dynamic phase `phase`"  # the comment after team_barrier's definition
+    at, start = text.find(anchor), text.find("#define DECODER_TEAM(")
+    end = text.find("\nDECODER_TEAM(", start)
+    if not 0 <= at < start < end:
+        raise SystemExit("error: --waits cannot find the team's barriers in the kernels' source")
+    lines = text[start:end].split("\n")
+    sites = []
+    for i, line in enumerate(lines):
+        if "team_barrier(&tm, nt);" not in line:
+            continue
+        lines[i] = line.replace(
+            "team_barrier(&tm, nt);", f"team_barrier_site(&tm, nt, {len(sites)}, tid);"
+        )
+        sites.append(_statement_before(lines, i))
+    if not sites or len(sites) > _MAX_SITES:
+        raise SystemExit(f"error: --waits found {len(sites)} barriers in DECODER_TEAM")
+    text = text[:at] + _WAITS_C + text[at:start] + "\n".join(lines) + text[end:]
+    return text.encode(), sites
+
+
+def _statement_before(lines: list[str], i: int) -> str:
+    """The statement that ends before lines[i] (macro lines: without the continuations),
+    on one line and shortened; an opening brace, or a counter's ++, is passed over for the
+    statement before it."""
+    code = [line.rstrip().removesuffix("\\").strip() for line in lines[:i]]
+    j = len(code) - 1
+    while True:
+        while j > 0 and (not code[j] or code[j].endswith("{") or code[j] == "}"
+                         or code[j].startswith("/*")):  # fmt: skip
+            j -= 1
+        if not re.fullmatch(r"\w+\+\+;", code[j]):
+            break
+        j -= 1
+    first = j
+    while first > 0:
+        text = " ".join(code[first : j + 1])
+        balanced = text.count("(") == text.count(")")
+        if balanced and (not code[first - 1] or code[first - 1].endswith((";", "{", "}", "*/"))):
+            break
+        first -= 1
+    words = " ".join(" ".join(code[first : j + 1]).split())
+    return words if len(words) <= 60 else words[:57] + "..."
+
+
+_MAX_SITES = 64
+_WAITS_C = f"""
+/* bench_fused_decoder.py --waits: each thread's waits at each barrier site of the
+ * one-call decoder's team (seconds and calls; a thread's row its own cache lines),
+ * read and cleared by specserve_team_waits. */
+static double team_wait_s[{_MAX_SITES}][{_MAX_SITES}];
+static long long team_wait_n[{_MAX_SITES}][{_MAX_SITES}];
+INLINE void team_barrier_site(struct team *tm, int nt, int site, int tid) {{
+    const double t0 = omp_get_wtime();
+    team_barrier(tm, nt);
+    if (tid < {_MAX_SITES}) {{
+        team_wait_s[tid][site] += omp_get_wtime() - t0;
+        team_wait_n[tid][site]++;
+    }}
+}}
+void specserve_team_waits(double *s, long long *n, int clear) {{
+    if (s) memcpy(s, team_wait_s, sizeof team_wait_s);
+    if (n) memcpy(n, team_wait_n, sizeof team_wait_n);
+    if (!clear) return;
+    memset(team_wait_s, 0, sizeof team_wait_s);
+    memset(team_wait_n, 0, sizeof team_wait_n);
+}}
+
+"""
+
+
+class TeamWaits:
+    """One variant's waits, summed over its timed steps: [thread][site] seconds and calls."""
+
+    def __init__(self) -> None:
+        import numpy as np
+
+        self.seconds = np.zeros((_MAX_SITES, _MAX_SITES))
+        self.calls = np.zeros((_MAX_SITES, _MAX_SITES), dtype=np.int64)
+
+    @staticmethod
+    def _read(lib, clear: bool):
+        import ctypes
+
+        import numpy as np
+
+        s = np.zeros((_MAX_SITES, _MAX_SITES))
+        n = np.zeros((_MAX_SITES, _MAX_SITES), dtype=np.int64)
+        lib.specserve_team_waits(ctypes.c_void_p(s.ctypes.data), ctypes.c_void_p(n.ctypes.data),
+                                 ctypes.c_int(int(clear)))  # fmt: skip
+        return s, n
+
+    def clear(self, lib) -> None:
+        self._read(lib, True)
+
+    def add(self, lib) -> None:
+        s, n = self._read(lib, True)
+        self.seconds += s
+        self.calls += n
+
+    def table(self, sites: list[str], steps: int, step_s: float) -> str:
+        threads = [t for t in range(_MAX_SITES) if self.calls[t].any()]
+        if not threads:
+            return "(no step ran on the team)"
+        head = " | ".join(f"thread {t} us a step" for t in threads)
+        out = [f"| site | after | calls a step | {head} |", "|---" * (3 + len(threads)) + "|"]
+        for i, name in enumerate(sites):
+            if not self.calls[threads[0], i]:
+                continue
+            us = " | ".join(f"{1e6 * self.seconds[t, i] / steps:.1f}" for t in threads)
+            out.append(f"| {i} | `{name}` | {self.calls[threads[0], i] / steps:g} | {us} |")
+        per_step = [self.seconds[t].sum() / steps for t in threads]
+        totals = " | ".join(f"{1e6 * w:.1f} ({w / step_s:.1%})" for w in per_step)
+        out.append(
+            f"| all | (share of the step) | {self.calls[threads[0]].sum() / steps:g} | {totals} |"
+        )
+        return "\n".join(out)
 
 
 def _streamed_bytes(model) -> int:

@@ -4,6 +4,7 @@ line naming the option."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 
 import pytest
@@ -108,3 +109,37 @@ def test_a_level_this_cpu_cannot_run_is_refused_by_name():
     last = done.stderr.strip().splitlines()[-1]
     assert "cannot run" in last and beyond[0] in last, done.stderr
     assert "Traceback" not in done.stderr
+
+
+def test_waits_name_every_barrier_site_of_the_team(tiny):
+    """--waits: a build with the team's barriers timed; after the times, a row per
+    barrier site the step passed, named by the statement before it, with its calls a
+    step (the per-layer sites once a layer: 2 here) and each thread's wait, and a total
+    that is each thread's share of the step."""
+    if cpu_kernels() is None:
+        pytest.fail("CPU kernels failed to build; CI machines have gcc")
+    done = _run("--model", tiny, "--dtype", "float32", "--levels", "native", "--rounds", "3",
+                "--context", "40", "--waits")  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    if "no one-call decoder" in done.stdout:
+        pytest.skip("this kernel level has no one-call float32 decoder")
+    out = done.stdout
+    assert "team waits, native, KV cache auto, team on, huge pages on: a step of" in out, out
+    if "(no step ran on the team)" in out:  # one thread: the team never runs
+        assert (os.cpu_count() or 1) < 2, out
+        return
+    rows = [line for line in out.splitlines() if line.startswith("| ") and "`" in line]
+    cells = {
+        c[1].strip("`"): c for c in ([x.strip() for x in r.strip("|").split("|")] for r in rows)
+    }
+    linear = [name for name in cells if name.startswith("team_linear_##S(")]
+    assert len(linear) >= 4 and any(n.startswith("attn_items_##V(") for n in cells), out
+    threads = len(next(iter(cells.values()))) - 3
+    assert threads >= 2, out
+    for name in linear[:4]:  # qkv, o, gate_up, down: once a layer
+        assert float(cells[name][2]) == 2, cells[name]
+    for c in cells.values():
+        assert all(float(us) >= 0 for us in c[3:]), c
+    [total] = [line for line in out.splitlines() if line.startswith("| all |")]
+    shares = [c.strip() for c in total.strip("|").split("|")][3:]
+    assert len(shares) == threads and all(s.endswith("%)") for s in shares), total
