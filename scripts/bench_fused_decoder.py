@@ -336,7 +336,12 @@ class TeamWaits:
         self.calls = np.zeros((_MAX_SITES, _MAX_SITES), dtype=np.int64)
 
     @staticmethod
-    def _read(lib, clear: bool):
+    def clear(lib) -> None:
+        """Drops what the library counted (the loading's and warm-up's calls)."""
+        lib.specserve_team_waits(None, None, 1)
+
+    def add(self, lib) -> None:
+        """Adds what the library counted since it was last cleared, and clears it."""
         import ctypes
 
         import numpy as np
@@ -344,14 +349,7 @@ class TeamWaits:
         s = np.zeros((_MAX_SITES, _MAX_SITES))
         n = np.zeros((_MAX_SITES, _MAX_SITES), dtype=np.int64)
         lib.specserve_team_waits(ctypes.c_void_p(s.ctypes.data), ctypes.c_void_p(n.ctypes.data),
-                                 ctypes.c_int(int(clear)))  # fmt: skip
-        return s, n
-
-    def clear(self, lib) -> None:
-        self._read(lib, True)
-
-    def add(self, lib) -> None:
-        s, n = self._read(lib, True)
+                                 ctypes.c_int(1))  # fmt: skip
         self.seconds += s
         self.calls += n
 
