@@ -213,12 +213,34 @@ def compile_once(request, native_kernel_build, monkeypatch) -> None:
     monkeypatch.setattr(build_mod, "_compile", compile_)
 
 
+@pytest.fixture()
+def on_amx_tiles(request, monkeypatch):
+    """Kernels whose AMX paths run (this CPU's tiles, else the emulated AMX level:
+    tests/engine/kernel_levels.py), made the process's for the test, so the models it
+    loads run on them; the test skips where neither exists (no AMX, and no AVX512-BF16
+    to emulate it on)."""
+    from tests.engine.kernel_levels import amx_kernels, use_kernels
+
+    found = amx_kernels(request)
+    if found is None:
+        pytest.skip("no AMX tiles here, nor AVX512-BF16 to emulate them on")
+    use_kernels(monkeypatch, found)
+    before = found.decoder_team
+    yield found
+    found.set_decoder_team(before)
+
+
 @pytest.fixture(scope="session")
 def prebuilt_kernel_levels(prebuilt_kernel_dir) -> dict:
-    """level -> the compiled library of every prebuilt level of this architecture."""
+    """level -> the compiled library of every prebuilt level of this architecture, and
+    of the emulated AMX level where this CPU runs it."""
     import platform
 
     from engine.kernels import build as build_mod
 
     levels = [level for level, _ in build_mod.PREBUILT_LEVELS[platform.machine()]]
-    return dict(zip(levels, prebuilt_kernel_dir[1], strict=True))
+    built = dict(zip(levels, prebuilt_kernel_dir[1], strict=True))
+    if build_mod.emulated_amx_runnable():  # the test build with AMX emulated (kernel_levels.py)
+        emulated = build_mod.EMULATED_AMX_LEVEL
+        built[emulated] = build_mod.build_source(build_mod.read_source(), emulated)
+    return built

@@ -105,7 +105,7 @@ double specserve_read_gbps(const uint64_t *buf, int64_t bytes, int32_t reps,
         }                                                                                      \
     } while (0)
 
-#if defined(HAVE_AMX_TILES)
+#if defined(HAVE_AMX_TILES) && !defined(AMX_EMULATED) /* an emulated unit has no peak */
 /* One AMX instruction DP (tile C += A . B, K inputs of type IN_T a row, C of OUT_T) on 4
  * C tiles in a register-only loop on every thread; sets macs_per_iter and ran (nothing
  * when Linux refuses the tiles). Source values: INIT of i. */
@@ -196,12 +196,12 @@ double specserve_peak_gmacs(int32_t kind, int64_t iters, int32_t num_threads) {
             BOUNDS_MADDUBS_PEAK();
             break;
 #endif
-#if defined(QPATH_AMX)
+#if defined(QPATH_AMX) && !defined(AMX_EMULATED)
         case 4: /* AMX tdpbssd: 4 C tiles, 16 x 16 int32 each, K = 64 bytes */
             BOUNDS_AMX_PEAK(64, int8_t, int32_t, (int8_t)(i % 7 - 3), _tile_dpbssd);
             break;
 #endif
-#if defined(HAVE_AMX_LINEAR)
+#if defined(HAVE_AMX_LINEAR) && !defined(AMX_EMULATED)
         case 5: /* AMX tdpbf16ps: 4 C tiles, 16 x 16 fp32 each, 32 bf16 inputs (~1) */
             BOUNDS_AMX_PEAK(32, bf16, float, (bf16)(0x3f80 + i % 3), _tile_dpbf16ps);
             break;

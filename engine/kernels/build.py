@@ -86,6 +86,13 @@ PREBUILT_LEVELS: dict[str, list[tuple[str, frozenset[str]]]] = {
     ],
     "aarch64": [("armv8-a", frozenset())],
 }
+# A test build, never a level a CPU is served with: the AMX paths compiled for a CPU
+# with AVX512-BF16 and no AMX, each tile instruction run by C code that does what the
+# instruction does (SPECSERVE_AMX_EMULATE in cpu_kernels.c, microseconds an
+# instruction), so the kernel tests run those paths where no tiles exist
+# (tests/engine/kernel_levels.py). The flags: the CPU's, to run it.
+EMULATED_AMX_LEVEL = "x86-64-v4-amx-emulated"
+_EMULATED_LEVELS = {"x86_64": {EMULATED_AMX_LEVEL: _X86_64_V4_VNNI_BF16}}
 
 
 class KernelBuildError(RuntimeError):
@@ -400,6 +407,12 @@ _LEVEL_FLAGS = {
         "-mamx-bf16",
     ],  # fmt: skip
     "x86-64-v4-vnni-bf16": ["-march=x86-64-v4", "-mavx512vnni", "-mavx512bf16"],
+    EMULATED_AMX_LEVEL: [
+        "-march=x86-64-v4",
+        "-mavx512vnni",
+        "-mavx512bf16",
+        "-DSPECSERVE_AMX_EMULATE",
+    ],  # fmt: skip
     "x86-64-v4-vnni": ["-march=x86-64-v4", "-mavx512vnni"],
     "x86-64-v3-avxvnni": ["-march=x86-64-v3", "-mavxvnni"],
 }
@@ -463,6 +476,12 @@ def _cpu_flags(cpuinfo: str | None = None) -> str:
         if line.partition(":")[0].strip() in ("flags", "Features"):
             return line
     return ""
+
+
+def emulated_amx_runnable(cpuinfo: str | None = None) -> bool:
+    """Whether this CPU runs the emulated AMX level's code (``EMULATED_AMX_LEVEL``)."""
+    needs = _EMULATED_LEVELS.get(platform.machine(), {}).get(EMULATED_AMX_LEVEL)
+    return needs is not None and needs <= cpu_flags(cpuinfo)
 
 
 def build_source(source: bytes, level: str = "native") -> Path:

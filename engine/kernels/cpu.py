@@ -123,6 +123,12 @@ class CpuKernels:
         amx.restype, amx.argtypes = ctypes.c_int32, []
         # AMX tiles: 0 not in this build, 1 built but Linux did not lend them, 2 in use
         self.amx_tiles = int(amx())
+        # A test build's tiles emulated in C (build.EMULATED_AMX_LEVEL); an older
+        # source's library (a benchmark's base build) has no such function
+        emulated = getattr(self.lib, "specserve_amx_emulated", None)
+        if emulated is not None:
+            emulated.restype, emulated.argtypes = ctypes.c_int32, []
+        self.amx_emulated = bool(emulated is not None and emulated())
         tile_f32 = self.lib.specserve_linear_tile_f32
         tile_f32.restype, tile_f32.argtypes = ctypes.c_int32, []
         read = self.lib.specserve_read_gbps

@@ -117,9 +117,185 @@ INLINE void team_range(int64_t n, int tid, int nt, int64_t *lo, int64_t *hi) {
 
 /* ---- AMX tiles: Linux lends a process the tile registers on request ----
  * (arch_prctl ARCH_REQ_XCOMP_PERM), once; refused, the kernels that would use them run
- * on AVX-512 (the quantized Linear's tdpbssd path, the bf16 Linear's tdpbf16ps one). */
-#if defined(__AMX_TILE__) && defined(__linux__)
+ * on AVX-512 (the quantized Linear's tdpbssd path, the bf16 Linear's tdpbf16ps one).
+ *
+ * AMX_TILE, AMX_INT8 and AMX_BF16 say which tile instructions this build compiles: the
+ * CPU's (-mamx-*), or, in a test build (SPECSERVE_AMX_EMULATE, the emulated level of
+ * engine/kernels/build.py), all three run by the C below on a CPU without them. */
+#if defined(SPECSERVE_AMX_EMULATE) && !defined(__AMX_TILE__) && defined(__AVX512BF16__) &&   \
+    defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define AMX_EMULATED 1
+#define AMX_TILE 1
+#define AMX_INT8 1
+#define AMX_BF16 1
+#else
+#if defined(__AMX_TILE__)
+#define AMX_TILE 1
+#endif
+#if defined(__AMX_TILE__) && defined(__AMX_INT8__)
+#define AMX_INT8 1
+#endif
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#define AMX_BF16 1
+#endif
+#endif
+
+/* The 64-byte operand of ldtilecfg, palette 1. */
+struct amx_tilecfg {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+};
+
+#if defined(AMX_EMULATED)
+/* The emulated tile unit (test builds only; never a level a CPU is served with: a tile
+ * instruction here takes microseconds). The AMX paths compile as on a Sapphire Rapids,
+ * and each tile instruction runs on the calling thread's eight tile registers in
+ * memory, so the tests run those paths' logic (tile configurations, strides, row and
+ * tail counts, what each thread takes, the int8 paths' bits) on any AVX512-BF16 CPU.
+ * tdpbssd is exact integer arithmetic, as on the tile unit. tdpbf16ps follows the
+ * instruction's definition (Intel SDM): for each row m, pair k in order and output n,
+ * C[m][n] += A[m][2k] * B[k][2n], then += A[m][2k + 1] * B[k][2n + 1], each a fused
+ * multiply-add rounded to nearest even, subnormal inputs read as zero and subnormal
+ * results flushed to zero. What the hardware faults on stops the process with one line
+ * on stderr: a tile used before a configuration or after its release, a configuration
+ * past palette 1's 8 tiles of 16 rows of 64 bytes (or with reserved bytes set), shapes
+ * that do not fit, a tile named twice in one product. */
+#include <immintrin.h>
+#include <stdio.h>
+#undef _tile_loadd
+#undef _tile_stored
+#undef _tile_zero
+#undef _tile_dpbssd
+#undef _tile_dpbf16ps
+#define _tile_loadconfig(cfg) amx_emu_loadconfig(cfg)
+#define _tile_release() amx_emu_release()
+#define _tile_loadd(t, base, stride) amx_emu_loadd(t, base, stride)
+#define _tile_stored(t, base, stride) amx_emu_stored(t, base, stride)
+#define _tile_zero(t) amx_emu_zero(t)
+#define _tile_dpbssd(c, a, b) amx_emu_dpbssd(c, a, b)
+#define _tile_dpbf16ps(c, a, b) amx_emu_dpbf16ps(c, a, b)
+
+struct amx_emu_unit {
+    uint8_t tile[8][16 * 64] __attribute__((aligned(64)));
+    uint8_t rows[8];
+    uint16_t colsb[8];
+    int configured;
+};
+static _Thread_local struct amx_emu_unit amx_emu;
+
+static __attribute__((noreturn, cold)) void amx_emu_fault(const char *what, int t) {
+    fprintf(stderr, "specserve AMX emulation: %s (tile %d): the tile unit would fault\n", what,
+            t);
+    abort();
+}
+static void amx_emu_loadconfig(const void *cfg) {
+    const struct amx_tilecfg *c = cfg;
+    memset(&amx_emu, 0, sizeof amx_emu);
+    if (c->palette == 0) return; /* palette 0: the tiles' initial state */
+    if (c->palette != 1) amx_emu_fault("a palette other than 1", -1);
+    for (int i = 0; i < 14; i++)
+        if (c->reserved[i]) amx_emu_fault("reserved bytes of the configuration not zero", -1);
+    for (int t = 0; t < 16; t++) {
+        if (t >= 8 && (c->rows[t] || c->colsb[t])) amx_emu_fault("palette 1 has 8 tiles", t);
+        if (t >= 8) continue;
+        if (c->rows[t] > 16 || c->colsb[t] > 64 || (c->rows[t] == 0) != (c->colsb[t] == 0))
+            amx_emu_fault("a tile past 16 rows of 64 bytes, or half configured", t);
+        amx_emu.rows[t] = c->rows[t], amx_emu.colsb[t] = c->colsb[t];
+    }
+    amx_emu.configured = 1;
+}
+static void amx_emu_release(void) { memset(&amx_emu, 0, sizeof amx_emu); }
+static void amx_emu_use(int t) {
+    if (!amx_emu.configured) amx_emu_fault("no tile configuration loaded", t);
+    if (t < 0 || t >= 8 || amx_emu.rows[t] == 0) amx_emu_fault("a tile not configured", t);
+}
+/* Rows past the configured ones and bytes past a row's colsb read as zero, as loaded. */
+static void amx_emu_loadd(int t, const void *base, int64_t stride) {
+    amx_emu_use(t);
+    memset(amx_emu.tile[t], 0, sizeof amx_emu.tile[t]);
+    for (int r = 0; r < amx_emu.rows[t]; r++)
+        memcpy(amx_emu.tile[t] + r * 64, (const uint8_t *)base + r * stride, amx_emu.colsb[t]);
+}
+static void amx_emu_stored(int t, void *base, int64_t stride) {
+    amx_emu_use(t);
+    for (int r = 0; r < amx_emu.rows[t]; r++)
+        memcpy((uint8_t *)base + r * stride, amx_emu.tile[t] + r * 64, amx_emu.colsb[t]);
+}
+static void amx_emu_zero(int t) {
+    amx_emu_use(t);
+    memset(amx_emu.tile[t], 0, sizeof amx_emu.tile[t]);
+}
+/* C (m rows x n dwords) += A (m rows x k dwords) . B (k rows x n dwords): the shapes
+ * the tile unit accepts. */
+static void amx_emu_shapes(int c, int a, int b) {
+    amx_emu_use(c), amx_emu_use(a), amx_emu_use(b);
+    if (c == a || c == b || a == b) amx_emu_fault("a tile named twice in one product", c);
+    if (amx_emu.colsb[c] % 4 || amx_emu.colsb[a] % 4 || amx_emu.colsb[b] != amx_emu.colsb[c] ||
+        amx_emu.rows[a] != amx_emu.rows[c] || amx_emu.rows[b] != amx_emu.colsb[a] / 4)
+        amx_emu_fault("shapes that do not fit: C m x n, A m x k, B k x n (in dwords)", c);
+}
+static void amx_emu_dpbssd(int c, int a, int b) {
+    amx_emu_shapes(c, a, b);
+    const int m = amx_emu.rows[c], n = amx_emu.colsb[c] / 4, k = amx_emu.colsb[a] / 4;
+    for (int i = 0; i < m; i++) {
+        const int8_t *ar = (const int8_t *)(amx_emu.tile[a] + i * 64);
+        uint8_t *cr = amx_emu.tile[c] + i * 64;
+        for (int j = 0; j < n; j++) {
+            int32_t v;
+            memcpy(&v, cr + 4 * j, 4);
+            for (int p = 0; p < k; p++) {
+                const int8_t *br = (const int8_t *)(amx_emu.tile[b] + p * 64 + 4 * j);
+                int32_t dot = 0; /* at most 4 x 128 x 128: no overflow */
+                for (int q = 0; q < 4; q++) dot += (int32_t)ar[4 * p + q] * (int32_t)br[q];
+                v = (int32_t)((uint32_t)v + (uint32_t)dot); /* the unit's wrap-around */
+            }
+            memcpy(cr + 4 * j, &v, 4);
+        }
+    }
+}
+/* fp32 lanes with a subnormal made zero (its sign kept). */
+INLINE __m512 amx_emu_flush(__m512i v) {
+    const __mmask16 zero_exp = _mm512_testn_epi32_mask(v, _mm512_set1_epi32(0x7f800000));
+    return _mm512_castsi512_ps(
+        _mm512_mask_and_epi32(v, zero_exp, v, _mm512_set1_epi32((int)0x80000000u)));
+}
+/* bf16 halves of each dword (lo: the even element, hi: the odd) as fp32, subnormals
+ * read as zero. */
+INLINE __m512 amx_emu_bf16_half(__m512i pairs, int hi) {
+    return amx_emu_flush(hi ? _mm512_and_si512(pairs, _mm512_set1_epi32((int)0xffff0000u))
+                            : _mm512_slli_epi32(pairs, 16));
+}
+/* acc + x * y rounded once, a subnormal result flushed to zero. */
+INLINE __m512 amx_emu_fma_ftz(__m512 x, __m512 y, __m512 acc) {
+    return amx_emu_flush(_mm512_castps_si512(_mm512_fmadd_ps(x, y, acc)));
+}
+static void amx_emu_dpbf16ps(int c, int a, int b) {
+    amx_emu_shapes(c, a, b);
+    const int m = amx_emu.rows[c], n = amx_emu.colsb[c] / 4, k = amx_emu.colsb[a] / 4;
+    const __mmask16 lanes = (__mmask16)((1u << n) - 1u);
+    for (int i = 0; i < m; i++) {
+        float *cr = (float *)(amx_emu.tile[c] + i * 64);
+        __m512 acc = _mm512_maskz_loadu_ps(lanes, cr);
+        for (int p = 0; p < k; p++) {
+            int32_t pair;
+            memcpy(&pair, amx_emu.tile[a] + i * 64 + 4 * p, 4);
+            const __m512i x = _mm512_set1_epi32(pair);
+            const __m512i w = _mm512_maskz_loadu_epi32(lanes, amx_emu.tile[b] + p * 64);
+            acc = amx_emu_fma_ftz(amx_emu_bf16_half(x, 0), amx_emu_bf16_half(w, 0), acc);
+            acc = amx_emu_fma_ftz(amx_emu_bf16_half(x, 1), amx_emu_bf16_half(w, 1), acc);
+        }
+        _mm512_mask_storeu_ps(cr, lanes, acc);
+    }
+}
+#endif /* AMX_EMULATED */
+
+#if defined(AMX_TILE) && defined(__linux__)
 #define HAVE_AMX_TILES 1
+#if defined(AMX_EMULATED)
+INLINE int amx_ready(void) { return 1; } /* nothing for Linux to lend */
+int32_t specserve_amx_emulated(void) { return 1; }
+#else
 #include <sys/syscall.h>
 #include <unistd.h>
 /* unistd.h declares syscall only outside strict ISO C (the kernels build with
@@ -138,19 +314,15 @@ static inline __attribute__((always_inline)) int amx_ready(void) {
     }
     return state > 0;
 }
-
-/* The 64-byte operand of ldtilecfg, palette 1. */
-struct amx_tilecfg {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-};
+int32_t specserve_amx_emulated(void) { return 0; }
+#endif
 
 /* 2: built with AMX and the tiles are lent; 1: built with AMX, Linux refused them. */
 int32_t specserve_amx_tiles(void) { return amx_ready() ? 2 : 1; }
 #else
 /* 0: built without AMX. */
 int32_t specserve_amx_tiles(void) { return 0; }
+int32_t specserve_amx_emulated(void) { return 0; }
 #endif
 
 /* ---- element types: load as fp32, store from fp32, round to the storage precision ---- */
@@ -2291,7 +2463,7 @@ void specserve_linear_f32(float *out, const float *x, int64_t x_stride, const vo
  * the other for every call whatever its rows (batch invariance: a row's outputs depend
  * on its own x alone; rows of zeros pad the last tile of rows). Bias is added to the
  * fp32 sum and the result rounded once, as in the FMA kernel. */
-#if defined(HAVE_AMX_TILES) && defined(__AMX_BF16__) && defined(HAVE_LF_LINEAR) && LF_TILE == 32
+#if defined(HAVE_AMX_TILES) && defined(AMX_BF16) && defined(HAVE_LF_LINEAR) && LF_TILE == 32
 #define HAVE_AMX_LINEAR 1
 #define AMX_PAIRS 16 /* pairs of inputs per tdpbf16ps */
 

@@ -196,12 +196,12 @@ struct qrows {
 
 /* Rows are allocated in multiples of Q_ROW_PAD, the rows past m zero: the AMX path
  * loads 16 rows at a time. */
-#if defined(QPATH_AVX512) && defined(__AMX_INT8__) && defined(__AMX_TILE__) && defined(__linux__)
+#if defined(QPATH_AVX512) && defined(AMX_INT8) && defined(HAVE_AMX_TILES)
 #define Q_ROW_PAD 16
 #else
 #define Q_ROW_PAD 1
 #endif
-#if Q_ROW_PAD == 16 && defined(__AMX_BF16__)
+#if Q_ROW_PAD == 16 && defined(AMX_BF16)
 #define Q_HAS_XT 1
 #else
 #define Q_HAS_XT 0
@@ -586,7 +586,7 @@ INLINE int q_amx_takes(int32_t fmt, int64_t m) {
 #define Q_AMX_END                                                                              \
     if (amx_end_ > 0) _tile_release();
 
-#if defined(__AMX_BF16__)
+#if defined(AMX_BF16)
 /* Not batch invariant, and off unless asked (`--no-batch-invariance`): calls of
  * q_bf16_min_rows rows or more dequantize the weights to bf16 (each w = d * q (+ m)
  * in fp32, rounded once to bf16) and multiply them with the activations in bf16
@@ -808,7 +808,7 @@ INLINE bf16 *q_bf16_scratch(size_t bytes) { return q_scratch_get(&q_bf16_buf, by
     } while (0)
 #define Q_BF16_END                                                                             \
     if (bf16_) _tile_release();
-#endif /* __AMX_BF16__ */
+#endif /* AMX_BF16 */
 #endif /* Q_ROW_PAD == 16 */
 
 #elif defined(QPATH_AVX2)

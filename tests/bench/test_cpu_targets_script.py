@@ -49,7 +49,9 @@ def test_the_step_row_is_read_from_the_step_scripts_own_output(tmp_path):
     ms, share, bound = _script().fused_step(done.stdout)
     cells = [c.strip() for c in row.strip("|").split("|")]
     assert ms == float(cells[4]) and ms > 0
-    assert f"{share:.0f}% of {bound:.1f}" in cells[8] and share > 0 and bound > 0
+    # a tiny model's weights are a few KB: its share of the bound may print as 0.0 on a
+    # busy machine, so the share is only checked to be what the row says
+    assert f"{share:.0f}% of {bound:.1f}" in cells[8] and share >= 0 and bound > 0
 
 
 def test_offline_json_gives_both_engines_rates():

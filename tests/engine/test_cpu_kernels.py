@@ -24,6 +24,7 @@ from engine.kernels import build as build_mod
 from engine.kernels import cpu as cpu_mod
 from engine.kernels.cpu import CpuKernels, KernelBuildError, build_library, cpu_kernels
 from engine.models.layers import RMSNorm, apply_rope
+from tests.engine.kernel_levels import amx_kernels
 
 DTYPES = [
     pytest.param(torch.float32, id="fp32"),
@@ -685,8 +686,11 @@ def test_items_of_every_kv_head_give_the_bits_of_items_of_one(kernels, dtypes, h
 
 @pytest.fixture(scope="module", params=["vdpbf16ps", "fma", "amx"])
 def linear_kernels(kernels, request) -> CpuKernels:
-    """The native kernels with each bf16 Linear kernel in turn (put back after)."""
+    """The native kernels with each bf16 Linear kernel in turn (put back after); for
+    AMX on a CPU without it, the emulated AMX level's kernels (``amx_kernels``)."""
     flags = build_mod.cpu_flags()
+    if request.param == "amx" and "amx" not in kernels.bf16_linear_modes:
+        kernels = amx_kernels(request) or kernels
     if request.param not in kernels.bf16_linear_modes:
         if request.param == "vdpbf16ps" and {"avx512_bf16", "avx512f"} <= flags:
             pytest.fail("this CPU has AVX512-BF16 but the kernels were built without it")
@@ -746,14 +750,15 @@ def test_linear_bf16_rows_do_not_depend_on_the_batch(linear_kernels):
     check_linear_rows_do_not_depend_on_the_batch(linear_kernels, packed, bias, k, gen)
 
 
-def test_amx_bf16_linear_runs_on_tiles_with_any_k(kernels):
-    """The AMX kernel: inputs in groups of 32 and a tail group of fewer pairs (an odd k
-    completed with 0), rows in tiles of 16 padded with zero rows: each call runs on the
-    tiles (counted), is within the exact product's bound, and a row's bits are the same
-    alone and in batches of 1 to 40 (tail group included); against the FMA kernel, at
-    most 1 output in 1000 differs."""
-    if "amx" not in kernels.bf16_linear_modes:
-        pytest.skip("no AMX bf16 Linear kernel here (no AMX-BF16, or the tiles not lent)")
+def test_amx_bf16_linear_runs_on_tiles_with_any_k(request):
+    """The AMX kernel (this CPU's tiles, else emulated): inputs in groups of 32 and a
+    tail group of fewer pairs (an odd k completed with 0), rows in tiles of 16 padded
+    with zero rows: each call runs on the tiles (counted), is within the exact
+    product's bound, and a row's bits are the same alone and in batches of 1 to 40
+    (tail group included); against the FMA kernel, at most 1 output in 1000 differs."""
+    kernels = amx_kernels(request)
+    if kernels is None or "amx" not in kernels.bf16_linear_modes:
+        pytest.skip("no AMX bf16 Linear kernel here, nor AVX512-BF16 to emulate it on")
     calls = kernels.lib.specserve_linear_amx_calls
     calls.restype, calls.argtypes = ctypes.c_int64, []
     before = kernels.set_bf16_linear("amx")

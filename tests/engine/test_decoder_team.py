@@ -137,27 +137,29 @@ def test_the_team_computes_what_a_region_per_kernel_computes(
 
 @pytest.fixture(params=["vdpbf16ps", "fma", "amx"])
 def bf16_linear(request, kernels):
-    """Each bf16 Linear kernel this build has, in turn (process-wide; weights are packed
-    at load, after the switch)."""
+    """The kernels with each bf16 Linear kernel this build has, in turn (process-wide;
+    weights are packed at load, after the switch); AMX's on ``on_amx_tiles``."""
+    if request.param == "amx":
+        kernels = request.getfixturevalue("on_amx_tiles")
     if request.param not in kernels.bf16_linear_modes:
         pytest.skip(f"no {request.param} bf16 Linear kernel here")
     before = kernels.set_bf16_linear(request.param)
-    yield request.param
+    yield kernels
     kernels.set_bf16_linear(before)
 
 
 @pytest.mark.parametrize("num_threads", [2, 3])
 @pytest.mark.parametrize("checkpoint", ["bf16", "qwen2"])  # qwen2: a qkv bias
 def test_the_bf16_team_computes_what_a_region_per_kernel_computes(
-    kernels, threads, bf16_linear, num_threads, checkpoint, tiny_bf16_checkpoint,
-    tiny_model_factory,
-):  # fmt: skip
+    threads, bf16_linear, num_threads, checkpoint, tiny_bf16_checkpoint, tiny_model_factory
+):
     """A bf16 model's float Linear layers on each bf16 kernel: vdpbf16ps and widen +
     FMA run on the team; AMX's tiles (a tile configuration per region) do not, and the
     call runs a region per kernel."""
     path = tiny_bf16_checkpoint if checkpoint == "bf16" else tiny_model_factory("qwen2")
     threads(num_threads)
-    _compare(kernels, lambda: _runner(path, None, "bfloat16"), team_runs=bf16_linear != "amx")
+    team_runs = bf16_linear.bf16_linear != "amx"
+    _compare(bf16_linear, lambda: _runner(path, None, "bfloat16"), team_runs=team_runs)
 
 
 @pytest.mark.parametrize("num_threads", [2, 3])
@@ -173,7 +175,7 @@ def test_the_bf16_team_runs_quantized_layers(kernels, threads, num_threads, tiny
 @pytest.mark.parametrize("quantization", ["auto", "int8"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_the_team_runs_quantized_layers_on_amx_tiles(
-    kernels, threads, rule, quantization, dtype, tiny_gguf_path
+    on_amx_tiles, threads, rule, quantization, dtype, tiny_gguf_path
 ):
     """Quantized Linear layers on AMX tiles inside the team (every row block from
     ``rule`` rows: 1 puts even a lone row on tiles, 9 leaves short last blocks on
@@ -181,9 +183,9 @@ def test_the_team_runs_quantized_layers_on_amx_tiles(
     region per kernel with the tiles off, so the path a call takes changes nothing."""
     from engine.kernels.quant import quant_ops
 
-    ops = quant_ops()
-    if ops is None or ops.amx_min_rows == 0 or kernels.amx_tiles != 2:
-        pytest.skip("no AMX path here (a CPU without AMX-INT8, or Linux lent no tiles)")
+    kernels, ops = on_amx_tiles, quant_ops()
+    if ops is None or ops.amx_min_rows == 0:
+        pytest.skip("no AMX-INT8 path in these kernels (the quantized Linear off zmm)")
     threads(2)
     before = ops.amx_min_rows
     ops.set_amx_min_rows(rule)
@@ -204,7 +206,7 @@ def test_the_team_runs_quantized_layers_on_amx_tiles(
 @pytest.mark.parametrize("quantization", ["auto", "int8"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_the_team_runs_quantized_layers_on_bf16_tiles(
-    kernels, threads, rule, quantization, dtype, tiny_gguf_path
+    on_amx_tiles, threads, rule, quantization, dtype, tiny_gguf_path
 ):
     """The not batch invariant path (``--no-batch-invariance``: quantized weights
     dequantized to bf16 on AMX-BF16 tiles) inside the team: every call on it (rule 1),
@@ -212,10 +214,10 @@ def test_the_team_runs_quantized_layers_on_bf16_tiles(
     the int8 paths); the same bits as a region per kernel under the same rule."""
     from engine.kernels.quant import quant_ops
 
-    ops = quant_ops()
+    kernels, ops = on_amx_tiles, quant_ops()
     ops_before = None if ops is None else ops.bf16_min_rows
-    if ops is None or kernels.amx_tiles != 2:
-        pytest.skip("no AMX tiles here (a CPU without AMX, or Linux lent no tiles)")
+    if ops is None:
+        pytest.skip("no quantized Linear in these kernels")
     threads(2)
     ops.set_bf16_min_rows(rule)
     try:

@@ -23,10 +23,13 @@ pytestmark = pytest.mark.skipif(
 
 @pytest.fixture(params=["vdpbf16ps", "fma", "amx"])
 def bf16_linear(request):
-    """Each bf16 Linear kernel this build has, in turn (the process-wide kernels)."""
+    """Each bf16 Linear kernel this build has, in turn (the process-wide kernels; AMX's
+    on this CPU's tiles, else emulated: ``on_amx_tiles``)."""
     from engine.kernels.cpu import cpu_kernels
 
     kernels = cpu_kernels()
+    if request.param == "amx" and "amx" not in kernels.bf16_linear_modes:
+        kernels = request.getfixturevalue("on_amx_tiles")
     if request.param not in kernels.bf16_linear_modes:
         pytest.skip(f"no {request.param} bf16 Linear kernel here")
     before = kernels.set_bf16_linear(request.param)

@@ -9,7 +9,7 @@ is at most 16 sequences. 4000 requests each sample one; the first token comes fr
 prefill, the rest from verifications of up to 2 drafts. Unseeded requests are verified
 by rejection sampling, seeded ones by coupling; penalties, logit bias, min_tokens and a
 stop token ride along in their own rows of the matrix, and so do the .gguf's layers on
-AMX tiles where the kernels have them.
+AMX tiles (this CPU's, else emulated where AVX512-BF16 runs the emulation).
 
 Two targets: the tiny float model, against transformers' own forward, and the same
 model as a .gguf served quantized (Q4_1 layers and head, Q8_0 embedding), against the
@@ -355,17 +355,17 @@ def test_a_bf16_kv_cache_follows_its_own_distribution(
     ],
 )
 def test_quantized_layers_on_amx_tiles_follow_the_target_distribution(
-    targets, draft_dirs, proposer, dtype, seeded
+    on_amx_tiles, targets, draft_dirs, proposer, dtype, seeded
 ):
     """The .gguf's quantized Linear layers on AMX tiles (every row block, even a lone
-    decode row: the rule 1), where the kernels have the tile path: the target is the
-    same bits as on vpdpbusd, so speculation stays lossless; chains, mixed batches and
+    decode row: the rule 1; this CPU's tiles, else emulated): the target is the same
+    bits as on vpdpbusd, so speculation stays lossless; chains, mixed batches and
     trees, rejection and coupling, fp32 and bf16."""
     from engine.kernels.quant import quant_ops
 
     ops = quant_ops()
     if ops is None or ops.amx_min_rows == 0:
-        pytest.skip("no AMX path for the quantized Linear here (a CPU without AMX-INT8)")
+        pytest.skip("no AMX-INT8 path in these kernels (the quantized Linear off zmm)")
     rule = (lambda: ops.amx_min_rows, ops.set_amx_min_rows, lambda: ops.amx_calls)
     exact, samples = _on_tiles(rule, targets, draft_dirs, proposer, dtype, seeded)
     assert set(samples) <= set(exact)
@@ -402,7 +402,7 @@ def _on_tiles(rule, targets, draft_dirs, proposer, dtype, seeded):
     ],
 )
 def test_quantized_layers_on_bf16_tiles_follow_the_target_distribution(
-    targets, draft_dirs, proposer, dtype, seeded, monkeypatch
+    on_amx_tiles, targets, draft_dirs, proposer, dtype, seeded, monkeypatch
 ):
     """The .gguf's quantized Linear layers dequantized to bf16 on AMX-BF16 tiles (the
     ``--no-batch-invariance`` path) at every row count (rule 1: batch invariant again,
@@ -417,7 +417,7 @@ def test_quantized_layers_on_bf16_tiles_follow_the_target_distribution(
 
     ops = quant_ops()
     if ops is None or not ops.bf16_tiles:
-        pytest.skip("no bf16 tile path for the quantized Linear here (a CPU without AMX-BF16)")
+        pytest.skip("no bf16 tile path for the quantized Linear in these kernels")
     monkeypatch.setattr(llm_engine, "_apply_batch_invariance", lambda invariant: None)
     rule = (lambda: ops.bf16_min_rows, ops.set_bf16_min_rows, lambda: ops.bf16_calls)
     exact, samples = _on_tiles(rule, targets, draft_dirs, proposer, dtype, seeded)

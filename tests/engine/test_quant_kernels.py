@@ -20,8 +20,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from engine.kernels.cpu import cpu_kernels
 from engine.kernels.quant import BLOCK, FORMATS, QuantOps, quant_ops
-from tests.engine.kernel_levels import kernels_at_level, runnable_levels
+from tests.engine.kernel_levels import amx_kernels, kernels_at_level, runnable_levels
 
 FORMAT_NAMES = list(FORMATS)
 
@@ -114,22 +115,37 @@ def test_rows_are_bit_identical_in_any_batch_and_thread_count(ops, name, n):
         torch.set_num_threads(threads)
 
 
-def _cpu_has_amx() -> bool:
-    from engine.kernels import build
+@pytest.fixture(scope="module")
+def tile_kernels(request):
+    """Kernels whose AMX paths run (this CPU's tiles, else the emulated AMX level:
+    ``kernel_levels.amx_kernels``); where neither, the native build, on which the tests
+    of those paths check that their rules are inert."""
+    found = amx_kernels(request)
+    return found if found is not None else cpu_kernels()
 
-    return {"amx_int8", "amx_tile"} <= build.cpu_flags()
+
+@pytest.fixture(scope="module")
+def tile_ops(tile_kernels) -> QuantOps:
+    return QuantOps(tile_kernels.lib)
+
+
+def _runs_amx(kernels, ops) -> bool:
+    """The kernels' word: built with the AMX path (on zmm) and the tiles lent."""
+    return kernels.amx_tiles == 2 and ops.path == "avx512-vnni"
 
 
 @pytest.mark.parametrize("name", FORMAT_NAMES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("k", [32, 64, 192, 224])
-def test_the_amx_path_gives_the_same_bits_as_vpdpbusd(ops, name, dtype, k):
-    """Where the build has the AMX path (a CPU with AMX-INT8; elsewhere this checks the
-    rule is inert): every output of every row is bit for bit what the vpdpbusd path
+def test_the_amx_path_gives_the_same_bits_as_vpdpbusd(tile_kernels, tile_ops, name, dtype, k):
+    """Where the build has the AMX path (a CPU with AMX-INT8, or the emulated AMX
+    level; elsewhere this checks the rule is inert): every output of every row is bit
+    for bit what the vpdpbusd path
     gives, whichever rows take the tiles (chunks of 64 rows, 16-row blocks inside them,
     a short last chunk on either path; one, two, an even and an odd number of 32-input
     blocks, which the tile pipeline takes in turns), so the row count a call has
     changes nothing (batch invariance)."""
+    ops = tile_ops
     weight, x, rows = _case(83, k, 131, name, seed=5)
     x = x.to(dtype)
     packed = ops.pack(FORMATS[name], rows, k)
@@ -147,18 +163,19 @@ def test_the_amx_path_gives_the_same_bits_as_vpdpbusd(ops, name, dtype, k):
         ran = ops.amx_calls - before
     finally:
         ops.set_amx_min_rows(rule)
-    if _cpu_has_amx() and ops.path == "avx512-vnni" and rule != 0:
-        assert ran > 0, "a CPU with AMX ran no call on its tiles"
-    assert (ran > 0) <= _cpu_has_amx()
+    if _runs_amx(tile_kernels, ops) and rule != 0:
+        assert ran > 0, "kernels with AMX ran no call on their tiles"
+    assert (ran > 0) <= _runs_amx(tile_kernels, ops)
 
 
 @pytest.mark.parametrize(("name", "first"), [("Q8_0", 9), ("Q4_1", 128), ("Q4_0", 128)])
-def test_the_amx_rule_by_format(ops, name, first):
+def test_the_amx_rule_by_format(tile_kernels, tile_ops, name, first):
     """-1 (as shipped): Q8_0 calls from 9 rows on the tiles, Q4 from 128 (prompts; a
     decode step of 32 sequences gains nothing there); a call one row short stays on
     vpdpbusd. The bits are vpdpbusd's either way."""
-    if not (_cpu_has_amx() and ops.path == "avx512-vnni" and ops.amx_min_rows != 0):
-        pytest.skip("no AMX-INT8 path in this build: the rule is inert (checked above)")
+    ops = tile_ops
+    if not (_runs_amx(tile_kernels, ops) and ops.amx_min_rows != 0):
+        pytest.skip("no AMX-INT8 path here, nor AVX512-BF16 to emulate it: the rule is inert")
     _, x, rows = _case(40, 64, first, name, seed=3)
     packed = ops.pack(FORMATS[name], rows, 64)
     rule = ops.amx_min_rows
@@ -181,11 +198,11 @@ def _cpu_has_amx_bf16() -> bool:
 
 
 @pytest.fixture()
-def bf16_rule(ops):
-    """Sets the quantized Linear's bf16-tile rule for a test, then puts it back."""
-    before = ops.bf16_min_rows
-    yield ops.set_bf16_min_rows
-    ops.set_bf16_min_rows(before)
+def bf16_rule(tile_ops):
+    """Sets the bf16-tile rule of ``tile_ops`` for a test, then puts it back."""
+    before = tile_ops.bf16_min_rows
+    yield tile_ops.set_bf16_min_rows
+    tile_ops.set_bf16_min_rows(before)
 
 
 def test_the_kernels_say_whether_they_run_bf16_tiles(ops):
@@ -200,13 +217,14 @@ def test_the_kernels_say_whether_they_run_bf16_tiles(ops):
 
 @pytest.mark.parametrize("name", FORMAT_NAMES)
 @pytest.mark.parametrize(("n", "k"), [(83, 96), (40, 32), (16, 224)])
-def test_the_bf16_tile_path_is_x_times_the_bf16_weights(ops, bf16_rule, name, n, k):
+def test_the_bf16_tile_path_is_x_times_the_bf16_weights(tile_ops, bf16_rule, name, n, k):
     """The not batch invariant path (``--no-batch-invariance``): x rounded to bf16
     times each weight dequantized (d * q (+ m) in fp32) and rounded to bf16, summed in
     fp32: within fp32 rounding of that float64 product, for every row of calls of 1 to
     131 rows (tails of 1-15 rows past the 16-row tiles, and outputs past the 32-output
     groups); the bf16 result is its fp32 result rounded once; and it ran on the tiles
     where the CPU has AMX-BF16 (elsewhere the rule is inert and the int8 paths run)."""
+    ops = tile_ops
     weight, x, rows = _case(n, k, 131, name, seed=7)
     packed = ops.pack(FORMATS[name], rows, k)
     bias = torch.randn(n).bfloat16().float()
@@ -230,9 +248,10 @@ def test_the_bf16_tile_path_is_x_times_the_bf16_weights(ops, bf16_rule, name, n,
 
 
 @pytest.mark.parametrize("name", FORMAT_NAMES)
-def test_bf16_tile_rows_are_bit_identical_in_any_batch_and_thread_count(ops, bf16_rule, name):
+def test_bf16_tile_rows_are_bit_identical_in_any_batch_and_thread_count(tile_ops, bf16_rule, name):
     """Within the path (every call on it: rule 1) a row's outputs do not depend on the
     rows beside it, its 16-row tile or the thread: batch invariant again."""
+    ops = tile_ops
     _, x, rows = _case(70, 160, 40, name, seed=9)
     packed = ops.pack(FORMATS[name], rows, 160)
     bf16_rule(1)
@@ -249,9 +268,10 @@ def test_bf16_tile_rows_are_bit_identical_in_any_batch_and_thread_count(ops, bf1
         torch.set_num_threads(threads)
 
 
-def test_the_bf16_tile_rule_by_format(ops, bf16_rule):
+def test_the_bf16_tile_rule_by_format(tile_ops, bf16_rule):
     """-1 (what --no-batch-invariance sets): Q4 calls from 16 rows on the tiles, Q8_0
     from 32, smaller calls on the int8 paths (their bits); 0 (the default): never."""
+    ops = tile_ops
     if not ops.bf16_tiles:
         pytest.skip("no AMX-BF16 here: the rule is inert (checked above)")
     for name, first in (("Q4_1", 16), ("Q4_0", 16), ("Q8_0", 32)):
@@ -267,7 +287,8 @@ def test_the_bf16_tile_rule_by_format(ops, bf16_rule):
         assert ops.bf16_calls > before, name
 
 
-def test_a_nan_row_on_bf16_tiles_leaves_the_others_alone(ops, bf16_rule):
+def test_a_nan_row_on_bf16_tiles_leaves_the_others_alone(tile_ops, bf16_rule):
+    ops = tile_ops
     _, x, rows = _case(40, 96, 20, "Q4_1", seed=11)
     packed = ops.pack(FORMATS["Q4_1"], rows, 96)
     bf16_rule(1)

@@ -246,15 +246,19 @@ def test_a_read_only_cache_converts_into_the_temp_dir(
     assert loaded.quantization == "none"
 
 
-def test_no_batch_invariance_puts_crowded_calls_on_bf16_tiles(tiny_gguf_path):
+@pytest.mark.parametrize("kernels", ["native", "amx"])
+def test_no_batch_invariance_puts_crowded_calls_on_bf16_tiles(tiny_gguf_path, kernels, request):
     """``batch_invariant=False`` (``--no-batch-invariance``) sets the kernels' rule (by
     format: Q4 calls from 16 rows, Q8_0 from 32) for the process, and an engine with
     the default sets it back to never; a crowd of requests, whose prompts share steps
-    of 32 rows and more, is served to the end with every block released, on the bf16
-    tiles where the CPU has AMX-BF16."""
+    of 32 rows and more, is served to the end with every block released: on the
+    native kernels (on bf16 tiles where the CPU has AMX-BF16, else with the rule inert)
+    and on AMX tiles (this CPU's, else emulated)."""
     from engine.io.sampling_params import SamplingParams
     from engine.kernels.quant import quant_ops
 
+    if kernels == "amx":
+        request.getfixturevalue("on_amx_tiles")
     ops = quant_ops()
     if ops is None:
         pytest.skip("no CPU kernels here")

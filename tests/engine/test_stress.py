@@ -9,10 +9,12 @@ its Linear weights stored as bf16) or a quantized one (the tiny model as a .gguf
 as stored) x the speculation gate on or off (its lanes choosing k by timing) x a KV
 cache in the model's dtype or, for half the float32 seeds, in bf16; odd seeds
 in bfloat16, each on one of the bf16 Linear kernels this CPU has (AMX tiles, vdpbf16ps,
-FMA); even seeds in float32, each on the native build or one of the prebuilt kernel
-levels this CPU executes (the AVX2 one among them) x, where the kernels have the
-quantized Linear's AMX path, its rule (as shipped, every row block on tiles, or from
-16 rows), so the .gguf's layers run on tiles, in the team and out of it.
+FMA), seeds 1, 5, 9, ... on kernels with AMX (this CPU's tiles, else the emulated AMX
+level), seeds 1, 9, 17, ... with every quantized call on bf16 tiles; even seeds in
+float32, each on the native build or one of the prebuilt kernel levels this CPU
+executes (the AVX2 one among them) x, where the kernels have the quantized Linear's AMX
+path, its rule (as shipped, every row block on tiles, or from 16 rows), so the .gguf's
+layers run on tiles, in the team and out of it.
 
 Every step: both pools pass check_integrity and no request holds a block beyond its KV
 length (check_pools); the draft cache never covers a request's last verified token.
@@ -36,8 +38,9 @@ from dataclasses import replace
 
 from engine.core import llm_engine as llm_engine_mod
 from engine.io.sampling_params import SamplingParams, StructuredOutput
+from engine.kernels import build as build_mod
+from engine.kernels import cpu as cpu_mod
 from engine.kernels import quant as quant_mod
-from engine.kernels.cpu import cpu_kernels
 from tests.engine.engine_helpers import (
     LogitPoison,
     assert_all_blocks_released,
@@ -45,7 +48,7 @@ from tests.engine.engine_helpers import (
     draft_proposer,
     make_engine,
 )
-from tests.engine.kernel_levels import kernels_of, runnable_levels, use_kernels
+from tests.engine.kernel_levels import amx_kernels, kernels_of, runnable_levels, use_kernels
 from tests.engine.tree_helpers import install_tree_proposer
 
 
@@ -249,10 +252,18 @@ def test_randomized_engine_stress(
     # CPU executes, least capable first (the portable, AVX2 and AVX-VNNI levels in the
     # few seeds CI runs: the AVX2 one's quantized Linear adds int16 sums), engine and
     # reference alike
-    levels = ["native", *reversed([lv for lv in runnable_levels() if lv != "native"])]
+    emulated = build_mod.EMULATED_AMX_LEVEL  # the AMX kernels below, not in this cycle
+    others = [lv for lv in runnable_levels() if lv not in ("native", emulated)]
+    levels = ["native", *reversed(others)]
     level = levels[(stress_seed // 2) % len(levels)]
     if config["dtype"] == "float32" and level != "native":
         use_kernels(monkeypatch, kernels_of(request, level))
+    if stress_seed % 4 == 1:
+        # seeds 1, 5, 9, ... (bf16) on kernels whose AMX paths run: this CPU's tiles,
+        # else the emulated AMX level (kernel_levels.py), engine and reference alike
+        tiles = amx_kernels(request)
+        if tiles is not None:
+            use_kernels(monkeypatch, tiles)
     # half the float32 seeds over a bf16 KV cache (--kv-cache-dtype bfloat16), engine
     # and reference alike: seeds 4 and 6 of CI's 8 (0 and 2 keep the fp32 cache)
     kv = "bfloat16" if config["dtype"] == "float32" and (stress_seed // 4) % 2 else "auto"
@@ -265,21 +276,22 @@ def test_randomized_engine_stress(
         before_rule = ops.amx_min_rows
         ops.set_amx_min_rows(rule)
         request.addfinalizer(lambda: ops.set_amx_min_rows(before_rule))
-    if ops is not None and stress_seed % 4 == 1:
-        # a quarter of the seeds (bf16 ones, native kernels; of CI's ten, seed 9 has the
-        # .gguf target, 322 calls on the tiles) with every quantized Linear call on bf16
-        # tiles (the --no-batch-invariance path, at every row count: batch invariant
-        # again), engine and reference alike; the engines keep the rule their config
-        # would reset
+    if ops is not None and stress_seed % 8 == 1:
+        # an eighth of the seeds (bf16 ones on the AMX kernels above; of CI's ten, seed 9
+        # has the .gguf target) with every quantized Linear call on bf16 tiles (the
+        # --no-batch-invariance path, at every row count: batch invariant again),
+        # engine and reference alike; the engines keep the rule their config would reset
         before_bf16 = ops.bf16_min_rows
         ops.set_bf16_min_rows(1)
         request.addfinalizer(lambda: ops.set_bf16_min_rows(before_bf16))
         monkeypatch.setattr(llm_engine_mod, "_apply_batch_invariance", lambda invariant: None)
-    kernels = cpu_kernels()
+    kernels = cpu_mod.cpu_kernels()  # the seed's kernels (use_kernels patches cpu_mod's)
     if config["dtype"] == "bfloat16" and kernels is not None and kernels.bf16_linear_modes:
         # each bf16 Linear kernel this CPU has (AMX tiles, vdpbf16ps, FMA), by seed, for
         # the stressed engine and its reference alike (a rng of its own)
         mode = random.Random(3 * 10**6 + stress_seed).choice(kernels.bf16_linear_modes)
+        if stress_seed % 4 == 1 and "amx" in kernels.bf16_linear_modes:
+            mode = "amx"  # the AMX kernels' seeds: their tiles, for float targets too
         before = kernels.set_bf16_linear(mode)
         request.addfinalizer(lambda: kernels.set_bf16_linear(before))
     random_trees = config.pop("random_trees", False)
