@@ -1,9 +1,10 @@
 """The instruction-set levels kernel tests run at: the -march=native build, then every
-prebuilt level (engine/kernels/build.py) this CPU can execute, best first, then, on a
-CPU with AVX512-BF16 and no AMX, the AMX level with its tile instructions emulated
-(``build.EMULATED_AMX_LEVEL``), so the AMX paths' logic is tested where no tiles
-exist. The libraries are compiled once per test session (``prebuilt_kernel_levels`` in
-tests/conftest.py), shared by every module that runs at each level."""
+prebuilt level (engine/kernels/build.py) this CPU can execute, best first, then, for
+the suites whose kernels reach AMX code, on a CPU with AVX512-BF16 and no AMX, the AMX
+level with its tile instructions emulated (``build.EMULATED_AMX_LEVEL``), so the AMX
+paths' logic is tested where no tiles exist. The libraries are compiled once per test
+session (``prebuilt_kernel_levels`` in tests/conftest.py), shared by every module that
+runs at each level."""
 
 from __future__ import annotations
 
@@ -12,11 +13,13 @@ import platform
 from engine.kernels import build as build_mod
 
 
-def runnable_levels() -> list[str]:
+def runnable_levels(emulated_amx: bool = False) -> list[str]:
+    """``emulated_amx``: the emulated AMX level too where ``emulate_amx()`` (for a suite
+    whose kernels take AMX paths; elsewhere its code is the -v4-vnni-bf16 level's)."""
     have = build_mod.cpu_flags()
     levels = build_mod.PREBUILT_LEVELS.get(platform.machine(), [])
     runnable = ["native"] + [level for level, needs in levels if needs <= have]
-    if emulate_amx():
+    if emulated_amx and emulate_amx():
         runnable.append(build_mod.EMULATED_AMX_LEVEL)
     return runnable
 

@@ -21,7 +21,8 @@ from tests.engine.simple_runner import SimplePagedRunner
 from tests.engine.test_fused_decoder import check_one_call_matches_layers
 
 
-@pytest.fixture(scope="module", params=runnable_levels())
+# the emulated AMX level too: quantized layers on AMX tiles
+@pytest.fixture(scope="module", params=runnable_levels(emulated_amx=True))
 def kernels(request) -> CpuKernels:
     return kernels_at_level(request)
 

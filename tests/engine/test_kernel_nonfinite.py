@@ -38,7 +38,8 @@ DTYPES = [pytest.param(torch.float32, id="fp32"), pytest.param(torch.bfloat16, i
 CLOSE = {torch.float32: {"rtol": 1e-5, "atol": 1e-5}, torch.bfloat16: {"rtol": 4e-3, "atol": 1e-5}}
 
 
-@pytest.fixture(scope="module", params=runnable_levels())
+# the emulated AMX level too: the bf16 Linear and quantized calls on AMX tiles
+@pytest.fixture(scope="module", params=runnable_levels(emulated_amx=True))
 def kernels(request) -> CpuKernels:
     return kernels_at_level(request)
 

@@ -417,7 +417,8 @@ def test_random_shapes_match_the_reference(ops, name, n, blocks, m, seed):
     assert ((out.double() - ref).abs() / scale).max() < 1e-5
 
 
-@pytest.fixture(scope="module", params=runnable_levels())
+# the emulated AMX level too: the quantized Linear on AMX tiles
+@pytest.fixture(scope="module", params=runnable_levels(emulated_amx=True))
 def ops_at_level(request) -> QuantOps:
     return QuantOps(kernels_at_level(request).lib)
 
