@@ -143,11 +143,10 @@ def _runs_amx(kernels, ops) -> bool:
 def test_the_amx_path_gives_the_same_bits_as_vpdpbusd(tile_kernels, tile_ops, name, dtype, k):
     """Where the build has the AMX path (a CPU with AMX-INT8, or the emulated AMX
     level; elsewhere this checks the rule is inert): every output of every row is bit
-    for bit what the vpdpbusd path
-    gives, whichever rows take the tiles (chunks of 64 rows, 16-row blocks inside them,
-    a short last chunk on either path; one, two, an even and an odd number of 32-input
-    blocks, which the tile pipeline takes in turns), so the row count a call has
-    changes nothing (batch invariance)."""
+    for bit what the vpdpbusd path gives, whichever rows take the tiles (chunks of 64
+    rows, 16-row blocks inside them, a short last chunk on either path; one, two, an
+    even and an odd number of 32-input blocks, which the tile pipeline takes in turns),
+    so the row count a call has changes nothing (batch invariance)."""
     ops = tile_ops
     weight, x, rows = _case(83, k, 131, name, seed=5)
     x = x.to(dtype)
