@@ -133,7 +133,7 @@ def main() -> int:
                 times[name].append((time.perf_counter() - start) / len(weights))
         us = {name: 1e6 * statistics.median(t) for name, t in times.items()}
         gbps = {name: setups[name][2] / us[name] / 1e3 for name in names}
-        cells = [f"{us[name]:.1f}" for name in names] + [f"{gbps[name]:.1f}" for name in names]
+        cells = [f"{us[name]:.1f}" for name in names] + [f"{gbps[name]:.3g}" for name in names]
         cells += [f"{us[name] / us[names[0]]:.3f}" for name in names[1:]]
         print(f"| {m} | {' | '.join(cells)} |", flush=True)
     machine = bounds.measure()
