@@ -992,6 +992,17 @@ INLINE void pv_row_bf16odd(float *restrict acc, float p, const bf16 *restrict v,
     for (int d = 0; d < head_dim; d++) acc[d] += p * ld_bf16(v, d);
 }
 
+/* Floats of a row's attention sums that block_rows_of_* keeps in registers across a
+ * block's tokens: half the vector registers (16 ymm with AVX, 32 zmm with AVX-512); 0
+ * on SSE, where the sums would spill (a prompt's forward took 1.03x as long so). */
+#if defined(__AVX512F__)
+#define PV_REG_FLOATS 128
+#elif defined(__AVX__)
+#define PV_REG_FLOATS 64
+#else
+#define PV_REG_FLOATS 0
+#endif
+
 #define BLOCK_ROWS_OF(R, KT)                                                                   \
     INLINE void block_rows_of_##R(int64_t rows, const float *const *qv, const int64_t *off,    \
                                   const int *nv, const KT *kb, const KT *vb,                   \
@@ -1016,6 +1027,28 @@ INLINE void pv_row_bf16odd(float *restrict acc, float p, const bf16 *restrict v,
             for (int t = 0; t < nv[r]; t++) block_max = sr[t] > block_max ? sr[t] : block_max; \
             softmax_fold(sr, nv[r], block_max, row_max + r, row_sum + r, acc + r * head_dim,   \
                          head_dim);                                                            \
+        }                                                                                      \
+        if (head_dim <= PV_REG_FLOATS && rows > 1 && off[0] == off[rows - 1]) {                \
+            /* One KV head's rows (a prompt's tile): each row's sums held in registers over  \
+             * the block's tokens instead of loaded and stored at each, the same additions \
+             * in the same order as below, so the same bits. A prompt's forward on an AVX2  \
+             * Zen 3 took 0.97x the time at 256-512 tokens, 0.90-0.98x at 1,024           \
+             * (docs/benchmarks.md, "An AVX2-only Zen 3 again"). Decode steps (rows of     \
+             * every KV head) keep the token-major order: it reads the cache in order. */  \
+            for (int64_t r = 0; r < rows; r++) {                                               \
+                float a[head_dim];                                                             \
+                memcpy(a, acc + r * head_dim, sizeof a);                                       \
+                for (int t = 0; t < nv[r]; t++) {                                              \
+                    if (r == 0 && pf_v) PREFETCH_TOKEN(pf_v, t, kv_stride, pf_width);          \
+                    pv_row_##R(a, scores[r * score_stride + t], vb + t * kv_stride + off[r],   \
+                               head_dim);                                                      \
+                }                                                                              \
+                memcpy(acc + r * head_dim, a, sizeof a);                                       \
+            }                                                                                  \
+            if (pf_v)                                                                          \
+                for (int t = nv[0] > 0 ? nv[0] : 0; t < n_max; t++)                            \
+                    PREFETCH_TOKEN(pf_v, t, kv_stride, pf_width);                              \
+            return;                                                                            \
         }                                                                                      \
         for (int t = 0; t < n_max; t++) {                                                      \
             if (pf_v) PREFETCH_TOKEN(pf_v, t, kv_stride, pf_width);                            \
