@@ -1068,14 +1068,13 @@ INLINE void pv_row_bf16odd(float *restrict acc, float p, const bf16 *restrict v,
 /* A prompt's tile (rows of one KV head, fp32 keys): each row's scores eight keys at a
  * time (dot8_rows_f32), the rest one by one, the same bits (see dot_lanes_f32); the
  * next block's keys asked for one token a row, as the token loop below asks for them.
- * Returns 0 where it does not apply (the caller's token loop then runs). */
+ * 0 for key types without this path (the caller's token loop then runs). */
 #if defined(DOT8_F32)
 INLINE int scores_of_one_head_f32(int64_t rows, const float *const *qv, const int64_t *off,
                                   const int *nv, const float *kb, int64_t kv_stride,
                                   int head_dim, float scale, int64_t score_stride,
                                   float *scores, int n_max, const float *pf_k,
                                   int64_t pf_width) {
-    if (rows < 2 || off[0] != off[rows - 1]) return 0;
     const float *k0 = kb + off[0];
     for (int64_t r = 0; r < rows; r++) {
         if (pf_k && r < n_max) PREFETCH_TOKEN(pf_k, r, kv_stride, pf_width);
@@ -1105,8 +1104,11 @@ INLINE int scores_of_one_head_f32(int64_t rows, const float *const *qv, const in
                                   int64_t pf_width) {                                          \
         int n_max = 0;                                                                         \
         for (int64_t r = 0; r < rows; r++) n_max = nv[r] > n_max ? nv[r] : n_max;              \
-        if (!SCORES_OF_ONE_HEAD_##R(rows, qv, off, nv, kb, kv_stride, head_dim, scale,         \
-                                    score_stride, scores, n_max, pf_k, pf_width)) {            \
+        /* rows of one KV head: a prompt's tile (decode steps' items hold every KV head) */    \
+        const int one_head = rows > 1 && off[0] == off[rows - 1];                              \
+        if (!(one_head && SCORES_OF_ONE_HEAD_##R(rows, qv, off, nv, kb, kv_stride, head_dim,   \
+                                                 scale, score_stride, scores, n_max, pf_k,     \
+                                                 pf_width))) {                                 \
             for (int t = 0; t < n_max; t++) {                                                  \
                 if (pf_k) PREFETCH_TOKEN(pf_k, t, kv_stride, pf_width);                        \
                 const KT *kt = kb + t * kv_stride;                                             \
@@ -1124,7 +1126,7 @@ INLINE int scores_of_one_head_f32(int64_t rows, const float *const *qv, const in
             softmax_fold(sr, nv[r], block_max, row_max + r, row_sum + r, acc + r * head_dim,   \
                          head_dim);                                                            \
         }                                                                                      \
-        if (head_dim <= PV_REG_FLOATS && rows > 1 && off[0] == off[rows - 1]) {                \
+        if (head_dim <= PV_REG_FLOATS && one_head) {                                           \
             /* One KV head's rows (a prompt's tile): each row's sums held in registers over  \
              * the block's tokens instead of loaded and stored at each, the same additions \
              * in the same order as below, so the same bits. A prompt's forward on an AVX2  \
